@@ -1,0 +1,1 @@
+"""Binding implementations (plain classes, no Monarch). Heavy imports stay inside functions."""

@@ -1,0 +1,1 @@
+"""The three-channel RL loss. Pure torch: never imports Monarch."""

@@ -1,0 +1,1 @@
+"""Topology schema and launch, the RDMA weight plane and the object-store (DiLoCo) plane. No model code."""

@@ -1,0 +1,22 @@
+"""Test-session setup shared by every tier.
+
+Monarch reads its supervision settings at import, so they are set here before anything imports it.
+The default fault hook would `sys.exit` the whole pytest session on an actor failure; tests record
+failures instead and assert on what the caller sees.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_ROOT = os.path.dirname(_HERE)
+# Monarch children import actor classes by reference: they need the repo and tests dirs on their path.
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [_ROOT, _HERE, os.environ.get("PYTHONPATH")]))
+os.environ.setdefault("HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY", "1s")
+os.environ.setdefault("MONARCH_FILE_LOG", "error")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
