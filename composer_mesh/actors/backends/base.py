@@ -1,0 +1,70 @@
+"""The interfaces each role's binding implements (plain classes, no Monarch).
+
+Actors own one backend each and delegate every endpoint to it. A binding class also carries
+`Settings` (its pydantic settings model) and `capabilities` (see `composer_mesh.bindings`).
+`model` below is the topology's policy `ModelConfig` (`composer_mesh.models.config`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+import torch
+from pydantic import BaseModel
+
+from composer_mesh.actors.messages import (
+    GenerationRequest,
+    Prompt,
+    RewardResult,
+    Rollout,
+    RolloutGroup,
+    TeacherTrace,
+    TokenDistribution,
+)
+
+
+@runtime_checkable
+class GeneratorBackend(Protocol):
+    """Samples completions with per-token log-probs and swaps in new weights between requests."""
+
+    Settings: ClassVar[type[BaseModel]]
+
+    def start(self, model: Any) -> None:
+        """Build/load the policy model described by `model` (a ModelConfig). Called once."""
+
+    def generate(self, request: GenerationRequest, weight_version: int) -> list[RolloutGroup]:
+        """One group per prompt, `request.samples_per_prompt` rollouts each, stamped with `weight_version`."""
+
+    def weight_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Name -> (shape, dtype) of the tensors `load_weights` accepts (the trainer's state-dict names)."""
+
+    def load_weights(self, named: dict[str, torch.Tensor]) -> None:
+        """Replace the policy weights (already complete and consistent)."""
+
+
+@runtime_checkable
+class TeacherBackend(Protocol):
+    """Supplies channel-2 distributions over the student's tokens and/or channel-3 traces. Async, batched."""
+
+    Settings: ClassVar[type[BaseModel]]
+    capabilities: ClassVar[frozenset[str]]  # subset of {"distill", "replay"}
+
+    def start(self, student_model: Any, name: str) -> None:
+        """Prepare; `student_model` (ModelConfig) gives the student's tokenizer for ids/retokenising."""
+
+    async def distributions(self, rollouts: list[Rollout], top_k: int) -> list[TokenDistribution]:
+        """One distribution per rollout over its completion tokens (only with capability "distill")."""
+
+    async def traces(self, prompts: list[Prompt], max_new_tokens: int) -> list[TeacherTrace]:
+        """One full completion per prompt (only with capability "replay")."""
+
+    def usage(self) -> dict[str, float]:
+        """Cumulative counters (tokens, cost, requests, failures) for the run's metrics."""
+
+
+@runtime_checkable
+class RewardBackend(Protocol):
+    Settings: ClassVar[type[BaseModel]]
+
+    def score(self, prompt: Prompt, rollout: Rollout) -> RewardResult:
+        """Never raises for a grader failure: returns `RewardResult(ok=False, error=...)`."""
