@@ -1,0 +1,115 @@
+"""`ModelConfig`: the topology's `model:` section (the policy model shared by trainer and generators).
+
+A model is either the built-in tiny Qwen2 (`source: tiny`, built offline and deterministically from the
+knobs below and `seed`) or a local directory written by transformers' `save_pretrained`. An optional
+`warmstart` trains it briefly on a task (supervised, in-process) before anyone uses it: that is how the
+main job gets a teacher that already knows the task and a weak-but-not-random student.
+Everything is resolved to a save_pretrained directory by `composer_mesh.models.tiny.materialize`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+DType = Literal["float32", "bfloat16", "float16"]
+
+
+class WarmStartConfig(BaseModel):
+    """Brief supervised fine-tuning on a task's (prompt, target) pairs, done once and cached."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    task: str = Field(
+        "addition",
+        description="Task to learn: a built-in task name (e.g. 'addition') or an import path 'pkg.mod:Task'.",
+    )
+    steps: int = Field(200, ge=0, description="Optimizer steps of SFT (0 = no training, only the cache key).")
+    lr: float = Field(3e-3, gt=0, description="AdamW learning rate of the warm start.")
+    batch_size: int = Field(64, ge=1, description="Task samples per SFT step.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay of the warm start.")
+    seed: int = Field(0, description="Seed of the task sampler and of the SFT batch order.")
+
+
+class ModelConfig(BaseModel):
+    """The policy model: the built-in tiny Qwen2 or a local transformers causal LM, plus an optional warm start."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    source: str = Field(
+        "tiny",
+        description="'tiny' (built-in tiny Qwen2 with a character-level tokenizer, built offline) or the path "
+        "of a local directory holding a transformers causal LM saved with save_pretrained (must contain config.json).",
+    )
+    task: str = Field(
+        "addition",
+        description="Task whose alphabet the tiny character-level tokenizer covers (built-in name or 'pkg.mod:Task'). "
+        "Only used when source is 'tiny'.",
+    )
+    hidden_size: int = Field(64, ge=8, description="Tiny model: hidden (embedding) size.")
+    num_layers: int = Field(2, ge=1, description="Tiny model: number of transformer layers.")
+    num_heads: int = Field(
+        2, ge=1, description="Tiny model: attention heads. hidden_size / num_heads is the head dim; vLLM-CPU "
+        "needs a head dim in {32, 64, 80, 96, 112, 128, ...}."
+    )
+    num_kv_heads: int = Field(1, ge=1, description="Tiny model: key/value heads (must divide num_heads).")
+    intermediate_size: int = Field(256, ge=8, description="Tiny model: MLP intermediate size.")
+    max_position_embeddings: int = Field(128, ge=8, description="Tiny model: maximum sequence length.")
+    seed: int = Field(0, description="Seed of the tiny model's initial weights (same seed -> bitwise same weights).")
+    dtype: DType = Field("float32", description="Parameter dtype: float32, bfloat16 or float16.")
+    warmstart: WarmStartConfig | None = Field(
+        None, description="Optional brief SFT on a task before use (cached with the model); null = none."
+    )
+
+    @field_validator("source")
+    @classmethod
+    def _check_source(cls, v: str) -> str:
+        if v == "tiny":
+            return v
+        path = Path(v).expanduser()
+        if not path.is_dir():
+            raise ValueError(
+                f"model.source {v!r} is neither 'tiny' nor an existing directory "
+                "(give a local transformers save_pretrained directory)"
+            )
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model.source {v!r} has no config.json (not a transformers save_pretrained directory)")
+        return str(path.resolve())
+
+    @model_validator(mode="after")
+    def _check_heads(self) -> ModelConfig:
+        if self.source != "tiny":
+            return self
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"model.num_heads={self.num_heads} must divide model.hidden_size={self.hidden_size}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"model.num_kv_heads={self.num_kv_heads} must divide model.num_heads={self.num_heads}"
+            )
+        return self
+
+    @property
+    def is_tiny(self) -> bool:
+        return self.source == "tiny"
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    def cache_key(self) -> str:
+        """Stable hash of everything that determines the materialized weights and tokenizer."""
+        payload = self.model_dump(mode="json")
+        if not self.is_tiny:
+            # A local source is identified by its path and the mtimes/sizes of its files.
+            src = Path(self.source)
+            payload["source_files"] = sorted(
+                (p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in src.iterdir() if p.is_file()
+            )
+        blob = json.dumps(payload, sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
