@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 from typing import Protocol
 
 from composer_mesh.bindings import BindingError, import_object
@@ -18,13 +17,6 @@ class Task(Protocol):
 
     def reward(self, prompt: str, completion: str, answer: str | None) -> float:
         """Score in [0, 1] for a completion."""
-
-
-@dataclass(frozen=True)
-class TaskRef:
-    """Built-in task name or import path of a Task instance/class."""
-
-    name: str
 
 
 BUILTIN_TASKS = {
