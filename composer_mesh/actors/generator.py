@@ -1,0 +1,113 @@
+"""GeneratorActor: samples rollouts and swaps in new weights between requests without draining.
+
+The actor is thin: `GeneratorService` (plain Python) owns the backend, the weight subscriber and the
+version bookkeeping; endpoints only await it. Generation runs in a worker thread so a weight pull can
+proceed while a request is in flight; the pulled version is applied before the next request starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any
+
+import torch
+from monarch.actor import Actor, concurrent_endpoint, current_rank, endpoint
+
+from composer_mesh.actors.backends.base import GeneratorBackend
+from composer_mesh.actors.messages import GenerationRequest, RolloutGroup, WeightVersion
+from composer_mesh.mesh.weights import WeightManifest, WeightPlaneConfig, WeightSubscriber
+
+
+class GeneratorService:
+    """Backend + weight subscriber + versioning. `generate` and `update` may overlap."""
+
+    def __init__(self, backend: GeneratorBackend, weights: WeightPlaneConfig, name: str = "generator") -> None:
+        self.backend = backend
+        self.name = name
+        self.weights_config = weights
+        self.version = 0
+        self._subscriber: WeightSubscriber | None = None
+        self._pending: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._lock = threading.Lock()  # guards _pending and the swap
+        self.last_sync_s = 0.0
+        self.requests = 0
+
+    def start(self, model: Any) -> None:
+        self.backend.start(model)
+
+    def _swap_if_pending(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, None
+        if pending is not None:
+            version, tensors = pending
+            self.backend.load_weights(tensors)
+            self.version = version
+
+    def generate(self, request: GenerationRequest) -> list[RolloutGroup]:
+        """Apply any pulled version first (between requests), then sample stamped with that version."""
+        self._swap_if_pending()
+        self.requests += 1
+        groups = self.backend.generate(request, self.version)
+        for g in groups:
+            for r in g.rollouts:
+                r.generator = self.name
+        return groups
+
+    async def update(self, manifest: WeightManifest) -> WeightVersion:
+        """Pull `manifest` into private staging tensors; it becomes active at the next request."""
+        if manifest.version <= max(self.version, self._pending[0] if self._pending else -1):
+            return WeightVersion(version=self.version)
+        if self._subscriber is None:
+            self._subscriber = WeightSubscriber(self.weights_config, expected=self.backend.weight_specs())
+        t0 = time.perf_counter()
+        pulled = await self._subscriber.pull(manifest)
+        tensors = {k: v.clone() for k, v in pulled.tensors.items()}  # staging views are reused by the next pull
+        with self._lock:
+            self._pending = (pulled.version, tensors)
+        self.last_sync_s = time.perf_counter() - t0
+        return WeightVersion(version=pulled.version, num_params=len(tensors), num_bytes=pulled.nbytes)
+
+    def apply_pending_now(self) -> int:
+        """Swap immediately (used when the generator is idle, e.g. before an evaluation)."""
+        self._swap_if_pending()
+        return self.version
+
+
+class GeneratorActor(Actor):
+    """One generator per proc of the generators mesh. `generate` and `update_weights` overlap."""
+
+    def __init__(self, topology: Any) -> None:
+        self.topology = topology
+        self.service: GeneratorService | None = None
+
+    def _svc(self) -> GeneratorService:
+        if self.service is None:
+            raise RuntimeError("GeneratorActor.setup() was not called")
+        return self.service
+
+    @endpoint
+    async def setup(self) -> str:
+        name = f"generator{current_rank().rank}"
+        service = GeneratorService(self.topology.generators.build(), self.topology.weights, name=name)
+        await asyncio.to_thread(service.start, self.topology.model)
+        self.service = service
+        return name
+
+    @concurrent_endpoint
+    async def generate(self, request: GenerationRequest) -> list[RolloutGroup]:
+        return await asyncio.to_thread(self._svc().generate, request)
+
+    @concurrent_endpoint
+    async def update_weights(self, manifest: WeightManifest) -> WeightVersion:
+        return await self._svc().update(manifest)
+
+    @endpoint
+    async def version(self) -> int:
+        return self._svc().apply_pending_now()
+
+    @endpoint
+    async def stats(self) -> dict[str, float]:
+        svc = self._svc()
+        return {"version": float(svc.version), "requests": float(svc.requests), "last_sync_s": svc.last_sync_s}

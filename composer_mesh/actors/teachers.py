@@ -1,0 +1,46 @@
+"""TeacherPoolActor: the teacher pool on one proc. Members are spread round-robin over the mesh's procs."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from monarch.actor import Actor, concurrent_endpoint, current_rank, current_size, endpoint
+
+from composer_mesh.actors.messages import TeacherRequest, TeacherSignals
+from composer_mesh.actors.teacher_pool import PoolMember, TeacherPool
+
+
+def members_for_rank(topology: Any, rank: int, size: int) -> list[Any]:
+    """The teacher specs hosted by proc `rank` of `size` (round-robin)."""
+    return [m for i, m in enumerate(topology.teachers.members) if i % size == rank]
+
+
+class TeacherPoolActor(Actor):
+    def __init__(self, topology: Any) -> None:
+        self.topology = topology
+        self.pool: TeacherPool | None = None
+
+    def _pool(self) -> TeacherPool:
+        if self.pool is None:
+            raise RuntimeError("TeacherPoolActor.setup() was not called")
+        return self.pool
+
+    @endpoint
+    async def setup(self) -> list[str]:
+        size = 1
+        for n in current_size().values():
+            size *= n
+        specs = members_for_rank(self.topology, current_rank().rank, size)
+        pool = TeacherPool([PoolMember(s.name, frozenset(s.channels), s.build()) for s in specs])
+        await asyncio.to_thread(pool.start, self.topology.model)
+        self.pool = pool
+        return [s.name for s in specs]
+
+    @concurrent_endpoint
+    async def signals(self, request: TeacherRequest) -> TeacherSignals:
+        return await self._pool().signals(request)
+
+    @endpoint
+    async def usage(self) -> dict[str, float]:
+        return self._pool().usage()
