@@ -242,9 +242,7 @@ class LossConfig(BaseModel):
     @model_validator(mode="after")
     def _taid_order(self) -> LossConfig:
         if self.taid_t_start > self.taid_t_end:
-            raise ValueError(
-                f"taid_t_start ({self.taid_t_start}) must be <= taid_t_end ({self.taid_t_end})"
-            )
+            raise ValueError(f"taid_t_start ({self.taid_t_start}) must be <= taid_t_end ({self.taid_t_end})")
         return self
 
     def taid_has_schedule(self) -> bool:

@@ -1,0 +1,409 @@
+"""Channel 2: per-token divergence from the student to a teacher distribution, computed in chunks.
+
+Divergence (GKD, Agarwal et al. arXiv:2306.13649 Eq. 1, TRL's `generalized_jsd_loss` convention):
+P = teacher, Q = student, both softmax(logits / temperature), M = beta*P + (1-beta)*Q,
+
+    JSD_beta = beta*KL(P||M) + (1-beta)*KL(Q||M);  beta=0 -> KL(P||Q) (forward),  beta=1 -> KL(Q||P) (reverse).
+
+Wrappers:
+- TAID (Shing et al., arXiv:2501.16937, SakanaAI/TAID `taid.py`): the target P is replaced by
+  softmax((1-t)*sg(student_logits) + t*teacher_logits) (in temperature-scaled logit space). t=0 -> target is the
+  detached student (loss and gradient 0); t=1 -> plain distillation.
+- Entropy-aware OPD (Jin et al., arXiv:2603.07079): adds gate(H_teacher) * KL(P||Q) to the base divergence,
+  gate = 1[H > h_max] ("hard") or clamp(H/h_max, 0, 1) ("linear"). With sdpo_jsd_beta=1 the base is the
+  reverse-KL OPD term of the paper.
+
+Memory: the dense path is a custom autograd function. Its forward walks over the distilled tokens
+`chunk` at a time, computes each token's divergence and its analytic gradient w.r.t. the student logits, and writes
+the gradient rows into ONE buffer shaped like the logits (the gradient autograd would produce anyway). Only a
+(chunk x vocab) float32 working set exists besides the logits, the teacher logits and that buffer. Backward just
+scales the buffer. `distill_loss_naive` is the straightforward full-materialisation reference (tests, benchmark).
+
+Gradient used (per token, w.r.t. s = logits/temperature, q = softmax(s), p = target, lm = log M):
+  d JSD_beta / d q_v = (1-beta) * (log q_v - lm_v)   (0 < beta < 1)
+  forward KL: q - p;  reverse KL: q * (log q - log p - KL(Q||P));  softmax chain: g_s = q * (g - sum_v q_v g_v).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from composer_mesh.loss.config import LossConfig
+
+
+@dataclass(frozen=True)
+class DistillParams:
+    """The numeric knobs of one channel-2 evaluation (resolved from LossConfig and the TAID state)."""
+
+    beta: float = 0.5
+    temperature: float = 1.0
+    token_clip: float | None = None
+    taid_t: float | None = None  # None = no TAID
+    entropy_h_max: float | None = None  # None = no entropy-aware OPD term
+    entropy_gate: str = "hard"
+    chunk_tokens: int = 128
+
+    @classmethod
+    def from_config(cls, config: LossConfig, taid_t: float | None = None) -> DistillParams:
+        return cls(
+            beta=config.sdpo_jsd_beta,
+            temperature=config.sdpo_temperature,
+            token_clip=config.sdpo_token_clip,
+            taid_t=taid_t if config.sdpo_wrapper == "taid" else None,
+            entropy_h_max=config.entropy_opd_h_max if config.sdpo_wrapper == "entropy_opd" else None,
+            entropy_gate=config.entropy_opd_gate,
+            chunk_tokens=config.sdpo_chunk_tokens,
+        )
+
+
+@dataclass
+class DistillOutput:
+    """Channel-2 loss (mean over distilled tokens) plus per-token diagnostics (detached)."""
+
+    loss: Tensor  # scalar, differentiable w.r.t. the student logits
+    per_token: Tensor  # [n] divergence per distilled token (after clipping)
+    teacher_entropy: Tensor  # [n] entropy of the (temperature-scaled) teacher per distilled token
+    gate: Tensor  # [n] entropy-OPD gate per token (zeros when the wrapper is off)
+    clipped: Tensor  # [n] bool, token divergence hit sdpo_token_clip
+
+    def metrics(self, prefix: str = "sdpo/") -> dict[str, float]:
+        n = self.per_token.numel()
+        if n == 0:
+            return {f"{prefix}tokens": 0.0}
+        return {
+            f"{prefix}tokens": float(n),
+            f"{prefix}divergence_mean": float(self.per_token.mean()),
+            f"{prefix}teacher_entropy": float(self.teacher_entropy.mean()),
+            f"{prefix}gate_frac": float(self.gate.mean()),
+            f"{prefix}clipped_frac": float(self.clipped.float().mean()),
+        }
+
+
+# --------------------------------------------------------------------------------------------------------------
+# reference (differentiable, full materialisation) per-token divergence — used by the sparse top-k path,
+# by the naive reference and by the tests
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _entropy_gate(entropy: Tensor, params: DistillParams) -> Tensor:
+    assert params.entropy_h_max is not None
+    if params.entropy_gate == "hard":
+        return (entropy > params.entropy_h_max).to(entropy.dtype)
+    return (entropy / params.entropy_h_max).clamp(0.0, 1.0)
+
+
+def token_divergence(
+    student_logits: Tensor, teacher_logits: Tensor, params: DistillParams
+) -> tuple[Tensor, ...]:
+    """Per-token channel-2 divergence with plain autograd. Inputs [..., V] (teacher logits or log-probs).
+
+    Returns (loss [...], teacher_entropy [...], gate [...], clipped [...]).
+    """
+    s = student_logits.float() / params.temperature
+    t_scaled = teacher_logits.float() / params.temperature
+    ls = torch.log_softmax(s, dim=-1)
+    teacher_lp = torch.log_softmax(t_scaled, dim=-1)
+    teacher_entropy = -(teacher_lp.exp() * teacher_lp).sum(-1).detach()
+    if params.taid_t is not None:
+        target_lp = torch.log_softmax((1.0 - params.taid_t) * s.detach() + params.taid_t * t_scaled, dim=-1)
+    else:
+        target_lp = teacher_lp
+    target_lp = target_lp.detach()
+    beta = params.beta
+    if beta == 0.0:
+        loss = (target_lp.exp() * (target_lp - ls)).sum(-1)
+    elif beta == 1.0:
+        loss = (ls.exp() * (ls - target_lp)).sum(-1)
+    else:
+        lm = torch.logaddexp(target_lp + math.log(beta), ls + math.log1p(-beta))
+        loss = beta * (target_lp.exp() * (target_lp - lm)).sum(-1) + (1 - beta) * (ls.exp() * (ls - lm)).sum(
+            -1
+        )
+    gate = torch.zeros_like(teacher_entropy)
+    if params.entropy_h_max is not None:
+        gate = _entropy_gate(teacher_entropy, params)
+        fkl = (teacher_lp.exp() * (teacher_lp - ls)).sum(-1)
+        loss = loss + gate * fkl
+    clipped = torch.zeros_like(loss, dtype=torch.bool)
+    if params.token_clip is not None:
+        clipped = (loss > params.token_clip).detach()
+        loss = torch.where(clipped, loss.detach().clamp(max=params.token_clip), loss)
+    return loss, teacher_entropy, gate, clipped
+
+
+def distill_loss_naive(
+    student_logits: Tensor, teacher_logits: Tensor, weights_mask: Tensor, params: DistillParams
+) -> DistillOutput:
+    """Reference: full (tokens x vocab) materialisation with autograd. Mean over tokens where weights_mask."""
+    loss_tok, entropy, gate, clipped = token_divergence(student_logits, teacher_logits, params)
+    sel = weights_mask.bool()
+    n = sel.sum().clamp_min(1)
+    loss = (loss_tok * sel).sum() / n
+    return DistillOutput(loss, loss_tok[sel].detach(), entropy[sel], gate[sel].detach(), clipped[sel])
+
+
+# --------------------------------------------------------------------------------------------------------------
+# chunked dense path with analytic gradient
+# --------------------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def _chunk_loss_and_grad(
+    s_raw: Tensor, t_raw: Tensor, params: DistillParams, need_grad: bool
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
+    """One chunk [c, V]: per-token loss, teacher entropy, gate, clipped, and d loss / d logits (or None).
+
+    `s_raw` and `t_raw` are scratch copies owned by this function (rows gathered by indexing); float32 inputs
+    are modified in place to save a (chunk x vocab) buffer each.
+    """
+    inv_t = 1.0 / params.temperature
+    # ls: student log-probs (in place on the float32 scratch copy of the chunk)
+    ls = s_raw.to(torch.float32)
+    if inv_t != 1.0:
+        ls.mul_(inv_t)
+    ls.sub_(torch.logsumexp(ls, dim=-1, keepdim=True))
+    q = ls.exp()
+    # teacher log-probs
+    teacher_lp = t_raw.to(torch.float32)
+    if inv_t != 1.0:
+        teacher_lp.mul_(inv_t)
+    teacher_lp.sub_(torch.logsumexp(teacher_lp, dim=-1, keepdim=True))
+    teacher_p = teacher_lp.exp()
+    entropy = -(teacher_p * teacher_lp).sum(-1)
+    need_teacher_later = params.entropy_h_max is not None
+    # target of the divergence
+    if params.taid_t is not None:
+        t = params.taid_t
+        if t == 1.0:
+            target_lp, p = teacher_lp, teacher_p
+        else:
+            # log_softmax((1-t)*s + t*teacher); per-row constants cancel, so log-probs can stand in for logits
+            target_lp = teacher_lp.mul(t) if need_teacher_later else teacher_lp.mul_(t)
+            target_lp.add_(ls, alpha=1.0 - t)
+            target_lp.sub_(torch.logsumexp(target_lp, dim=-1, keepdim=True))
+            p = target_lp.exp()
+    else:
+        target_lp, p = teacher_lp, teacher_p
+    beta = params.beta
+    grad: Tensor | None
+    if beta == 0.0:  # forward KL(P||Q), grad_s = q - p
+        diff = target_lp - ls
+        loss = diff.mul_(p).sum(-1)
+        del diff
+        grad = q.sub(p) if need_grad else None
+    elif beta == 1.0:  # reverse KL(Q||P), grad_s = q * (ls - lp - loss)
+        g = ls - target_lp
+        loss = (g * q).sum(-1)
+        grad = g.sub_(loss.unsqueeze(-1)).mul_(q) if need_grad else None
+        del g
+    else:
+        lm = target_lp + math.log(beta)
+        tmp = ls + math.log1p(-beta)
+        torch.logaddexp(lm, tmp, out=lm)
+        torch.sub(target_lp, lm, out=tmp)
+        a = tmp.mul_(p).sum(-1)
+        del tmp
+        g = torch.sub(ls, lm, out=lm)  # log q - log m
+        b = (g * q).sum(-1)
+        loss = a.mul_(beta).add_(b, alpha=1.0 - beta)
+        grad = g.sub_(b.unsqueeze(-1)).mul_(q).mul_(1.0 - beta) if need_grad else None
+        del g
+    gate = torch.zeros_like(entropy)
+    if params.entropy_h_max is not None:
+        gate = _entropy_gate(entropy, params)
+        if bool((gate > 0).any()):
+            fkl_diff = teacher_lp - ls
+            fkl = fkl_diff.mul_(teacher_p).sum(-1)
+            del fkl_diff
+            loss = loss + gate * fkl
+            if grad is not None:
+                grad.add_(q.sub_(teacher_p).mul_(gate.unsqueeze(-1)))
+    clipped = torch.zeros_like(loss, dtype=torch.bool)
+    if params.token_clip is not None:
+        clipped = loss > params.token_clip
+        loss = loss.clamp(max=params.token_clip)
+        if grad is not None and bool(clipped.any()):
+            grad[clipped] = 0.0
+    if grad is not None and inv_t != 1.0:
+        grad.mul_(inv_t)
+    return loss, entropy, gate, clipped, grad
+
+
+class _ChunkedDistill(torch.autograd.Function):
+    """loss = sum_i w_i * D(student[rows_i], teacher[rows_i]); gradient rows are written during forward."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, student: Tensor, teacher: Tensor, rows: Tensor, weights: Tensor, params: DistillParams
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        need_grad = bool(ctx.needs_input_grad[0])
+        n_rows = rows.numel()
+        grad_buf: Tensor | None = None
+        if need_grad:
+            full = n_rows == student.shape[0]
+            grad_buf = torch.empty_like(student) if full else torch.zeros_like(student)
+        losses, entropies, gates, clips = [], [], [], []
+        total = torch.zeros((), dtype=torch.float32, device=student.device)
+        step = max(1, params.chunk_tokens)
+        for start in range(0, n_rows, step):
+            idx = rows[start : start + step]
+            w = weights[start : start + step]
+            loss, ent, gate, clipped, grad = _chunk_loss_and_grad(
+                student[idx], teacher[idx], params, need_grad
+            )
+            total += (loss * w).sum()
+            if grad_buf is not None and grad is not None:
+                grad_buf[idx] = grad.mul_(w.unsqueeze(-1)).to(grad_buf.dtype)
+            del grad
+            losses.append(loss)
+            entropies.append(ent)
+            gates.append(gate)
+            clips.append(clipped)
+        ctx.grad_buf = grad_buf
+
+        def cat(parts: list[Tensor], dtype: torch.dtype) -> Tensor:
+            return torch.cat(parts) if parts else torch.zeros(0, dtype=dtype, device=student.device)
+
+        per_token = cat(losses, torch.float32)
+        entropy = cat(entropies, torch.float32)
+        gate = cat(gates, torch.float32)
+        clipped = cat(clips, torch.bool)
+        ctx.mark_non_differentiable(per_token, entropy, gate, clipped)
+        return total, per_token, entropy, gate, clipped
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad_total: Tensor, *_unused: Any) -> tuple[Tensor | None, None, None, None, None]:
+        grad_buf: Tensor | None = ctx.grad_buf
+        ctx.grad_buf = None
+        if grad_buf is None:
+            return None, None, None, None, None
+        if not bool(grad_total == 1):
+            grad_buf.mul_(grad_total.to(grad_buf.dtype))
+        return grad_buf, None, None, None, None
+
+
+def distill_loss_chunked(
+    student_logits: Tensor, teacher_logits: Tensor, weights_mask: Tensor, params: DistillParams
+) -> DistillOutput:
+    """Channel 2 over a dense teacher: mean divergence over tokens where `weights_mask`, chunked (see module doc)."""
+    vocab = student_logits.shape[-1]
+    if teacher_logits.shape != student_logits.shape:
+        raise ValueError(
+            f"teacher_logits shape {tuple(teacher_logits.shape)} != logits shape {tuple(student_logits.shape)}"
+        )
+    student_2d = student_logits.reshape(-1, vocab)
+    teacher_2d = teacher_logits.detach().reshape(-1, vocab)
+    rows = weights_mask.reshape(-1).nonzero().squeeze(-1)
+    n = max(rows.numel(), 1)
+    weights = torch.full((rows.numel(),), 1.0 / n, dtype=torch.float32, device=student_logits.device)
+    total, per_token, entropy, gate, clipped = _ChunkedDistill.apply(
+        student_2d, teacher_2d, rows, weights, params
+    )
+    return DistillOutput(total, per_token, entropy, gate, clipped)
+
+
+def distill_loss_topk(
+    student_logits: Tensor,
+    topk_ids: Tensor,
+    topk_logprobs: Tensor,
+    weights_mask: Tensor,
+    params: DistillParams,
+) -> DistillOutput:
+    """Channel 2 over a sparse top-k teacher.
+
+    Both distributions are renormalised on the teacher's k-token support: the teacher's top-k log-probs become
+    log_softmax(topk_logprobs / T) and the student's log_softmax(student_logits[ids] / T). The divergence is then
+    the same as the dense one over k outcomes; mass the student puts outside the support is not penalised.
+    """
+    vocab = student_logits.shape[-1]
+    if topk_ids.shape != topk_logprobs.shape:
+        raise ValueError(
+            f"teacher_topk_ids shape {tuple(topk_ids.shape)} != teacher_topk_logprobs shape {tuple(topk_logprobs.shape)}"
+        )
+    sel = weights_mask.bool()
+    ids = topk_ids.long()
+    bad = sel.unsqueeze(-1) & ((ids < 0) | (ids >= vocab))
+    if bool(bad.any()):
+        raise ValueError(f"teacher_topk_ids has ids outside [0, {vocab}) at distilled positions")
+    student_k = student_logits.gather(-1, ids.clamp(0, vocab - 1))[sel]
+    teacher_k = topk_logprobs.detach()[sel]
+    loss_tok, entropy, gate, clipped = token_divergence(student_k, teacher_k, params)
+    n = max(loss_tok.shape[0], 1)
+    loss = loss_tok.sum() / n
+    return DistillOutput(loss, loss_tok.detach(), entropy, gate.detach(), clipped)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# TAID schedule
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TAIDState:
+    """What TAID's adaptive schedule carries across steps; the trainer keeps one and passes it every step.
+
+    Mirrors `update_t` of SakanaAI/TAID: t starts at taid_t_start; after each step with loss J_n,
+    delta = (J_{n-1} - J_n)/J_{n-1}, m = beta*m + (1-beta)*delta, t <- min(t_end, max(t_lin, t + alpha*sigmoid(m)*(1-t))).
+    """
+
+    t: float | None = None
+    prev_loss: float | None = None
+    momentum: float = 0.0
+
+    def state_dict(self) -> dict[str, float | None]:
+        return {"t": self.t, "prev_loss": self.prev_loss, "momentum": self.momentum}
+
+    def load_state_dict(self, state: dict[str, float | None]) -> None:
+        self.t = state["t"]
+        self.prev_loss = state["prev_loss"]
+        self.momentum = float(state["momentum"] or 0.0)
+
+
+def taid_linear_t(config: LossConfig, step: int) -> float:
+    """t_lin of the linear schedule (t_start before taid_schedule_step, t_end after the last step)."""
+    if config.taid_total_steps is None:
+        return config.taid_t_start
+    frac = (step - config.taid_schedule_step) / config.taid_total_steps
+    frac = min(1.0, max(0.0, frac))
+    return config.taid_t_start + (config.taid_t_end - config.taid_t_start) * frac
+
+
+def taid_current_t(config: LossConfig, step: int, state: TAIDState | None) -> float:
+    """The t used at `step`. Raises ValueError when 'taid' has no fixed t and no schedule."""
+    if config.taid_t is not None:
+        return config.taid_t
+    if config.taid_total_steps is None:
+        raise ValueError(
+            "sdpo_wrapper='taid' needs a schedule: set taid_t (fixed) or taid_total_steps (linear/adaptive schedule)"
+        )
+    t_lin = taid_linear_t(config, step)
+    if not config.taid_adaptive:
+        return t_lin
+    if state is None:
+        raise ValueError(
+            "state: the adaptive TAID schedule (taid_adaptive=True) needs a TAIDState kept by the trainer "
+            "across steps (compose_loss(..., state=TAIDState()))"
+        )
+    current = config.taid_t_start if state.t is None else state.t
+    return min(config.taid_t_end, max(t_lin, current))
+
+
+def taid_update(config: LossConfig, step: int, state: TAIDState, t_used: float, loss: float) -> None:
+    """Advance the adaptive schedule after a step whose channel-2 loss was `loss` (detached)."""
+    if not math.isfinite(loss):
+        return
+    if state.prev_loss is None:
+        state.prev_loss = loss
+        state.t = t_used
+        return
+    delta = (state.prev_loss - loss) / (state.prev_loss + 1e-15)
+    state.momentum = config.taid_momentum * state.momentum + (1.0 - config.taid_momentum) * delta
+    candidate = t_used + config.taid_alpha * (1.0 / (1.0 + math.exp(-state.momentum))) * (1.0 - t_used)
+    state.t = min(config.taid_t_end, max(taid_linear_t(config, step + 1), candidate))
+    state.prev_loss = loss

@@ -1,0 +1,157 @@
+"""Channel 1: GRPO policy gradient (DeepSeekMath arXiv:2402.03300) with the switches of its successors.
+
+- advantages: A_i = (R_i - mean_g R) / (std_g R + eps) per group g (TRL's unbiased std + 1e-4);
+  `scale_std=False` gives Dr. GRPO (arXiv:2503.20783), A_i = R_i - mean_g R.
+- per token: r = exp(log pi_theta - log pi_old); loss_t = -min(r*A, clip(r, 1-eps_low, 1+eps_high)*A)
+  (PPO clip; eps_high > eps_low is DAPO's clip-higher, arXiv:2503.14476).
+- optional DPPO mask (PRIME-RL default loss, arXiv:2602.04879): drop the policy term where A>0 and
+  p_theta - p_old > dppo_mask_high, or A<=0 and p_theta - p_old < -dppo_mask_low (probability differences).
+- optional KL to a reference: kl_beta * k3, k3 = exp(ref - logp) - (ref - logp) - 1 (GRPO, TRL).
+- normalisation: "token" = sum over unpadded tokens / their count (DAPO); "sequence" = per-completion mean,
+  then batch mean (GRPO, TRL's "grpo" loss_type).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from composer_mesh.loss.config import LossConfig
+
+
+def group_advantages(rewards: Tensor, group_ids: Tensor, scale_std: bool, eps: float = 1e-4) -> Tensor:
+    """Group-normalised advantages [B] from rewards [B] and group ids [B] (any integer labels)."""
+    rewards = rewards.detach().to(torch.float32)
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    n_groups = int(inverse.max()) + 1 if inverse.numel() else 0
+    counts = torch.zeros(n_groups, dtype=torch.float32, device=rewards.device).index_add_(
+        0, inverse, torch.ones_like(rewards)
+    )
+    sums = torch.zeros(n_groups, dtype=torch.float32, device=rewards.device).index_add_(0, inverse, rewards)
+    mean = sums / counts
+    centred = rewards - mean[inverse]
+    if not scale_std:
+        return centred
+    sq = torch.zeros(n_groups, dtype=torch.float32, device=rewards.device).index_add_(0, inverse, centred**2)
+    var = torch.where(
+        counts > 1, sq / (counts - 1).clamp_min(1), torch.zeros_like(sq)
+    )  # unbiased, like torch.std
+    return centred / (var.sqrt()[inverse] + eps)
+
+
+def token_logprobs(logits: Tensor, token_ids: Tensor) -> Tensor:
+    """log softmax(logits)[token] per position, float32, without a full float32 log-softmax copy when possible.
+
+    For float32/float64 logits: gather - logsumexp (backward builds one softmax). For half types the rows are
+    processed one sequence at a time so no full float32 copy exists (as TRL's selective_log_softmax).
+    """
+    ids = token_ids.long().clamp_min(0).unsqueeze(-1)
+    if logits.dtype in (torch.float32, torch.float64):
+        picked = logits.gather(-1, ids).squeeze(-1)
+        return (picked - torch.logsumexp(logits, dim=-1)).to(torch.float32)
+    rows = []
+    for row_logits, row_ids in zip(logits, ids, strict=True):
+        row_lp = torch.log_softmax(row_logits.float(), dim=-1)
+        rows.append(row_lp.gather(-1, row_ids).squeeze(-1))
+    return torch.stack(rows)
+
+
+@dataclass
+class PolicyTerms:
+    """Per-token channel-1 loss and the quantities its metrics are built from."""
+
+    per_token: Tensor  # [..., T] loss per token (0 at padding)
+    ratio: Tensor  # [..., T] pi_theta / pi_old (detached, 1 at padding)
+    clipped_low: Tensor  # [..., T] bool
+    clipped_high: Tensor  # [..., T] bool
+    dppo_masked: Tensor  # [..., T] bool
+    dppo_masked_low: Tensor
+    dppo_masked_high: Tensor
+    kl_ref: Tensor | None  # [..., T] k3 to reference (detached) or None
+    mismatch_kl: Tensor  # [..., T] k3 between sampler and policy (detached)
+
+
+def policy_terms(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    config: LossConfig,
+    ref_logprobs: Tensor | None = None,
+) -> PolicyTerms:
+    """Per-token clipped surrogate (+ DPPO mask, + k3 KL). All inputs broadcast to logprobs' shape."""
+    mask = mask.bool()
+    adv = advantages.to(torch.float32).expand_as(logprobs)
+    old = old_logprobs.detach().to(torch.float32)
+    log_ratio = torch.where(mask, logprobs - old, torch.zeros_like(logprobs))
+    ratio = torch.exp(log_ratio)
+    clipped_ratio = torch.clamp(ratio, 1.0 - config.eps_low, 1.0 + config.eps_high)
+    surrogate = torch.minimum(ratio * adv, clipped_ratio * adv)
+    per_token = -surrogate
+    with torch.no_grad():
+        r = ratio.detach()
+        clipped_low = mask & (adv < 0) & (r < 1.0 - config.eps_low)
+        clipped_high = mask & (adv > 0) & (r > 1.0 + config.eps_high)
+        prob_diff = torch.where(mask, torch.exp(logprobs.detach()) - torch.exp(old), torch.zeros_like(r))
+        masked_high = mask & (adv > 0) & (prob_diff > config.dppo_mask_high)
+        masked_low = mask & (adv <= 0) & (prob_diff < -config.dppo_mask_low)
+        if not config.dppo_mask:
+            masked_high = torch.zeros_like(masked_high)
+            masked_low = torch.zeros_like(masked_low)
+        dppo_masked = masked_high | masked_low
+        mismatch = torch.where(mask, r - log_ratio.detach() - 1.0, torch.zeros_like(r))
+    if config.dppo_mask:
+        per_token = torch.where(dppo_masked, torch.zeros_like(per_token), per_token)
+    kl_ref = None
+    if ref_logprobs is not None and config.kl_beta > 0:
+        delta = torch.where(
+            mask, ref_logprobs.detach().to(torch.float32) - logprobs, torch.zeros_like(logprobs)
+        )
+        k3 = torch.exp(delta) - delta - 1.0
+        per_token = per_token + config.kl_beta * k3
+        kl_ref = k3.detach()
+    per_token = torch.where(mask, per_token, torch.zeros_like(per_token))
+    return PolicyTerms(
+        per_token, r, clipped_low, clipped_high, dppo_masked, masked_low, masked_high, kl_ref, mismatch
+    )
+
+
+def reduce_tokens(per_token: Tensor, mask: Tensor, normalization: str) -> Tensor:
+    """'token': sum / #tokens over the batch; 'sequence': per-row mean then mean over rows (TRL 'grpo')."""
+    maskf = mask.to(per_token.dtype)
+    if normalization == "token":
+        return (per_token * maskf).sum() / maskf.sum().clamp_min(1.0)
+    if normalization == "sequence":
+        return ((per_token * maskf).sum(-1) / maskf.sum(-1).clamp_min(1.0)).mean()
+    raise ValueError(f"normalization={normalization!r} is not one of 'token', 'sequence'")
+
+
+def policy_metrics(
+    terms: PolicyTerms, mask: Tensor, advantages: Tensor, prefix: str = "grpo/"
+) -> dict[str, float]:
+    """Clip fractions, ratio and KL statistics over unpadded tokens."""
+    m = mask.bool()
+    n = max(int(m.sum()), 1)
+
+    def frac(x: Tensor) -> float:
+        return float((x & m).sum()) / n
+
+    out = {
+        f"{prefix}clip_frac_low": frac(terms.clipped_low),
+        f"{prefix}clip_frac_high": frac(terms.clipped_high),
+        f"{prefix}clip_frac": frac(terms.clipped_low | terms.clipped_high),
+        f"{prefix}ratio_mean": float(terms.ratio[m].mean()) if m.any() else 1.0,
+        f"{prefix}ratio_max": float(terms.ratio[m].max()) if m.any() else 1.0,
+        f"{prefix}mismatch_kl": float(terms.mismatch_kl[m].mean()) if m.any() else 0.0,
+        f"{prefix}dppo_masked_frac": frac(terms.dppo_masked),
+        f"{prefix}dppo_masked_low_frac": frac(terms.dppo_masked_low),
+        f"{prefix}dppo_masked_high_frac": frac(terms.dppo_masked_high),
+        f"{prefix}tokens": float(m.sum()),
+        f"{prefix}advantage_mean": float(advantages.float().mean()) if advantages.numel() else 0.0,
+        f"{prefix}advantage_abs_mean": float(advantages.float().abs().mean()) if advantages.numel() else 0.0,
+    }
+    if terms.kl_ref is not None:
+        out[f"{prefix}kl_ref"] = float(terms.kl_ref[m].mean()) if m.any() else 0.0
+    return out
