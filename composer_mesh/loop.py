@@ -2,9 +2,27 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
+import random
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from composer_mesh.actors.messages import (
+    GenerationRequest,
+    Prompt,
+    RolloutGroup,
+    ScoredGroup,
+    TeacherRequest,
+    TeacherSignals,
+    TokenDistribution,
+    TrainBatch,
+    TrainMetrics,
+)
 
 
 class RunConfig(BaseModel):
@@ -34,3 +52,297 @@ class RunConfig(BaseModel):
         if not v.strip():
             raise ValueError("task must name a built-in task (e.g. 'addition') or an import path 'pkg.mod:Task'")
         return v
+
+
+# ---------------------------------------------------------------------------------------------------
+# The loop. Everything below moves small typed messages; model-sized tensors never pass through here.
+# ---------------------------------------------------------------------------------------------------
+
+
+class PromptSource:
+    """Deterministic stream of task prompts (token ids are filled in by the generators' tokenizer)."""
+
+    def __init__(self, task_name: str, seed: int) -> None:
+        from composer_mesh.tasks import get_task
+
+        self.task = get_task(task_name)
+        self.rng = random.Random(seed)
+        self.count = 0
+
+    def take(self, n: int, prefix: str = "p") -> list[Prompt]:
+        out = []
+        for _ in range(n):
+            text, answer = self.task.sample(self.rng)
+            out.append(Prompt(prompt_id=f"{prefix}{self.count}", text=text, token_ids=[], answer=answer))
+            self.count += 1
+        return out
+
+
+@dataclass
+class LagGate:
+    """Drops batches whose oldest rollout is more than `max_policy_lag` versions behind the trainer."""
+
+    max_policy_lag: int
+    dropped_batches: int = 0
+    dropped_rollouts: int = 0
+
+    def lag(self, batch: TrainBatch, trainer_version: int) -> int:
+        return trainer_version - min(r.weight_version for r in batch.rollouts())
+
+    def admit(self, batch: TrainBatch, trainer_version: int) -> bool:
+        if self.lag(batch, trainer_version) <= self.max_policy_lag:
+            return True
+        self.dropped_batches += 1
+        self.dropped_rollouts += len(batch.rollouts())
+        return False
+
+
+@dataclass
+class StepRecord:
+    """One line of metrics.jsonl."""
+
+    step: int
+    weight_version: int
+    reward: float
+    loss: float
+    channels: dict[str, float]
+    policy_lag: int
+    weight_sync_s: float
+    step_s: float
+    dropped_batches: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps(self.__dict__, sort_keys=True)
+
+
+class MetricsWriter:
+    """Appends one JSON object per step to `run_dir/metrics.jsonl` (flushed each line)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = run_dir / "metrics.jsonl"
+        self._f = self.path.open("w")
+        self.records: list[StepRecord] = []
+
+    def write(self, record: StepRecord) -> None:
+        self.records.append(record)
+        self._f.write(record.to_json() + "\n")
+        self._f.flush()
+
+    def write_event(self, kind: str, **values: Any) -> None:
+        self._f.write(json.dumps({"event": kind, **values}, sort_keys=True) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def plot_run(records: list[StepRecord], path: Path) -> Path:
+    """PNG with the reward curve and one curve per loss channel."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r.step for r in records]
+    fig, (ax_r, ax_l) = plt.subplots(1, 2, figsize=(10, 3.8))
+    ax_r.plot(steps, [r.reward for r in records], marker=".", label="train reward (mean)")
+    ax_r.set_xlabel("step")
+    ax_r.set_ylabel("reward")
+    ax_r.grid(alpha=0.3)
+    ax_r.legend()
+    channels = sorted({k for r in records for k in r.channels})
+    for ch in channels:
+        ax_l.plot(steps, [r.channels.get(ch, float("nan")) for r in records], label=ch)
+    ax_l.plot(steps, [r.loss for r in records], color="black", linewidth=1, label="total")
+    ax_l.set_xlabel("step")
+    ax_l.set_ylabel("loss")
+    ax_l.grid(alpha=0.3)
+    ax_l.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def merge_signals(parts: list[TeacherSignals], num_rollouts: int) -> TeacherSignals:
+    """Combine the answers of the teacher-pool procs (each hosts some members)."""
+    dists: list[TokenDistribution | None] = [None] * num_rollouts
+    traces, usage = [], {}
+    for part in parts:
+        for i, d in enumerate(part.distributions):
+            if d is not None and dists[i] is None:
+                dists[i] = d
+        traces.extend(part.traces)
+        usage.update(part.usage)
+    return TeacherSignals(distributions=dists, traces=traces, usage=usage)
+
+
+@dataclass
+class RunSummary:
+    steps: int
+    run_dir: Path
+    reward_first: float  # mean train reward over the first 20% of steps
+    reward_last: float  # ... and over the last 20%
+    eval_before: float | None
+    eval_after: float | None
+    dropped_batches: int
+    dropped_rollouts: int
+    seconds: float
+    teacher_usage: dict[str, float] = field(default_factory=dict)
+
+
+def _window_mean(values: list[float], first: bool) -> float:
+    n = max(1, len(values) // 5)
+    chunk = values[:n] if first else values[-n:]
+    return sum(chunk) / len(chunk) if chunk else float("nan")
+
+
+class RLLoop:
+    """The built-in async loop over a launched mesh: overlapping generation, scoring, teacher signals and
+    training, with a policy-lag bound. `mesh` is what `composer_mesh.mesh.launch.launch` yields."""
+
+    def __init__(self, mesh: Any, topology: Any, progress: Any = None) -> None:
+        self.mesh = mesh
+        self.topo = topology
+        self.cfg: RunConfig = topology.run
+        self.progress = progress
+        self.prompts = PromptSource(self.cfg.task, self.cfg.seed)
+        self.gate = LagGate(self.cfg.max_policy_lag)
+        self.trainer_version = 0
+        self.teacher_usage: dict[str, float] = {}
+
+    # ---- stages -------------------------------------------------------------------------------------
+    async def setup(self) -> None:
+        m = self.mesh
+        tasks = [m.trainer.setup.call_one(), m.generators.setup.call()]
+        if m.teachers is not None:
+            tasks.append(m.teachers.setup.call())
+        manifest, *_ = await asyncio.gather(*tasks)
+        self.trainer_version = manifest.version
+        await m.generators.update_weights.call(manifest)
+
+    async def _signals(self, groups: list[RolloutGroup]) -> TeacherSignals:
+        rollouts = [r for g in groups for r in g.rollouts]
+        if self.mesh.teachers is None:
+            return TeacherSignals(distributions=[None] * len(rollouts))
+        loss = self.topo.loss
+        request = TeacherRequest(
+            rollouts=rollouts if loss.alpha_sdpo > 0 else [],
+            prompts=[g.prompt for g in groups] if loss.beta_replay > 0 else [],
+            top_k=self.cfg.teacher_top_k,
+            max_new_tokens=self.cfg.max_new_tokens,
+        )
+        answers = await self.mesh.teachers.signals.call(request)
+        signals = merge_signals(list(answers.values()), len(rollouts))
+        self.teacher_usage = signals.usage
+        return signals
+
+    async def make_batch(self, generator: Any) -> TrainBatch:
+        """Generate one batch on `generator`, then score it and ask the teachers, concurrently."""
+        request = GenerationRequest(
+            prompts=self.prompts.take(self.cfg.prompts_per_step),
+            samples_per_prompt=self.cfg.samples_per_prompt,
+            max_new_tokens=self.cfg.max_new_tokens,
+            temperature=self.cfg.temperature,
+            seed=self.prompts.count + self.cfg.seed,
+        )
+        groups: list[RolloutGroup] = await generator.generate.call_one(request)
+        scored, signals = await asyncio.gather(self.mesh.rewarder.score.call_one(groups), self._signals(groups))
+        return TrainBatch(groups=scored, distributions=signals.distributions, traces=signals.traces)
+
+    async def evaluate(self, n: int, seed: int) -> float:
+        """Mean reward of near-greedy completions on `n` held-out prompts (fixed seed: same prompts each time)."""
+        if n == 0:
+            return float("nan")
+        held_out = PromptSource(self.cfg.task, seed=10_000 + seed)
+        request = GenerationRequest(
+            prompts=held_out.take(n, prefix="eval"), samples_per_prompt=1,
+            max_new_tokens=self.cfg.max_new_tokens, temperature=1e-3, seed=seed,
+        )
+        gen = self.mesh.generator_list[0]
+        await gen.version.call_one()  # apply any pulled weights before evaluating
+        groups = await gen.generate.call_one(request)
+        scored: list[ScoredGroup] = await self.mesh.rewarder.score.call_one(groups)
+        scores = [rw.score for g in scored for rw in g.rewards]
+        return sum(scores) / len(scores)
+
+    # ---- the run ------------------------------------------------------------------------------------
+    async def run(self) -> RunSummary:
+        t_start = time.perf_counter()
+        cfg = self.cfg
+        writer = MetricsWriter(cfg.run_dir)
+        queue: asyncio.Queue[TrainBatch] = asyncio.Queue(maxsize=cfg.rollout_queue_size)
+        stop = asyncio.Event()
+
+        async def produce(generator: Any) -> None:
+            while not stop.is_set():
+                batch = await self.make_batch(generator)
+                await queue.put(batch)
+
+        try:
+            await self.setup()
+            eval_before = await self.evaluate(cfg.eval_prompts, cfg.seed)
+            writer.write_event("eval", when="before", reward=eval_before, weight_version=self.trainer_version)
+            producers = [asyncio.create_task(produce(g)) for g in self.mesh.generator_list]
+            try:
+                await self._train(queue, writer, producers)
+            finally:
+                stop.set()
+                for p in producers:
+                    p.cancel()
+                await asyncio.gather(*producers, return_exceptions=True)
+            eval_after = await self.evaluate(cfg.eval_prompts, cfg.seed)
+            writer.write_event("eval", when="after", reward=eval_after, weight_version=self.trainer_version)
+            checkpoint = await self.mesh.trainer.save_checkpoint.call_one(str((cfg.run_dir / "checkpoint").resolve()))
+            writer.write_event("checkpoint", path=checkpoint, weight_version=self.trainer_version)
+        finally:
+            writer.close()
+        if writer.records:
+            plot_run(writer.records, cfg.run_dir / "plot.png")
+        rewards = [r.reward for r in writer.records]
+        return RunSummary(
+            steps=len(writer.records), run_dir=cfg.run_dir, reward_first=_window_mean(rewards, True),
+            reward_last=_window_mean(rewards, False), eval_before=eval_before, eval_after=eval_after,
+            dropped_batches=self.gate.dropped_batches, dropped_rollouts=self.gate.dropped_rollouts,
+            seconds=time.perf_counter() - t_start, teacher_usage=self.teacher_usage,
+        )
+
+    async def _train(self, queue: asyncio.Queue[TrainBatch], writer: MetricsWriter, producers: list[asyncio.Task]) -> None:
+        cfg = self.cfg
+        step = 0
+        while step < cfg.steps:
+            get = asyncio.ensure_future(queue.get())
+            done, _ = await asyncio.wait([get, *producers], return_when=asyncio.FIRST_COMPLETED)
+            if get not in done:  # a producer died: surface its error instead of waiting forever
+                get.cancel()
+                for p in producers:
+                    if p.done() and p.exception() is not None:
+                        raise p.exception()
+                continue
+            batch = get.result()
+            lag = self.gate.lag(batch, self.trainer_version)
+            if not self.gate.admit(batch, self.trainer_version):
+                writer.write_event("dropped", policy_lag=lag, rollouts=len(batch.rollouts()))
+                continue
+            t0 = time.perf_counter()
+            metrics, manifest = await self.mesh.trainer.train_step.call_one(batch)
+            t1 = time.perf_counter()
+            await self.mesh.generators.update_weights.call(manifest)
+            sync_s = time.perf_counter() - t1
+            self.trainer_version = manifest.version
+            step += 1
+            record = self._record(step, metrics, lag, sync_s, time.perf_counter() - t0)
+            writer.write(record)
+            if self.progress is not None:
+                self.progress(record)
+
+    def _record(self, step: int, m: TrainMetrics, lag: int, sync_s: float, step_s: float) -> StepRecord:
+        extra = dict(m.metrics)
+        extra.update({f"teacher/{k}": v for k, v in self.teacher_usage.items()})
+        return StepRecord(
+            step=step, weight_version=m.weight_version, reward=m.metrics.get("reward_mean", float("nan")),
+            loss=m.loss, channels=m.channels, policy_lag=lag, weight_sync_s=sync_s, step_s=step_s,
+            dropped_batches=self.gate.dropped_batches, metrics=extra,
+        )

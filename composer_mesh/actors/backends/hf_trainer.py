@@ -15,9 +15,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from composer_mesh.actors.messages import TeacherTrace, TrainBatch, TrainMetrics
-from composer_mesh.loss.compose import LossBatch, LossResult, ReplayPairs, compose_loss
+from composer_mesh.loss.compose import LossBatch, LossResult, ReplayPairs, compose_loss, new_loss_state
 from composer_mesh.loss.config import LossConfig
-from composer_mesh.loss.distill import TAIDState
 
 
 class HFTrainerSettings(BaseModel):
@@ -91,7 +90,7 @@ class HFTrainer:
             self.model.parameters(), lr=self.settings.lr, weight_decay=self.settings.weight_decay,
             betas=self.settings.betas,
         )
-        self.loss_state = TAIDState() if loss.sdpo_wrapper == "taid" else None
+        self.loss_state = new_loss_state(loss)
 
     def named_weights(self) -> dict[str, torch.Tensor]:
         """The tensors generators need: every parameter (tied ones once) and persistent buffers, by HF name."""
