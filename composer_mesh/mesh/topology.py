@@ -474,6 +474,22 @@ class Topology(_Strict):
         """Role labels placed on `mesh`."""
         return [role for role, m in self.roles.placements() if m == mesh]
 
+    def summary(self) -> str:
+        """One line: meshes by backend, procs and GPUs, and where each role runs."""
+        backends = ", ".join(
+            f"{sum(m.backend == b for m in self.meshes.values())} {b}"
+            for b in BACKENDS
+            if any(m.backend == b for m in self.meshes.values())
+        )
+        procs = sum(m.procs for m in self.meshes.values())
+        gpus = sum(m.gpus for m in self.meshes.values())
+        placed = ", ".join(f"{role} → {mesh}" for role, mesh in self.roles.placements())
+        n = len(self.meshes)
+        return (
+            f"topology {self.name!r}: {n} mesh{'es' if n != 1 else ''} ({backends}), {procs} procs, "
+            f"{gpus} GPUs; {placed}"
+        )
+
     def slurm_job_name(self, mesh: str) -> str:
         """The Slurm job name of a slurm mesh: its `job_name` option or `<topology>_<mesh>`."""
         spec = self.meshes[mesh]

@@ -1,0 +1,184 @@
+"""`composer-mesh plan`: what a topology would run where, and what it would cost per hour.
+
+The plan is plain data (`Plan`, `MeshPlan`) so tests and scripts can read it; `render_plan` draws the rich table.
+A price table is a small YAML validated like a topology (errors carry line and column):
+
+    currency: USD
+    slurm: {gpu_hour: 2.50, cpu_proc_hour: 0.02}
+    process: {gpu_hour: 0, cpu_proc_hour: 0.01}
+
+Cost per hour of a mesh = GPUs billed × gpu_hour + procs × cpu_proc_hour, where GPUs billed are
+hosts × GPUs per node (a Slurm `gpus_per_node` override counts, since the job holds them).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from pydantic import BaseModel, ConfigDict, Field
+from rich.console import Console
+from rich.table import Table
+
+from composer_mesh.mesh.topology import MeshSpec, TeachersSpec, Topology, load_yaml_model
+
+
+class BackendPrice(BaseModel):
+    """Hourly prices on one backend."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    gpu_hour: float = Field(ge=0, description="Price of one GPU for one hour.")
+    cpu_proc_hour: float = Field(0.0, ge=0, description="Price of one proc (CPU share) for one hour; default 0.")
+
+
+class PriceTable(BaseModel):
+    """Hourly prices per backend; a backend left out is shown as unpriced."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    currency: str = Field("USD", min_length=1, description="Currency label shown in the plan.")
+    local: BackendPrice | None = Field(None, description="Prices for backend `local`.")
+    process: BackendPrice | None = Field(None, description="Prices for backend `process`.")
+    slurm: BackendPrice | None = Field(None, description="Prices for backend `slurm`.")
+
+    def for_backend(self, backend: str) -> BackendPrice | None:
+        return getattr(self, backend, None)
+
+
+def load_prices(path: str | os.PathLike[str]) -> PriceTable:
+    """Load and validate a price table; raises `TopologyError` with lines and columns."""
+    return load_yaml_model(path, PriceTable)
+
+
+@dataclass(frozen=True)
+class MeshPlan:
+    """One row of the plan."""
+
+    name: str
+    backend: str
+    hosts: int
+    procs_per_host: int
+    gpus_per_proc: int
+    gpus: int  # GPUs held by the mesh (billed)
+    job: str  # how it is launched, e.g. the Slurm job options
+    roles: tuple[str, ...]
+    cost_per_hour: float | None  # None: no price for this backend (or no price table)
+
+    @property
+    def procs(self) -> int:
+        return self.hosts * self.procs_per_host
+
+
+@dataclass(frozen=True)
+class Plan:
+    name: str
+    meshes: tuple[MeshPlan, ...]
+    currency: str | None  # None: no price table given
+
+    @property
+    def total_cost_per_hour(self) -> float | None:
+        """Sum over priced meshes, or None without a price table."""
+        if self.currency is None:
+            return None
+        return sum(m.cost_per_hour or 0.0 for m in self.meshes)
+
+    @property
+    def unpriced(self) -> tuple[str, ...]:
+        """Meshes whose backend has no price (left out of the total)."""
+        if self.currency is None:
+            return ()
+        return tuple(m.name for m in self.meshes if m.cost_per_hour is None)
+
+
+def _role_labels(topology: Topology, mesh: str) -> tuple[str, ...]:
+    out: list[str] = []
+    roles = topology.roles
+    for label in type(roles).model_fields:
+        spec = getattr(roles, label)
+        if spec is None or spec.mesh != mesh:
+            continue
+        if isinstance(spec, TeachersSpec):
+            out.extend(f"teacher {m.name} ({m.binding}: {'+'.join(m.channels)})" for m in spec.members)
+        else:
+            extra = f", {spec.replicas} replicas" if getattr(spec, "replicas", 1) > 1 else ""
+            out.append(f"{label} ({spec.binding}{extra})")
+    return tuple(out)
+
+
+def _job(topology: Topology, name: str, spec: MeshSpec) -> str:
+    if spec.backend == "local":
+        return "this host"
+    if spec.backend == "process":
+        return f"local ProcessJob, {spec.hosts} worker process{'es' if spec.hosts != 1 else ''}"
+    s = spec.slurm
+    assert s is not None
+    opts = [f"job {topology.slurm_job_name(name)}"]
+    opts += [f"{k}={v}" for k, v in (("partition", s.partition), ("time", s.time_limit), ("account", s.account),
+                                     ("qos", s.qos), ("mem", s.mem)) if v]
+    if not s.exclusive:
+        opts.append("shared nodes")
+    return "Slurm: " + ", ".join(opts)
+
+
+def _cost(spec: MeshSpec, gpus: int, prices: PriceTable | None) -> float | None:
+    price = prices.for_backend(spec.backend) if prices else None
+    if price is None:
+        return None
+    return gpus * price.gpu_hour + spec.procs * price.cpu_proc_hour
+
+
+def make_plan(topology: Topology, prices: PriceTable | None = None) -> Plan:
+    """What runs where (meshes in file order) with the hourly cost when prices are given."""
+    rows = []
+    for name, spec in topology.meshes.items():
+        gpus = spec.hosts * spec.gpus_per_node
+        rows.append(
+            MeshPlan(
+                name=name,
+                backend=spec.backend,
+                hosts=spec.hosts,
+                procs_per_host=spec.procs_per_host,
+                gpus_per_proc=spec.gpus_per_proc,
+                gpus=gpus,
+                job=_job(topology, name, spec),
+                roles=_role_labels(topology, name),
+                cost_per_hour=_cost(spec, gpus, prices),
+            )
+        )
+    return Plan(name=topology.name, meshes=tuple(rows), currency=prices.currency if prices else None)
+
+
+def _money(value: float, currency: str) -> str:
+    return f"{value:,.2f} {currency}"
+
+
+def render_plan(plan: Plan, console: Console | None = None) -> None:
+    """Print the plan as a table (plus the total cost per hour when priced)."""
+    console = console or Console()
+    table = Table(title=f"Plan for topology {plan.name!r}", show_lines=True)
+    table.add_column("mesh", style="bold")
+    table.add_column("backend")
+    table.add_column("hosts × procs", justify="right")
+    table.add_column("GPUs", justify="right")
+    table.add_column("roles")
+    table.add_column("launch")
+    priced = plan.currency is not None
+    if priced:
+        table.add_column(f"{plan.currency}/hour", justify="right")
+    for m in plan.meshes:
+        gpus = "CPU only" if m.gpus == 0 else f"{m.gpus} ({m.gpus_per_proc}/proc)"
+        row = [m.name, m.backend, f"{m.hosts} × {m.procs_per_host} = {m.procs}", gpus, "\n".join(m.roles), m.job]
+        if priced:
+            row.append("no price" if m.cost_per_hour is None else f"{m.cost_per_hour:,.2f}")
+        table.add_row(*row)
+    console.print(table)
+    total_gpus = sum(m.gpus for m in plan.meshes)
+    total_procs = sum(m.procs for m in plan.meshes)
+    console.print(f"{len(plan.meshes)} meshes, {total_procs} procs, {total_gpus} GPUs")
+    if priced:
+        assert plan.currency is not None and plan.total_cost_per_hour is not None
+        line = f"Estimated cost: {_money(plan.total_cost_per_hour, plan.currency)} per hour"
+        if plan.unpriced:
+            line += f" (not counted, no price for their backend: {', '.join(plan.unpriced)})"
+        console.print(line)
