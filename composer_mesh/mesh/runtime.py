@@ -1,0 +1,205 @@
+"""Process-wide Monarch setup for a composer-mesh controller and for every proc it spawns.
+
+Monarch reads some settings only once, at import: the supervision poll interval decides whether a dead
+proc is noticed after ~1 s or ~10 s. So this module sets those environment defaults *on import* and
+must be imported before anything imports `monarch` (`composer_mesh.mesh.launch` imports it first).
+A user's explicit environment always wins (`os.environ.setdefault`).
+
+It also owns:
+- the controller's fault hook: Monarch's default hook `sys.exit`s the controller on any actor
+  failure; ours hands each failure to the launched meshes that own it (they turn it into a
+  `MeshFailureError` naming role and mesh) and only logs failures nobody claims;
+- `proc_setup`, the `bootstrap=` function every spawned proc runs before any actor: GPU visibility
+  per proc, the RDMA TCP-fallback warning filter, and a quiet logging default;
+- quieting Monarch's job loggers, which print INFO lines to the user's terminal.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+# Defaults applied before `monarch` is imported. Documented in docs/launch.md.
+MONARCH_ENV_DEFAULTS: dict[str, str] = {
+    # Notice a dead proc within ~1 s instead of ~10 s; only read at `import monarch`.
+    "HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY": "1s",
+    # Monarch's internal file log grows ~50 KB per run at the default level.
+    "MONARCH_FILE_LOG": "error",
+}
+
+# Set by launch in each proc's bootstrap environment; read by `proc_setup` inside the proc.
+ENV_MESH = "COMPOSER_MESH_MESH"
+ENV_GPUS_PER_PROC = "COMPOSER_MESH_GPUS_PER_PROC"
+# Log level for Python logging inside procs (default WARNING).
+ENV_PROC_LOG_LEVEL = "COMPOSER_MESH_PROC_LOG_LEVEL"
+
+log = logging.getLogger("composer_mesh.mesh")
+
+_poll_was_set_late = "monarch" in sys.modules and (
+    "HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY" not in os.environ
+)
+for _key, _value in MONARCH_ENV_DEFAULTS.items():
+    os.environ.setdefault(_key, _value)
+if _poll_was_set_late:
+    warnings.warn(
+        "composer_mesh.mesh.runtime was imported after monarch: HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY "
+        "has no effect now, so failures are detected after ~10 s instead of ~1 s. Import "
+        "composer_mesh.mesh.launch (or set the variable) before importing monarch.",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+
+
+# ------------------------------------------------------------------------------------------- fault hook
+# A claimer looks at one Monarch `MeshFailure` and returns True if the failure belongs to it.
+FailureClaimer = Callable[[Any], bool]
+
+_claimers: list[FailureClaimer] = []
+_claimers_lock = threading.Lock()
+_hook_installed = False
+_previous_hook: Callable[[Any], None] | None = None
+
+
+def _on_fault(failure: Any) -> None:
+    """Monarch's `unhandled_fault_hook`: route to the owning launch, never exit the controller."""
+    with _claimers_lock:
+        claimers = list(_claimers)
+    claimed = False
+    for claim in claimers:
+        try:
+            claimed = claim(failure) or claimed
+        except Exception:  # a broken claimer must not take the controller down
+            log.exception("fault claimer failed on %s", getattr(failure, "mesh_name", failure))
+    if claimed:
+        return
+    name = str(getattr(failure, "mesh_name", "?"))
+    if _previous_hook is not None:
+        _previous_hook(failure)
+    elif name.startswith("logger"):
+        # Monarch's internal per-proc logger mesh fails alongside every dead proc: not news.
+        log.debug("monarch internal mesh failure: %s", name)
+    else:
+        log.error("unhandled Monarch mesh failure on %s: %s", name, _report(failure))
+
+
+def _report(failure: Any) -> str:
+    try:
+        return str(failure.report())
+    except Exception:
+        return repr(failure)
+
+
+def install_fault_hook() -> None:
+    """Replace Monarch's exit-the-controller fault hook with ours (idempotent).
+
+    A hook someone installed before us (for example a test conftest recorder) still receives the
+    failures no launched mesh claims; Monarch's own default hook is dropped, because it `sys.exit`s.
+    """
+    global _hook_installed, _previous_hook
+    import monarch.actor
+    from monarch._src.actor import supervision
+
+    current = monarch.actor.unhandled_fault_hook
+    if current is _on_fault:
+        return
+    if not _hook_installed and current is not supervision.unhandled_fault_hook:
+        _previous_hook = current
+    monarch.actor.unhandled_fault_hook = _on_fault
+    _hook_installed = True
+
+
+def add_failure_claimer(claimer: FailureClaimer) -> None:
+    with _claimers_lock:
+        _claimers.append(claimer)
+
+
+def remove_failure_claimer(claimer: FailureClaimer) -> None:
+    with _claimers_lock:
+        if claimer in _claimers:
+            _claimers.remove(claimer)
+
+
+# ------------------------------------------------------------------------------------------ log noise
+_MONARCH_CHATTY_LOGGERS = ("monarch._src.job.job", "monarch._src.job.slurm", "monarch._src.job.process")
+
+
+def quiet_monarch_logs() -> None:
+    """Monarch's job modules attach their own stderr handlers at INFO; keep only warnings and errors."""
+    import monarch.job  # noqa: F401  (its modules set their loggers to INFO on import: import first)
+
+    for name in _MONARCH_CHATTY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def setup_controller() -> None:
+    """Everything a controller needs before it spawns anything: fault hook and quiet logs."""
+    install_fault_hook()
+    quiet_monarch_logs()
+
+
+# --------------------------------------------------------------------------------------- per-proc setup
+def visible_devices(local_index: int, gpus_per_proc: int, inherited: str | None) -> str:
+    """`CUDA_VISIBLE_DEVICES` for the proc at `local_index` on its host.
+
+    Proc i gets devices [i*g, (i+1)*g) of what the host may use: the inherited list when the
+    scheduler set one (Slurm does for `--gpus-per-node`), else device indices 0..n-1. A CPU-only
+    proc (`gpus_per_proc == 0`) gets the empty string: it sees no GPU at all.
+    """
+    if gpus_per_proc < 0 or local_index < 0:
+        raise ValueError(f"gpus_per_proc ({gpus_per_proc}) and local_index ({local_index}) must be >= 0")
+    if gpus_per_proc == 0:
+        return ""
+    lo, hi = local_index * gpus_per_proc, (local_index + 1) * gpus_per_proc
+    if inherited is not None and inherited.strip():
+        devices = [d.strip() for d in inherited.split(",") if d.strip()]
+        if hi > len(devices):
+            raise RuntimeError(
+                f"proc {local_index} needs GPUs {lo}..{hi - 1} ({gpus_per_proc} per proc) but this host "
+                f"only exposes CUDA_VISIBLE_DEVICES={inherited!r}"
+            )
+        return ",".join(devices[lo:hi])
+    return ",".join(str(d) for d in range(lo, hi))
+
+
+def proc_setup() -> None:
+    """`bootstrap=` function run in every spawned proc before its actors are created.
+
+    - pins GPUs: sets `CUDA_VISIBLE_DEVICES` from the proc's `procs` coordinate and the mesh's
+      `gpus_per_proc` (carried in `COMPOSER_MESH_GPUS_PER_PROC`), before anything can initialise CUDA;
+    - filters `RDMATcpFallbackWarning` (Monarch's import-time `simplefilter` beats PYTHONWARNINGS, so it
+      has to be done inside the proc, after importing monarch.rdma);
+    - gives Python logging a stderr handler at `COMPOSER_MESH_PROC_LOG_LEVEL` (default WARNING).
+    """
+    gpus = os.environ.get(ENV_GPUS_PER_PROC)
+    if gpus is not None:
+        from monarch.actor import current_rank
+
+        point = current_rank()
+        try:
+            local_index = int(point["procs"])
+        except KeyError:
+            local_index = 0
+        inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices(local_index, int(gpus), inherited)
+
+    from monarch.rdma import RDMATcpFallbackWarning
+
+    warnings.filterwarnings("ignore", category=RDMATcpFallbackWarning)
+
+    level = os.environ.get(ENV_PROC_LOG_LEVEL, "WARNING").upper()
+    mesh = os.environ.get(ENV_MESH, "?")
+    root = logging.getLogger()
+    if not root.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        # Level on the handler too: Monarch logs some INFO records past logger-level checks.
+        handler.setLevel(level)
+        handler.setFormatter(
+            logging.Formatter(f"%(asctime)s %(levelname)s [{mesh} pid %(process)d] %(name)s: %(message)s")
+        )
+        root.addHandler(handler)
+    root.setLevel(level)
