@@ -212,6 +212,11 @@ class RLLoop:
         self.gate = LagGate(self.cfg.max_policy_lag)
         self.trainer_version = 0
         self.teacher_usage: dict[str, float] = {}
+        spec = topology.meshes[topology.generators.mesh]
+        # One handle per generator actor, so each runs its own generation loop.
+        self.generators = [
+            mesh.generators.slice(hosts=h, procs=p) for h in range(spec.hosts) for p in range(spec.procs_per_host)
+        ]
 
     # ---- stages -------------------------------------------------------------------------------------
     async def setup(self) -> None:
@@ -261,7 +266,7 @@ class RLLoop:
             prompts=held_out.take(n, prefix="eval"), samples_per_prompt=1,
             max_new_tokens=self.cfg.max_new_tokens, temperature=1e-3, seed=seed,
         )
-        gen = self.mesh.generator_list[0]
+        gen = self.generators[0]
         await gen.version.call_one()  # apply any pulled weights before evaluating
         groups = await gen.generate.call_one(request)
         scored: list[ScoredGroup] = await self.mesh.rewarder.score.call_one(groups)
@@ -285,7 +290,7 @@ class RLLoop:
             await self.setup()
             eval_before = await self.evaluate(cfg.eval_prompts, cfg.seed)
             writer.write_event("eval", when="before", reward=eval_before, weight_version=self.trainer_version)
-            producers = [asyncio.create_task(produce(g)) for g in self.mesh.generator_list]
+            producers = [asyncio.create_task(produce(g)) for g in self.generators]
             try:
                 await self._train(queue, writer, producers)
             finally:

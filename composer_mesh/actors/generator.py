@@ -17,6 +17,7 @@ from monarch.actor import Actor, concurrent_endpoint, current_rank, endpoint
 
 from composer_mesh.actors.backends.base import GeneratorBackend
 from composer_mesh.actors.messages import GenerationRequest, RolloutGroup, WeightVersion
+from composer_mesh.mesh.launch import RoleConfig
 from composer_mesh.mesh.weights import WeightManifest, WeightPlaneConfig, WeightSubscriber
 
 
@@ -78,8 +79,8 @@ class GeneratorService:
 class GeneratorActor(Actor):
     """One generator per proc of the generators mesh. `generate` and `update_weights` overlap."""
 
-    def __init__(self, topology: Any) -> None:
-        self.topology = topology
+    def __init__(self, config: RoleConfig) -> None:
+        self.topology = config.topology
         self.service: GeneratorService | None = None
 
     def _svc(self) -> GeneratorService:

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 from monarch.actor import Actor, endpoint
 
 from composer_mesh.actors.backends.base import RewardBackend
 from composer_mesh.actors.messages import RolloutGroup, ScoredGroup
+from composer_mesh.mesh.launch import RoleConfig
 
 
 def score_groups(backend: RewardBackend, groups: list[RolloutGroup]) -> list[ScoredGroup]:
@@ -16,8 +16,8 @@ def score_groups(backend: RewardBackend, groups: list[RolloutGroup]) -> list[Sco
 
 
 class RewarderActor(Actor):
-    def __init__(self, topology: Any) -> None:
-        self.backend: RewardBackend = topology.rewarder.build()
+    def __init__(self, config: RoleConfig) -> None:
+        self.backend: RewardBackend = config.topology.rewarder.build()
 
     @endpoint
     async def score(self, groups: list[RolloutGroup]) -> list[ScoredGroup]:

@@ -9,6 +9,7 @@ from monarch.actor import Actor, concurrent_endpoint, current_rank, current_size
 
 from composer_mesh.actors.messages import TeacherRequest, TeacherSignals
 from composer_mesh.actors.teacher_pool import PoolMember, TeacherPool
+from composer_mesh.mesh.launch import RoleConfig
 
 
 def members_for_rank(topology: Any, rank: int, size: int) -> list[Any]:
@@ -17,8 +18,8 @@ def members_for_rank(topology: Any, rank: int, size: int) -> list[Any]:
 
 
 class TeacherPoolActor(Actor):
-    def __init__(self, topology: Any) -> None:
-        self.topology = topology
+    def __init__(self, config: RoleConfig) -> None:
+        self.topology = config.topology
         self.pool: TeacherPool | None = None
 
     def _pool(self) -> TeacherPool:

@@ -14,6 +14,7 @@ from typing import Any
 from monarch.actor import Actor, current_rank, endpoint
 
 from composer_mesh.actors.messages import TrainBatch, TrainMetrics
+from composer_mesh.mesh.launch import RoleConfig
 from composer_mesh.mesh.weights import WeightManifest, WeightPlaneConfig, WeightPublisher
 
 
@@ -58,8 +59,8 @@ class TrainerService:
 class TrainerActor(Actor):
     """The policy trainer (one per proc of the trainer mesh; replicas > 1 sync through DiLoCo)."""
 
-    def __init__(self, topology: Any) -> None:
-        self.topology = topology
+    def __init__(self, config: RoleConfig) -> None:
+        self.topology = config.topology
         self.service: TrainerService | None = None
 
     def _svc(self) -> TrainerService:

@@ -192,13 +192,16 @@ class HFTrainer:
         rejected_logps = token_logprobs(logits[rows], token_ids[rows])
         ref_chosen = ref_rejected = None
         if self.reference is not None and self.loss.dpo_variant == "dpo":
+            rollouts = batch.rollouts()
+            rej_prompts = [rollouts[i].prompt_ids for i in rows]
+            rej_ids = [rollouts[i].completion_ids for i in rows]
+            rej_tok = _pad(rej_ids, 0, torch.long)
+            rej_mask = _pad([[1] * len(c) for c in rej_ids], 0, torch.long).bool()
             with torch.no_grad():
                 rc = token_logprobs(completion_logits(self.reference, chosen_prompts, chosen_ids) / self.temperature, chosen_tok)
-                rej_prompts = [batch.rollouts()[i].prompt_ids for i in rows]
-                rej_ids = [batch.rollouts()[i].completion_ids for i in rows]
-                rr = token_logprobs(completion_logits(self.reference, rej_prompts, rej_ids) / self.temperature, token_ids[rows])
+                rr = token_logprobs(completion_logits(self.reference, rej_prompts, rej_ids) / self.temperature, rej_tok)
             ref_chosen = (rc * chosen_mask).sum(-1)
-            ref_rejected = (rr * mask[rows]).sum(-1)
+            ref_rejected = (rr * rej_mask).sum(-1)
         return ReplayPairs(
             chosen_logps=chosen_logps, chosen_mask=chosen_mask, rejected_logps=rejected_logps,
             rejected_mask=mask[rows], ref_chosen_logps=ref_chosen, ref_rejected_logps=ref_rejected,
