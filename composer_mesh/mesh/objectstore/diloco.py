@@ -1,0 +1,182 @@
+"""`ObjectStoreDiLoCo`: the class a trainer replica hosts to run real torchft DiLoCo over an object store.
+
+Usage (one per trainer replica, each in its own process or proc mesh):
+
+    sync = ObjectStoreDiLoCo(model, inner_optimizer, config, replica_id)   # model now holds the agreed θ
+    with sync:                                   # installs DiLoCo's hooks on inner_optimizer
+        for batch in batches:
+            loss = compute_loss(model, batch)
+            loss.backward()
+            inner_optimizer.step()               # every sync_every steps this also syncs via the store
+            inner_optimizer.zero_grad()
+    sync.close()
+
+Construction validates the config against the model's tensors, then loads the starting state from the store:
+the latest checkpoint if the run is in progress (a restarted replica resumes identical to the others), else
+one θ0 agreed by all replicas (the first replica's initial weights win), so replicas never start apart.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import SGD, Optimizer
+from torchft.local_sgd import DiLoCo
+
+from composer_mesh.mesh.objectstore.config import DiLoCoConfig
+from composer_mesh.mesh.objectstore.manager import ObjectStoreManager, RoundReport, StateDict
+from composer_mesh.mesh.objectstore.store import Store
+
+log = logging.getLogger(__name__)
+
+
+class _Fragment(nn.Module):
+    """A view of some of a model's parameters (the same Parameter objects), for streaming DiLoCo."""
+
+    def __init__(self, named: list[tuple[str, nn.Parameter]]) -> None:
+        super().__init__()
+        for name, p in named:
+            self.register_parameter(name.replace(".", "__"), p)
+
+
+def split_fragments(model: nn.Module, n: int) -> list[nn.Module]:
+    """Split the model's parameters, in order, into `n` contiguous groups of about equal size."""
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    if n == 1:
+        return [model]
+    if len(named) < n:
+        raise ValueError(f"diloco.fragments={n} but the model has only {len(named)} trainable tensors")
+    total = sum(p.numel() for _, p in named)
+    groups: list[list[tuple[str, nn.Parameter]]] = [[]]
+    acc = 0
+    for i, (name, p) in enumerate(named):
+        still_to_open = n - len(groups)
+        if groups[-1] and still_to_open > 0 and (acc >= total * len(groups) / n or len(named) - i == still_to_open):
+            groups.append([])
+        groups[-1].append((name, p))
+        acc += p.numel()
+    return [_Fragment(g) for g in groups]
+
+
+class ObjectStoreDiLoCo:
+    """torchft DiLoCo (unmodified) + `ObjectStoreManager`, set up the way that does not silently diverge.
+
+    One outer SGD (Nesterov, lr/momentum from config) per fragment; bucket cap checked against the model's
+    largest tensor; identical start from the store; a checkpoint after every committed round.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        inner_optimizer: Optimizer,
+        config: DiLoCoConfig,
+        replica_id: int,
+        *,
+        store: Store | None = None,
+        fragments: list[nn.Module] | None = None,
+        backup_device: torch.device | None = None,
+    ) -> None:
+        config.check_against([(n, tuple(p.shape), p.element_size()) for n, p in model.named_parameters()])
+        self.config = config
+        self.model = model
+        self.inner_optimizer = inner_optimizer
+        self.fragments = fragments if fragments is not None else split_fragments(model, config.fragments)
+        if len(self.fragments) != config.fragments:
+            raise ValueError(f"got {len(self.fragments)} fragments but diloco.fragments={config.fragments}")
+        oc = config.outer_optimizer
+        self.outer_optimizers: list[Optimizer] = [
+            SGD(f.parameters(), lr=oc.lr, momentum=oc.momentum, nesterov=oc.nesterov) for f in self.fragments
+        ]
+        self.manager = ObjectStoreManager(config, replica_id, store)
+        self.manager.on_heal = self._load_globals_into_model
+        self._diloco = DiLoCo(
+            self.manager,  # type: ignore[arg-type]  # duck-typed Manager
+            self.fragments,
+            inner_optimizer,
+            self.outer_optimizers,
+            sync_every=config.sync_every,
+            backup_device=backup_device,
+            pin_memory=False,
+            use_bucketization=config.bucket_cap_mb is not None,
+            bucket_cap_mb=config.bucket_cap_mb,  # type: ignore[arg-type]  # torchft multiplies, float is fine
+            fragment_sync_delay=config.fragment_sync_delay,
+            fragment_update_alpha=config.fragment_update_alpha,
+        )
+        self.start_mode = self.manager.bootstrap()
+        self._hook: Any = None
+        log.info("DiLoCo replica %d %s at round %d (step %d)", replica_id, self.start_mode,
+                 self.manager.quorum_id, self.manager.current_step())
+
+    # --------------------------------------------------------------- context
+    def __enter__(self) -> ObjectStoreDiLoCo:
+        self._diloco.__enter__()
+        # Registered after DiLoCo's hooks, so it runs after them in the same optimizer.step():
+        # it starts a prepared round's I/O (overlap when fragment_sync_delay > 0) and checkpoints after a commit.
+        self._hook = self.inner_optimizer.register_step_post_hook(self._after_inner_step)
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        self._diloco.__exit__(exc_type, exc, tb)
+
+    def _after_inner_step(self, *_: Any) -> None:
+        self.manager.flush()
+        self.manager.maybe_checkpoint()
+
+    def _load_globals_into_model(self, state: dict[str, StateDict]) -> None:
+        """After loading a checkpoint: the model's parameters become the global parameters."""
+        with torch.no_grad():
+            for i, frag in enumerate(self.fragments):
+                params = state[f"StreamingDiLoCoFragment_{i}"]["original_parameters"]
+                for name, p in frag.named_parameters():
+                    p.data.copy_(params[name])
+
+    # --------------------------------------------------------------- info
+    @property
+    def round_id(self) -> int:
+        """Quorum id of the last round started (0 before the first)."""
+        return self.manager.quorum_id
+
+    @property
+    def outer_step(self) -> int:
+        """Committed outer steps (fragment syncs) so far, identical on every replica."""
+        return self.manager.current_step()
+
+    @property
+    def reports(self) -> list[RoundReport]:
+        return self.manager.reports
+
+    @property
+    def last_report(self) -> RoundReport | None:
+        return self.manager.reports[-1] if self.manager.reports else None
+
+    def global_state(self) -> dict[str, torch.Tensor]:
+        """Copies of the global parameters and outer-optimizer buffers, keyed "fragment/kind/name".
+
+        Identical on every replica after each commit (the model's own parameters differ whenever a streaming
+        fragment carries local progress).
+        """
+        out: dict[str, torch.Tensor] = {}
+        for i, (frag, opt) in enumerate(zip(self.fragments, self.outer_optimizers)):
+            state = self.manager._state_fns[f"StreamingDiLoCoFragment_{i}"][1]()
+            for name, t in state["original_parameters"].items():
+                out[f"f{i}/param/{name}"] = t.detach().clone()
+            for idx, (name, _) in enumerate(frag.named_parameters()):
+                buf = opt.state_dict()["state"].get(idx, {}).get("momentum_buffer")
+                if buf is not None:
+                    out[f"f{i}/momentum/{name}"] = buf.detach().clone()
+        return out
+
+    def close(self) -> None:
+        """Finish pending checkpoint writes and stop the I/O threads."""
+        if self._hook is not None:
+            self.__exit__(None, None, None)
+        self.manager.maybe_checkpoint()
+        self.manager.shutdown(wait=True)

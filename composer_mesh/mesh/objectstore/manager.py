@@ -1,0 +1,611 @@
+"""A torchft `Manager` stand-in whose allreduce is a reduce-scatter through an object store.
+
+`torchft.local_sgd.DiLoCo` (real, unmodified) drives this class through the small surface it uses:
+`_use_async_quorum`, `register_state_dict_fn`, `allow/disallow_state_dict_read`, `start_quorum`,
+`current_step`, `allreduce(...) -> Work` (in place; `wait()` and `get_future().then`) and `should_commit`.
+
+One DiLoCo sync is one *round*, keyed by the quorum id (bumped by every `start_quorum`, so a failed round
+never reuses keys). Every `allreduce` of the round is packed into one flat vector and reduced together:
+
+1. publish  : the replica cuts its vector into `replicas` slices, PUTs each as a checksummed safetensors
+              shard, then PUTs `arrived/rNNN.json` (data first, marker last).
+2. quorum   : once all replicas arrived or `quorum_deadline_s` passed, the first replica to decide writes
+              `members/e0.json` create-only; everyone adopts that record, so membership is identical.
+3. reduce   : slice j is averaged by member `members[j % k]`, reading slice j of every member (≈ M bytes)
+              in member order, and written to `reduced/eE/sJ` (≈ M/N bytes).
+4. gather   : everyone reads all reduced slices (≈ M bytes). A slice whose reducer died is reduced by the
+              waiting replica after the deadline (same inputs, same order: same bytes).
+A bad shard found in step 3 (truncated, checksum, another run) moves the round to epoch E+1 without that
+replica (create-only `members/eE+1.json`), so the round still completes over the good replicas.
+
+So a replica reads ≈ 2×M and writes ≈ M(1 + 1/N) per round whatever N, and every replica copies the very
+same reduced bytes: results are bitwise identical. Replicas that arrive late, or that just healed, read
+the result without contributing and commit the same outer step.
+
+After a commit the round's designated member checkpoints the DiLoCo state (global parameters and outer
+optimizer, via the registered state-dict fns) to `ckpt/qNNNNNNNN/` and points `latest.json` at it; a
+restarted replica loads it and rejoins at the next round identical to the others.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from composer_mesh.mesh.objectstore.config import DiLoCoConfig
+from composer_mesh.mesh.objectstore.store import ShardError, Store, decode_shard, encode_shard
+
+log = logging.getLogger(__name__)
+
+StateDict = dict[str, Any]
+
+
+@dataclass
+class RoundReport:
+    """What happened in one round, as every replica sees it (members/rejected are identical everywhere)."""
+
+    quorum_id: int
+    replica: int
+    committed: bool = False
+    contributed: bool = False
+    abstained: bool = False
+    members: list[int] = field(default_factory=list)
+    rejected: dict[str, str] = field(default_factory=dict)
+    epoch: int = 0
+    reduced_slices: list[int] = field(default_factory=list)
+    fallback_slices: list[int] = field(default_factory=list)
+    numel: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    seconds: float = 0.0
+    error: str | None = None
+
+
+def _avg_op() -> Any:
+    from torch.distributed import ReduceOp
+
+    return ReduceOp.AVG
+
+
+class _RoundFailed(RuntimeError):
+    """The round cannot complete (consistently for all replicas, e.g. no member left)."""
+
+
+class ObjectStoreWork:
+    """Work handle returned by `allreduce`. `wait()` finishes the round and writes the average in place."""
+
+    def __init__(self, manager: ObjectStoreManager, round_id: int, tensor: torch.Tensor) -> None:
+        self._manager = manager
+        self._round_id = round_id
+        self.tensor = tensor
+        self._future: torch.futures.Future = torch.futures.Future()
+
+    def wait(self, timeout: Any = None) -> bool:
+        # Complete in the caller's thread: torch Future callbacks (DiLoCo's bucket scatter-back) then run
+        # inline, before wait() returns.
+        self._manager._complete_round(self._round_id)
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+
+class ObjectStoreManager:
+    """Duck-typed `torchft.Manager` for `torchft.local_sgd.DiLoCo`, synchronising through `Store`."""
+
+    _use_async_quorum = False  # DiLoCo refuses an async quorum; ours is synchronous by construction
+
+    def __init__(self, config: DiLoCoConfig, replica_id: int, store: Store | None = None) -> None:
+        if not 0 <= replica_id < config.replicas:
+            raise ValueError(f"replica_id={replica_id} must be in [0, diloco.replicas={config.replicas})")
+        self.config = config
+        self.replica_id = replica_id
+        self.store = store or Store.from_config(config)
+        self._wire_dtype = torch.bfloat16 if config.compression == "bf16" else torch.float32
+        self._quorum_id = 0
+        self._step = 0
+        self._state_fns: dict[str, tuple[Callable[[StateDict], None], Callable[[], StateDict]]] = {}
+        self._works: list[ObjectStoreWork] = []
+        self._round_future: Future | None = None
+        self._round_done = True
+        self._round_ok: bool | None = None
+        self._abstain = False
+        self._needs_heal = False
+        self._pending_checkpoint: tuple[int, int, list[int]] | None = None
+        self._errored: Exception | None = None
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"objstore-r{replica_id}")
+        self._ckpt_executor = ThreadPoolExecutor(1, thread_name_prefix=f"objstore-ckpt-r{replica_id}")
+        self._io = ThreadPoolExecutor(4, thread_name_prefix=f"objstore-io-r{replica_id}")
+        self._ckpt_future: Future | None = None
+        self.reports: list[RoundReport] = []
+        self.on_heal: Callable[[dict[str, StateDict]], None] | None = None
+
+    # ------------------------------------------------------------------ torchft Manager surface
+    def register_state_dict_fn(
+        self, key: str, load_state_dict: Callable[[StateDict], None], state_dict: Callable[[], StateDict]
+    ) -> None:
+        if key in self._state_fns:
+            raise ValueError(f"state dict fn {key!r} is already registered")
+        self._state_fns[key] = (load_state_dict, state_dict)
+
+    def allow_state_dict_read(self) -> None:
+        """No-op: state is checkpointed from the training thread right after the outer step."""
+
+    def disallow_state_dict_read(self) -> None:
+        """No-op (see allow_state_dict_read)."""
+
+    def current_step(self) -> int:
+        return self._step
+
+    def start_quorum(self, *args: Any, **kwargs: Any) -> None:
+        """Open the next round. Heals first if this replica fell behind or failed its last round."""
+        if not self._round_done:  # a round whose works were never waited: finish it so keys stay in order
+            self._complete_round(self._quorum_id)
+        self._abstain = False
+        self._errored = None
+        latest = self._read_latest()
+        if self._needs_heal:  # give the others' checkpoint of the round we failed a chance to land
+            until = time.monotonic() + self.config.quorum_deadline_s
+            while (latest is None or latest["quorum_id"] < self._quorum_id) and time.monotonic() < until:
+                time.sleep(self.config.poll_interval_s)
+                latest = self._read_latest()
+        if self._needs_heal or (latest is not None and latest["quorum_id"] > self._quorum_id):
+            why = "its last round failed" if self._needs_heal else f"the store is at round {latest['quorum_id']}"
+            log.warning("replica %d at round %d heals from the store (%s)", self.replica_id, self._quorum_id, why)
+            if self.heal(latest):
+                self._abstain = True  # local progress is relative to stale globals: read this round only
+            self._needs_heal = False
+        self._quorum_id += 1
+        self._works = []
+        self._round_future = None
+        self._round_done = False
+        self._round_ok = None
+
+    def allreduce(self, tensor: torch.Tensor, should_quantize: bool = False, reduce_op: Any = None) -> ObjectStoreWork:
+        """Queue `tensor` for this round's average; the result is written into `tensor` by `wait()`.
+
+        `should_quantize` is accepted for DiLoCo's sake; compression is set by `diloco.compression`.
+        """
+        if reduce_op is not None and reduce_op != _avg_op():
+            raise ValueError(f"ObjectStoreManager.allreduce supports ReduceOp.AVG only, got {reduce_op}")
+        if self._round_done:
+            raise RuntimeError("allreduce called outside a round: DiLoCo must call start_quorum() first")
+        if self._round_future is not None:
+            raise RuntimeError(f"allreduce after round {self._quorum_id} was already flushed")
+        work = ObjectStoreWork(self, self._quorum_id, tensor)
+        self._works.append(work)
+        return work
+
+    def should_commit(self, timeout: Any = None) -> bool:
+        """True iff this round completed; identical on every replica that completed it."""
+        if not self._round_done:
+            self._complete_round(self._quorum_id)
+        ok = bool(self._round_ok)
+        report = self.reports[-1] if self.reports else None
+        if ok:
+            self._step += 1
+            if report is not None and report.members:
+                writer = report.members[self._quorum_id % len(report.members)]
+                if writer == self.replica_id:
+                    self._pending_checkpoint = (self._quorum_id, self._step, list(report.members))
+        elif report is not None and report.error is not None and not report.error.startswith("round aborted"):
+            self._needs_heal = True  # a local failure: the others may have committed
+        return ok
+
+    # extras that torchft code paths sometimes read
+    def errored(self) -> Exception | None:
+        return self._errored
+
+    def report_error(self, e: Exception) -> None:
+        self._errored = e
+
+    def num_participants(self) -> int:
+        report = self.reports[-1] if self.reports else None
+        return len(report.members) if report else self.config.replicas
+
+    def is_participating(self) -> bool:
+        return not self._abstain
+
+    @property
+    def quorum_id(self) -> int:
+        return self._quorum_id
+
+    # ------------------------------------------------------------------ round driving
+    def flush(self) -> None:
+        """Start the round's I/O in the background (called right after DiLoCo's prepare_sync)."""
+        if self._round_done or self._round_future is not None:
+            return
+        flat = None
+        if not self._abstain:
+            parts = [w.tensor.detach().reshape(-1).to("cpu", torch.float32) for w in self._works]
+            flat = torch.cat(parts) if parts else torch.empty(0)
+        numel = sum(w.tensor.numel() for w in self._works)
+        self._round_future = self._executor.submit(self._run_round, self._quorum_id, flat, numel)
+
+    def _complete_round(self, round_id: int) -> None:
+        if self._round_done or round_id != self._quorum_id:
+            return
+        self.flush()
+        assert self._round_future is not None
+        result: torch.Tensor | None
+        result, report = self._round_future.result()
+        self.reports.append(report)
+        self._round_ok = report.committed
+        if result is not None and report.committed:
+            off = 0
+            with torch.no_grad():
+                for w in self._works:
+                    n = w.tensor.numel()
+                    w.tensor.copy_(result[off : off + n].view_as(w.tensor).to(w.tensor.dtype))
+                    off += n
+        self._round_done = True
+        for w in self._works:
+            w._future.set_result([w.tensor])
+
+    def _run_round(self, q: int, flat: torch.Tensor | None, numel: int) -> tuple[torch.Tensor | None, RoundReport]:
+        r0, w0 = self.store.counters()
+        t0 = time.perf_counter()
+        report = RoundReport(quorum_id=q, replica=self.replica_id, abstained=flat is None, numel=numel)
+        result = None
+        try:
+            result = self._round(q, flat, numel, report)
+            report.committed = True
+        except _RoundFailed as e:
+            report.error = f"round aborted: {e}"
+            log.error("replica %d round %d: %s", self.replica_id, q, report.error)
+        except Exception as e:
+            report.error = f"{type(e).__name__}: {e}"
+            self._errored = e
+            log.exception("replica %d round %d failed locally", self.replica_id, q)
+        r1, w1 = self.store.counters()
+        report.bytes_read, report.bytes_written = r1 - r0, w1 - w0
+        report.seconds = time.perf_counter() - t0
+        return result, report
+
+    def _slice_bounds(self, numel: int, j: int) -> tuple[int, int]:
+        n = self.config.replicas
+        return j * numel // n, (j + 1) * numel // n
+
+    def _round(self, q: int, flat: torch.Tensor | None, numel: int, report: RoundReport) -> torch.Tensor:
+        cfg, n, me = self.config, self.config.replicas, self.replica_id
+        base = f"rounds/q{q:08d}"
+        # 1. publish
+        marker: dict[str, Any] = {"run_id": cfg.run_id, "quorum_id": q, "replica": me, "numel": numel,
+                                  "dtype": str(self._wire_dtype), "abstain": flat is None, "sizes": []}
+        if flat is not None:
+            wire = flat.to(self._wire_dtype)
+
+            def put_slice(j: int) -> int:
+                lo, hi = self._slice_bounds(numel, j)
+                blob = encode_shard({"data": wire[lo:hi]}, self._meta(q, me, j, kind="shard"))
+                self.store.put(f"{base}/shards/r{me:03d}/s{j:03d}.safetensors", blob)
+                return len(blob)
+
+            marker["sizes"] = list(self._io.map(put_slice, range(n)))
+            report.contributed = True
+        self.store.put_json(f"{base}/arrived/r{me:03d}.json", marker)
+        # 2. quorum
+        record = self._decide_members(base, q, numel)
+        # 3 + 4. reduce my slices, gather all; a bad shard moves everyone to the next epoch
+        while True:
+            members = record["members"]
+            report.members, report.rejected, report.epoch = list(members), dict(record["rejected"]), record["epoch"]
+            if not members:
+                raise _RoundFailed(f"no usable replica in round {q} (rejected: {record['rejected'] or 'none'})")
+            k = len(members)
+            mine = [j for j in range(n) if members[j % k] == me]
+            try:
+                for j in mine:
+                    self._reduce_slice(base, q, record, j)
+                    report.reduced_slices.append(j)
+                out = self._gather(base, q, record, numel, report)
+            except ShardError as bad:
+                record = self._amend(base, record, bad)
+                continue
+            if isinstance(out, dict):  # someone amended the membership
+                record = out
+                continue
+            return out
+
+    def _meta(self, q: int, replica: int, j: int, kind: str, epoch: int | None = None) -> dict[str, Any]:
+        m: dict[str, Any] = {"run_id": self.config.run_id, "quorum_id": q, "replica": replica, "slice": j,
+                             "kind": kind}
+        if epoch is not None:
+            m["epoch"] = epoch
+        return m
+
+    def _decide_members(self, base: str, q: int, numel: int) -> dict[str, Any]:
+        cfg = self.config
+        deadline = time.monotonic() + cfg.quorum_deadline_s
+        key = f"{base}/members/e0.json"
+        while True:
+            record = self.store.get_json_or_none(key)
+            if record is not None:
+                return record
+            arrived = [a for a in self.store.list(f"{base}/arrived") if a.endswith(".json")]
+            if len(arrived) >= cfg.replicas or time.monotonic() >= deadline:
+                latest = self._read_latest()
+                if latest is not None and latest["quorum_id"] >= q:
+                    # The others committed this round long ago (its records may be gone): never re-decide it.
+                    raise RuntimeError(f"round {q} was already committed by other replicas; this replica is behind")
+                members: list[int] = []
+                sizes: dict[str, list[int]] = {}
+                rejected: dict[str, str] = {}
+                for name in arrived:
+                    mkey = f"{base}/arrived/{name}"
+                    try:
+                        m = self.store.get_json(mkey)
+                        r = int(m["replica"])
+                        if m.get("run_id") != cfg.run_id:
+                            raise ShardError(mkey, f"a marker from another run: run_id={m.get('run_id')!r}, "
+                                                   f"expected {cfg.run_id!r}")
+                        if int(m["quorum_id"]) != q:
+                            raise ShardError(mkey, f"wrong quorum_id {m['quorum_id']}, expected {q}")
+                        if m["abstain"]:
+                            continue
+                        if int(m["numel"]) != numel or m["dtype"] != str(self._wire_dtype):
+                            raise ShardError(mkey, f"layout mismatch: numel={m['numel']} dtype={m['dtype']}, "
+                                                   f"expected numel={numel} dtype={self._wire_dtype}")
+                        if not 0 <= r < cfg.replicas or len(m["sizes"]) != cfg.replicas:
+                            raise ShardError(mkey, f"bad replica id {r} or slice count {len(m['sizes'])}")
+                    except ShardError as e:
+                        log.error("round %d: rejecting %s", q, e)
+                        rejected[name.removesuffix(".json")] = str(e)
+                        continue
+                    except (KeyError, TypeError, ValueError) as e:
+                        rejected[name.removesuffix(".json")] = f"{mkey}: unreadable arrival marker ({e!r})"
+                        continue
+                    members.append(r)
+                    sizes[str(r)] = [int(s) for s in m["sizes"]]
+                record = {"epoch": 0, "members": sorted(members), "sizes": sizes, "rejected": rejected, "numel": numel,
+                          "decided_by": self.replica_id, "arrived": arrived}
+                self.store.put_json_if_absent(key, record)
+                return self.store.get_json(key)
+            time.sleep(cfg.poll_interval_s)
+
+    def _amend(self, base: str, record: dict[str, Any], bad: ShardError) -> dict[str, Any]:
+        """Drop the replica whose shard is bad; the next epoch record is create-only, so all agree."""
+        culprit = int(bad.key.split("/shards/r", 1)[1][:3]) if "/shards/r" in bad.key else None
+        log.error("replica %d: rejecting shard %s", self.replica_id, bad)
+        epoch = record["epoch"] + 1
+        new = {**record, "epoch": epoch, "decided_by": self.replica_id,
+               "members": [m for m in record["members"] if m != culprit],
+               "rejected": {**record["rejected"], f"r{culprit:03d}" if culprit is not None else bad.key: str(bad)}}
+        if culprit is None:  # a corrupt reduced slice: no member to blame, fail the round cleanly
+            new["members"] = []
+        key = f"{base}/members/e{epoch}.json"
+        self.store.put_json_if_absent(key, new)
+        return self.store.get_json(key)
+
+    def _reduce_slice(self, base: str, q: int, record: dict[str, Any], j: int) -> None:
+        epoch, members = record["epoch"], record["members"]
+        out_key = f"{base}/reduced/e{epoch}/s{j:03d}.safetensors"
+        if self.store.exists(out_key):
+            return
+
+        def fetch(m: int) -> torch.Tensor:
+            key = f"{base}/shards/r{m:03d}/s{j:03d}.safetensors"
+            try:
+                blob = self.store.get(key)
+            except FileNotFoundError:
+                raise ShardError(key, "missing although its replica announced it") from None
+            tensors, _ = decode_shard(key, blob, expect={"run_id": self.config.run_id, "quorum_id": q,
+                                                         "replica": m, "slice": j, "kind": "shard"},
+                                      expected_size=record["sizes"][str(m)][j])
+            t = tensors.get("data")
+            lo, hi = self._slice_bounds(int(record["numel"]), j)
+            if t is None or t.dtype != self._wire_dtype or t.numel() != hi - lo:
+                raise ShardError(key, f"unexpected payload: {None if t is None else (t.dtype, t.numel())}, "
+                                      f"expected ({self._wire_dtype}, {hi - lo})")
+            return t
+
+        acc: torch.Tensor | None = None
+        for t in self._io.map(fetch, members):  # fetched concurrently, summed in member order
+            acc = t.to(torch.float32) if acc is None else acc.add_(t.to(torch.float32))
+        assert acc is not None
+        avg = acc.div_(len(members)).to(self._wire_dtype)
+        self.store.put(out_key, encode_shard({"data": avg}, self._meta(q, -1, j, kind="reduced", epoch=epoch)))
+
+    def _gather(self, base: str, q: int, record: dict[str, Any], numel: int,
+                report: RoundReport) -> torch.Tensor | dict[str, Any]:
+        cfg, n, epoch = self.config, self.config.replicas, record["epoch"]
+        out = torch.empty(numel, dtype=self._wire_dtype)
+        pending = set(range(n))
+        deadline = time.monotonic() + cfg.quorum_deadline_s
+        prefix = f"{base}/reduced/e{epoch}"
+        while pending:
+            later = [m for m in self.store.list(f"{base}/members") if m.startswith("e")
+                     and int(m[1:].split(".")[0]) > epoch]
+            if later:
+                return self.store.get_json(f"{base}/members/e{epoch + 1}.json")
+            present = {int(name[1:4]) for name in self.store.list(prefix) if name.endswith(".safetensors")}
+            ready = sorted(pending & present)
+
+            def fetch(j: int) -> tuple[int, torch.Tensor]:
+                key = f"{prefix}/s{j:03d}.safetensors"
+                tensors, _ = decode_shard(key, self.store.get(key), expect={
+                    "run_id": cfg.run_id, "quorum_id": q, "slice": j, "kind": "reduced", "epoch": epoch})
+                return j, tensors["data"]
+
+            for j, t in self._io.map(fetch, ready):
+                lo, hi = self._slice_bounds(numel, j)
+                if t.numel() != hi - lo or t.dtype != self._wire_dtype:
+                    raise ShardError(f"{prefix}/s{j:03d}.safetensors", "reduced slice has the wrong size or dtype")
+                out[lo:hi] = t
+                pending.discard(j)
+            if not pending:
+                break
+            if time.monotonic() >= deadline:
+                for j in sorted(pending):  # the reducer is gone: reduce it here (same inputs -> same bytes)
+                    self._reduce_slice(base, q, record, j)
+                    report.fallback_slices.append(j)
+                deadline = time.monotonic() + cfg.quorum_deadline_s
+                continue
+            time.sleep(cfg.poll_interval_s)
+        return out
+
+    # ------------------------------------------------------------------ checkpoint, bootstrap, heal
+    def _read_latest(self) -> dict[str, Any] | None:
+        try:
+            return self.store.get_json_or_none("latest.json")
+        except ShardError:
+            return None
+
+    def _collect_state(self) -> dict[str, StateDict]:
+        return {key: save() for key, (_, save) in sorted(self._state_fns.items())}
+
+    def maybe_checkpoint(self, wait: bool = False) -> None:
+        """After a committed outer step: the round's designated member checkpoints the DiLoCo state."""
+        if self._pending_checkpoint is None:
+            return
+        q, step, _members = self._pending_checkpoint
+        self._pending_checkpoint = None
+        if self._ckpt_future is not None:
+            self._ckpt_future.result()
+        tensors: dict[str, torch.Tensor] = {}
+        skeleton = _flatten(self._collect_state(), "", tensors)  # cloned now: training moves on meanwhile
+        meta = {"run_id": self.config.run_id, "quorum_id": q, "step": step}
+        self._ckpt_future = self._ckpt_executor.submit(self._write_checkpoint, q, step, tensors, skeleton, meta)
+        if wait:
+            self._ckpt_future.result()
+
+    def _write_checkpoint(self, q: int, step: int, tensors: dict[str, torch.Tensor], skeleton: Any,
+                          meta: dict[str, Any]) -> None:
+        try:
+            blob = _encode_flat(tensors, skeleton, meta)
+            self.store.put(f"ckpt/q{q:08d}/state.safetensors", blob)
+            self.store.put_json(f"ckpt/q{q:08d}/COMMITTED.json",
+                                {"quorum_id": q, "step": step, "bytes": len(blob), "run_id": self.config.run_id})
+            latest = self._read_latest()
+            if latest is None or latest["quorum_id"] < q:
+                self.store.put_json("latest.json", {"quorum_id": q, "step": step, "key": f"ckpt/q{q:08d}"})
+            self._collect_garbage(q)
+        except Exception:
+            log.exception("replica %d: checkpoint of round %d failed (the next round's writer retries)",
+                          self.replica_id, q)
+
+    def _collect_garbage(self, q: int) -> None:
+        keep = self.config.keep_rounds
+        for name in self.store.list("rounds"):
+            if name.startswith("q") and name[1:].isdigit() and int(name[1:]) <= q - keep:
+                self.store.rm_prefix(f"rounds/{name}")
+        for name in self.store.list("ckpt"):
+            if name.startswith("q") and name[1:].isdigit() and int(name[1:]) <= q - keep:
+                self.store.rm_prefix(f"ckpt/{name}")
+
+    def bootstrap(self) -> str:
+        """Make every replica start from the same state: the latest checkpoint, else one agreed θ0.
+
+        Returns "resumed" or "initialized". Call after DiLoCo registered its state-dict fns.
+        """
+        latest = self._read_latest()
+        if latest is not None:
+            self.heal(latest)
+            return "resumed"
+        ptr_key = "ckpt/init/COMMITTED.json"
+        if not self.store.exists(ptr_key):
+            blob = encode_state(self._collect_state(), {"run_id": self.config.run_id, "quorum_id": 0, "step": 0})
+            own = f"ckpt/init/r{self.replica_id:03d}.safetensors"
+            self.store.put(own, blob)
+            self.store.put_json_if_absent(ptr_key, {"key": own, "bytes": len(blob), "quorum_id": 0, "step": 0})
+        ptr = self.store.get_json(ptr_key)
+        self._load_checkpoint(ptr["key"], ptr)
+        return "initialized"
+
+    def heal(self, latest: dict[str, Any] | None = None) -> bool:
+        """Load the latest committed state; False if the store has none."""
+        latest = latest if latest is not None else self._read_latest()
+        if latest is None:
+            ptr = self.store.get_json_or_none("ckpt/init/COMMITTED.json")
+            if ptr is None:
+                return False
+            self._load_checkpoint(ptr["key"], ptr)
+            self._quorum_id, self._step = 0, 0
+            return True
+        key = f"{latest['key']}/state.safetensors"
+        committed = self.store.get_json(f"{latest['key']}/COMMITTED.json")
+        self._load_checkpoint(key, committed)
+        self._quorum_id, self._step = int(committed["quorum_id"]), int(committed["step"])
+        return True
+
+    def _load_checkpoint(self, key: str, record: dict[str, Any]) -> None:
+        blob = self.store.get(key)
+        state, meta = decode_state(key, blob, self.config.run_id, expected_size=record.get("bytes"))
+        missing = sorted(set(self._state_fns) - set(state))
+        if missing:
+            raise ShardError(key, f"checkpoint lacks state for {missing}; it has {sorted(state)}")
+        for k, (load, _) in self._state_fns.items():
+            load(state[k])
+        if self.on_heal is not None:
+            self.on_heal(state)
+        log.info("replica %d loaded %s (round %s, step %s)", self.replica_id, key, meta.get("quorum_id"),
+                 meta.get("step"))
+
+    def shutdown(self, wait: bool = True) -> None:
+        if self._ckpt_future is not None and wait:
+            self._ckpt_future.result()
+        self._executor.shutdown(wait=wait)
+        self._ckpt_executor.shutdown(wait=wait)
+        self._io.shutdown(wait=wait)
+
+
+# ---------------------------------------------------------------------- state (de)serialisation, no pickle
+def _flatten(obj: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> Any:
+    """JSON skeleton of `obj` with tensors replaced by references into `tensors` (dict keys keep their type)."""
+    if isinstance(obj, torch.Tensor):
+        name = f"t{len(tensors):06d}:{prefix}"
+        tensors[name] = obj.detach().to("cpu").clone().contiguous()
+        return {"__tensor__": name}
+    if isinstance(obj, dict):
+        return {"__dict__": [[k, _flatten(v, f"{prefix}.{k}", tensors)] for k, v in obj.items()]}
+    if isinstance(obj, (list, tuple)):
+        return {"__list__": [_flatten(v, f"{prefix}.{i}", tensors) for i, v in enumerate(obj)],
+                "tuple": isinstance(obj, tuple)}
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    raise TypeError(f"cannot store {type(obj).__name__} at {prefix!r} in a checkpoint (tensors and JSON only)")
+
+
+def _unflatten(skel: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(skel, dict):
+        if "__tensor__" in skel:
+            return tensors[skel["__tensor__"]]
+        if "__dict__" in skel:
+            return {k: _unflatten(v, tensors) for k, v in skel["__dict__"]}
+        if "__list__" in skel:
+            items = [_unflatten(v, tensors) for v in skel["__list__"]]
+            return tuple(items) if skel.get("tuple") else items
+    return skel
+
+
+def _encode_flat(tensors: dict[str, torch.Tensor], skeleton: Any, meta: dict[str, Any]) -> bytes:
+    return encode_shard(tensors, {**meta, "kind": "state", "skeleton": json.dumps(skeleton)})
+
+
+def encode_state(state: dict[str, StateDict], meta: dict[str, Any]) -> bytes:
+    """Checkpoint bytes: safetensors for the tensors, a JSON skeleton (in the metadata) for the rest."""
+    tensors: dict[str, torch.Tensor] = {}
+    skel = _flatten(state, "", tensors)
+    return _encode_flat(tensors, skel, meta)
+
+
+def decode_state(key: str, blob: bytes, run_id: str, expected_size: int | None = None) -> tuple[dict[str, Any], dict]:
+    tensors, meta = decode_shard(key, blob, expect={"run_id": run_id, "kind": "state"}, expected_size=expected_size)
+    try:
+        skel = json.loads(meta["skeleton"])
+    except (KeyError, json.JSONDecodeError) as e:
+        raise ShardError(key, f"checkpoint skeleton unreadable: {e}") from None
+    return _unflatten(skel, tensors), meta
+
+
+__all__ = ["ObjectStoreManager", "ObjectStoreWork", "RoundReport", "decode_state", "encode_state"]

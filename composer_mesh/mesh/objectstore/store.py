@@ -1,0 +1,296 @@
+"""Object-store access for the DiLoCo plane: atomic puts, create-only puts, checksummed safetensors shards.
+
+Why this layer exists: fsspec backends differ exactly where a multi-writer protocol cares.
+- file://  : a plain write is visible half-written, so puts go to a temp name then `os.replace`;
+             create-only uses `os.link` (fails atomically if the target exists).
+- s3://    : a single PUT (or a completed multipart upload) is atomic; create-only is `IfNoneMatch: *`;
+             listings are cached by s3fs, so the filesystem is built with the listings cache off.
+- memory://: one process only (threads); create-only is guarded by a process-wide lock.
+- gs://    : like s3 through gcsfs (not installed here, not exercised).
+Nothing read from the store is ever unpickled: tensors are safetensors, small records are JSON.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import threading
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import fsspec
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from composer_mesh.mesh.objectstore.config import DiLoCoConfig
+
+SHARD_FORMAT = "composer-mesh-shard-v1"
+_MEMORY_LOCK = threading.Lock()
+
+
+class ShardError(ValueError):
+    """A shard read from the store is unusable; `key` names the object and `problem` says why."""
+
+    def __init__(self, key: str, problem: str) -> None:
+        super().__init__(f"{key}: {problem}")
+        self.key = key
+        self.problem = problem
+
+
+class StoreError(RuntimeError):
+    """The store itself is unusable (bad URI, missing credentials variable, I/O failure)."""
+
+
+def tensor_digest(tensors: Mapping[str, torch.Tensor]) -> str:
+    """sha256 over the raw bytes of every tensor, in sorted-name order (names and dtypes included)."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().contiguous().reshape(-1)
+        h.update(f"{name}|{t.dtype}|{t.numel()};".encode())
+        if t.numel():
+            h.update(memoryview(t.view(torch.uint8).numpy()))
+    return h.hexdigest()
+
+
+def encode_shard(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> bytes:
+    """safetensors bytes whose metadata carries `meta` (stringified) plus the payload's sha256."""
+    clean = {k: v.detach().contiguous() for k, v in tensors.items()}
+    md = {k: str(v) for k, v in meta.items()}
+    md["format"] = SHARD_FORMAT
+    md["sha256"] = tensor_digest(clean)
+    return st_save(clean, metadata=md)
+
+
+def read_header(key: str, data: bytes) -> tuple[dict[str, Any], int]:
+    """Parse a safetensors header without touching tensor data; returns (header, expected total size)."""
+    if len(data) < 8:
+        raise ShardError(key, f"truncated: {len(data)} bytes, not even a safetensors header length")
+    (n,) = struct.unpack("<Q", data[:8])
+    if n > len(data) - 8:
+        raise ShardError(key, f"truncated: header says {n} header bytes but the object has {len(data)} bytes")
+    try:
+        header = json.loads(data[8 : 8 + n])
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ShardError(key, f"not a safetensors object (unreadable header: {e})") from None
+    if not isinstance(header, dict):
+        raise ShardError(key, "not a safetensors object (header is not a JSON object)")
+    end = 0
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            end = max(end, int(info["data_offsets"][1]))
+        except (KeyError, TypeError, IndexError, ValueError):
+            raise ShardError(key, f"not a safetensors object (bad entry {name!r})") from None
+    return header, 8 + n + end
+
+
+def decode_shard(
+    key: str, data: bytes, expect: Mapping[str, Any], expected_size: int | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Validate and load a shard: size, header, run/round/replica metadata, then the sha256 of the payload.
+
+    Every failure is a ShardError naming `key` and the problem (truncated, checksum mismatch, another run...).
+    """
+    header, total = read_header(key, data)
+    if len(data) < total:
+        raise ShardError(key, f"truncated: {len(data)} bytes, the safetensors header describes {total}")
+    if expected_size is not None and len(data) != expected_size:
+        raise ShardError(key, f"size mismatch: {len(data)} bytes, the writer announced {expected_size}")
+    meta = header.get("__metadata__") or {}
+    if meta.get("format") != SHARD_FORMAT:
+        raise ShardError(key, f"not a composer-mesh shard (format={meta.get('format')!r})")
+    for field, want in expect.items():
+        got = meta.get(field)
+        if got != str(want):
+            what = "a shard from another run" if field == "run_id" else f"wrong {field}"
+            raise ShardError(key, f"{what}: metadata {field}={got!r}, expected {str(want)!r}")
+    try:
+        tensors = st_load(data)
+    except Exception as e:  # safetensors raises its own error type for malformed bodies
+        raise ShardError(key, f"malformed safetensors body: {e}") from None
+    digest = tensor_digest(tensors)
+    if digest != meta.get("sha256"):
+        raise ShardError(key, f"checksum mismatch: payload sha256 {digest[:16]}…, metadata says "
+                              f"{str(meta.get('sha256'))[:16]}…")
+    return tensors, dict(meta)
+
+
+class Store:
+    """A run-namespaced view of an fsspec store with byte accounting (for benchmarks and round reports)."""
+
+    def __init__(self, uri: str, storage_options: Mapping[str, Any] | None = None) -> None:
+        self.uri = uri.rstrip("/")
+        self.scheme = self.uri.partition("://")[0]
+        opts = dict(storage_options or {})
+        if self.scheme == "s3":
+            client_kwargs = dict(opts.pop("client_kwargs", {}) or {})
+            for k in ("endpoint_url", "region_name"):
+                if k in opts:
+                    client_kwargs[k] = opts.pop(k)
+            if client_kwargs:
+                opts["client_kwargs"] = client_kwargs
+            opts.setdefault("use_listings_cache", False)
+            opts.setdefault("skip_instance_cache", True)
+        elif self.scheme == "file":
+            opts.setdefault("auto_mkdir", True)
+        try:
+            self.fs, self.root = fsspec.core.url_to_fs(self.uri, **opts)
+        except Exception as e:
+            raise StoreError(f"cannot open store {self.uri!r}: {type(e).__name__}: {e}") from None
+        self.root = self.root.rstrip("/")
+        self._lock = threading.Lock()
+        self.bytes_read = 0
+        self.bytes_written = 0
+
+    @classmethod
+    def from_config(cls, config: DiLoCoConfig) -> Store:
+        """Open `config.store_uri` under `config.run_id`; secrets come from the env vars named in config."""
+        opts: dict[str, Any] = dict(config.storage_options)
+        for opt, env in config.credentials_env.items():
+            if env not in os.environ:
+                raise StoreError(f"diloco.credentials_env[{opt!r}]: environment variable {env} is not set")
+            opts[opt] = os.environ[env]
+        return cls(f"{config.store_uri}/{config.run_id}", opts)
+
+    def __repr__(self) -> str:  # never show storage options (they may hold secrets)
+        return f"Store({self.uri!r})"
+
+    # ---- paths and accounting -------------------------------------------------------------------------
+    def path(self, key: str) -> str:
+        return f"{self.root}/{key}"
+
+    def _count(self, read: int = 0, written: int = 0) -> None:
+        with self._lock:
+            self.bytes_read += read
+            self.bytes_written += written
+
+    def counters(self) -> tuple[int, int]:
+        with self._lock:
+            return self.bytes_read, self.bytes_written
+
+    # ---- writes --------------------------------------------------------------------------------------
+    def put(self, key: str, data: bytes) -> None:
+        """Atomic put: readers see nothing or the whole object."""
+        p = self.path(key)
+        if self.scheme == "file":
+            os.makedirs(os.path.dirname(p), exist_ok=True)
+            tmp = f"{p}.tmp-{uuid.uuid4().hex}"
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, p)
+        else:
+            self.fs.pipe_file(p, data)
+        self._count(written=len(data))
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        """Create-only put; False if the key already exists (someone else won). Atomic on every backend."""
+        p = self.path(key)
+        if self.scheme == "file":
+            os.makedirs(os.path.dirname(p), exist_ok=True)
+            tmp = f"{p}.tmp-{uuid.uuid4().hex}"
+            with open(tmp, "wb") as f:
+                f.write(data)
+            try:
+                os.link(tmp, p)
+                won = True
+            except FileExistsError:
+                won = False
+            finally:
+                os.unlink(tmp)
+        elif self.scheme == "memory":
+            with _MEMORY_LOCK:
+                won = not self.fs.exists(p)
+                if won:
+                    self.fs.pipe_file(p, data)
+        else:
+            try:
+                self.fs.pipe_file(p, data, mode="create")
+                won = True
+            except FileExistsError:
+                won = False
+            except OSError as e:  # some s3fs versions surface 412 PreconditionFailed as a plain OSError
+                if "PreconditionFailed" in str(e) or "412" in str(e):
+                    won = False
+                else:
+                    raise
+        if won:
+            self._count(written=len(data))
+        return won
+
+    def put_json(self, key: str, obj: Any) -> None:
+        self.put(key, json.dumps(obj, sort_keys=True).encode())
+
+    def put_json_if_absent(self, key: str, obj: Any) -> bool:
+        return self.put_if_absent(key, json.dumps(obj, sort_keys=True).encode())
+
+    # ---- reads ---------------------------------------------------------------------------------------
+    def get(self, key: str) -> bytes:
+        """Whole object; FileNotFoundError if absent."""
+        p = self.path(key)
+        if self.scheme == "file":
+            with open(p, "rb") as f:
+                data = f.read()
+        else:
+            data = self.fs.cat_file(p)
+        self._count(read=len(data))
+        return data
+
+    def get_or_none(self, key: str) -> bytes | None:
+        try:
+            return self.get(key)
+        except FileNotFoundError:
+            return None
+
+    def get_json(self, key: str) -> Any:
+        data = self.get(key)
+        try:
+            return json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ShardError(key, f"unreadable JSON record: {e}") from None
+
+    def get_json_or_none(self, key: str) -> Any | None:
+        try:
+            return self.get_json(key)
+        except FileNotFoundError:
+            return None
+
+    def exists(self, key: str) -> bool:
+        p = self.path(key)
+        if self.scheme == "file":
+            return os.path.exists(p)
+        self.fs.invalidate_cache(p)
+        return bool(self.fs.exists(p))
+
+    def list(self, prefix: str) -> list[str]:
+        """Names (not paths) directly under `prefix`, fresh from the store (no listing cache)."""
+        p = self.path(prefix)
+        if self.scheme == "file":
+            try:
+                return sorted(n for n in os.listdir(p) if ".tmp-" not in n)
+            except FileNotFoundError:
+                return []
+        self.fs.invalidate_cache(p)
+        try:
+            entries = self.fs.ls(p, detail=False, refresh=True) if self.scheme == "s3" else self.fs.ls(
+                p, detail=False)
+        except FileNotFoundError:
+            return []
+        return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
+
+    def rm_prefix(self, prefix: str) -> None:
+        """Delete everything under `prefix` (best effort: garbage collection must not fail a round)."""
+        p = self.path(prefix)
+        try:
+            if self.scheme == "file":
+                import shutil
+
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                self.fs.rm(p, recursive=True)
+        except FileNotFoundError:
+            pass
