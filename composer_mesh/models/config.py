@@ -33,6 +33,10 @@ class WarmStartConfig(BaseModel):
     batch_size: int = Field(64, ge=1, description="Task samples per SFT step.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay of the warm start.")
     seed: int = Field(0, description="Seed of the task sampler and of the SFT batch order.")
+    threads: int = Field(
+        1, ge=1, description="torch CPU threads during the warm start. 1 is fastest for tiny models on a shared "
+        "CPU and makes the result independent of the machine's core count."
+    )
 
 
 class ModelConfig(BaseModel):

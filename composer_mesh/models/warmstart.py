@@ -1,0 +1,149 @@
+"""Warm start: brief in-process SFT on a task's (prompt, target) pairs, and greedy task accuracy.
+
+Used by `materialize` (cached with the model) to make a teacher that already knows the task and a
+weak-but-not-random student. Deterministic for a fixed config and thread count; `materialize` runs it once
+per cache key, so every process uses the same result.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from composer_mesh.models.config import WarmStartConfig
+from composer_mesh.models.sampling import chunks, sample
+from composer_mesh.models.tiny import stop_token_ids
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from composer_mesh.tasks import Task
+
+IGNORE = -100
+
+
+def task_target(task: Task, answer: str) -> str:
+    """The completion a perfect policy writes: `task.target(answer)` if the task has it, else answer + eos."""
+    target = getattr(task, "target", None)
+    if callable(target):
+        return str(target(answer))
+    return answer + (getattr(task, "eos", None) or "")
+
+
+def _encode(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def sft_batch(
+    task: Task, tokenizer: PreTrainedTokenizerBase, rng: random.Random, batch_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """input_ids, attention_mask, labels (prompt and padding masked with -100), right-padded."""
+    rows = []
+    for _ in range(batch_size):
+        prompt, answer = task.sample(rng)
+        p, c = _encode(tokenizer, prompt), _encode(tokenizer, task_target(task, answer))
+        rows.append((p + c, [IGNORE] * len(p) + c))
+    width = max(len(ids) for ids, _ in rows)
+    pad = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
+    ids = torch.full((batch_size, width), pad, dtype=torch.long)
+    labels = torch.full((batch_size, width), IGNORE, dtype=torch.long)
+    attn = torch.zeros((batch_size, width), dtype=torch.long)
+    for i, (x, y) in enumerate(rows):
+        ids[i, : len(x)] = torch.tensor(x)
+        labels[i, : len(y)] = torch.tensor(y)
+        attn[i, : len(x)] = 1
+    return ids, attn, labels
+
+
+def _lr_factor(step: int, total: int) -> float:
+    """Linear warm-up over the first 10% of steps, then cosine decay to 10%."""
+    warm = max(1, total // 10)
+    if step < warm:
+        return (step + 1) / warm
+    frac = (step - warm) / max(1, total - warm)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac))
+
+
+def warm_start(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, cfg: WarmStartConfig) -> dict[str, Any]:
+    """Train `model` in place (float32) on `cfg.task`; return loss and accuracy stats."""
+    from composer_mesh.tasks import get_task
+
+    task = get_task(cfg.task)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(cfg.threads)
+    try:
+        return _warm_start(model, tokenizer, task, cfg)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _warm_start(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, task: Task, cfg: WarmStartConfig
+) -> dict[str, Any]:
+    rng = random.Random(cfg.seed)
+    stats: dict[str, Any] = {"task": cfg.task, "steps": cfg.steps}
+    stats["accuracy_before"] = task_accuracy(model, tokenizer, task, n=64, seed=cfg.seed + 1)
+    if cfg.steps == 0:
+        stats["accuracy_after"] = stats["accuracy_before"]
+        return stats
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, cfg.steps))
+    model.train()
+    losses = []
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        for _ in range(cfg.steps):
+            ids, attn, labels = sft_batch(task, tokenizer, rng, cfg.batch_size)
+            logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
+            loss = torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=IGNORE
+            )
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+            losses.append(loss.item())
+    model.eval()
+    opt.zero_grad(set_to_none=True)
+    stats["loss_first"] = round(losses[0], 4)
+    stats["loss_last"] = round(losses[-1], 4)
+    stats["accuracy_after"] = task_accuracy(model, tokenizer, task, n=64, seed=cfg.seed + 1)
+    return stats
+
+
+def task_accuracy(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    task: Task,
+    *,
+    n: int = 64,
+    seed: int = 1234,
+    max_new_tokens: int = 8,
+    batch_size: int = 64,
+) -> float:
+    """Mean task reward of greedy completions on `n` prompts sampled with `seed`."""
+    rng = random.Random(seed)
+    items = [task.sample(rng) for _ in range(n)]
+    eos = getattr(task, "eos", None)
+    stops = stop_token_ids(tokenizer, (eos,) if eos else ())
+    pad = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
+    was_training = model.training
+    model.eval()
+    total = 0.0
+    for batch in chunks(items, batch_size):
+        outs = sample(
+            model,
+            [_encode(tokenizer, p) for p, _ in batch],
+            max_new_tokens=max_new_tokens,
+            temperature=0.0,
+            stop_ids=stops,
+            pad_id=pad,
+        )
+        for (prompt, answer), out in zip(batch, outs):
+            completion = tokenizer.decode(out.token_ids, skip_special_tokens=True)
+            total += float(task.reward(prompt, completion, answer))
+    model.train(was_training)
+    return total / max(1, n)
