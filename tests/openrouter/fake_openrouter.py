@@ -12,6 +12,7 @@ import json
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -41,16 +42,28 @@ def teacher_text(prompt: str) -> str:
     return f"The answer to {prompt} is 42."
 
 
+def addition_answer(prompt: str) -> str:
+    """A correct teacher for the built-in addition task (`"3+4="` -> `"7;"`), in the tiny student's alphabet."""
+    left = prompt.strip().rstrip("=")
+    try:
+        return f"{sum(int(x) for x in left.split('+'))};"
+    except ValueError:
+        return "0;"
+
+
 def teacher_tokens(text: str) -> list[str]:
     """The fake teacher's own 'tokenizer': words with their leading space (not the student's)."""
     words = text.split(" ")
     return [words[0]] + [" " + w for w in words[1:]]
 
 
-def completion_body(request: dict[str, Any], *, logprobs: bool = True) -> dict[str, Any]:
+def completion_body(
+    request: dict[str, Any], *, logprobs: bool = True, answer: Callable[[str], str] = teacher_text
+) -> dict[str, Any]:
+    """The completion the fake teacher gives for `request` (its last message is the prompt)."""
     messages = request.get("messages") or [{"content": ""}]
     prompt = str(messages[-1].get("content", ""))
-    tokens = teacher_tokens(teacher_text(prompt))[: int(request.get("max_tokens") or 10**6)]
+    tokens = teacher_tokens(answer(prompt))[: int(request.get("max_tokens") or 10**6)]
     text = "".join(tokens)
     choice: dict[str, Any] = {
         "index": 0,
@@ -98,8 +111,10 @@ def error_body(code: int, message: str) -> dict[str, Any]:
 class FakeOpenRouter:
     """Start with `start()` (returns the base URL), stop with `stop()`; `reset()` between tests."""
 
-    def __init__(self, api_key: str) -> None:
+    def __init__(self, api_key: str, answer: Callable[[str], str] = teacher_text) -> None:
+        """`answer(prompt) -> text` is the fake teacher (e.g. `addition_answer` for the tiny addition task)."""
         self.api_key = api_key
+        self.answer = answer
         self._lock = threading.Lock()
         self._script: deque[Reply] = deque()
         self.requests: list[dict[str, Any]] = []  # JSON bodies of authorised chat requests, in arrival order
@@ -187,7 +202,7 @@ class FakeOpenRouter:
             if reply.delay:
                 time.sleep(reply.delay)
             if reply.success:
-                self._send(h, 200, completion_body(request, logprobs=reply.logprobs), reply.headers)
+                self._send(h, 200, completion_body(request, logprobs=reply.logprobs, answer=self.answer), reply.headers)
             elif reply.raw is not None:
                 self._send_bytes(h, reply.status, reply.raw, reply.headers)
             else:

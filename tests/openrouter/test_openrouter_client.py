@@ -17,10 +17,15 @@ from email.utils import formatdate
 from typing import Any
 
 import pytest
-from fake_openrouter import FakeOpenRouter, Reply, completion_body, error_body, teacher_text
+from fake_openrouter import FakeOpenRouter, Reply, addition_answer, completion_body, error_body, teacher_text
 from pydantic import ValidationError
 
-from composer_mesh.actors.backends.openrouter import OpenRouterTeacher, TeacherCapabilityError
+from composer_mesh.actors.backends.openrouter import (
+    OpenRouterTeacher,
+    TeacherCapabilityError,
+    TeacherTraceError,
+    load_student_tokenizer,
+)
 from composer_mesh.actors.backends.openrouter_client import (
     OpenRouterClient,
     OpenRouterConfigError,
@@ -174,7 +179,7 @@ async def test_429_with_retry_after_is_honoured(fake: FakeOpenRouter) -> None:
     assert r.text and r.attempts == 2
     assert sleep.delays == [2.0]  # the server's value, not the client's backoff
     u = c.usage()
-    assert u["requests"] == 2 and u["retries"] == 1 and u["failures"] == 0 and u["completions"] == 1
+    assert u["requests"] == 2 and u["retries"] == 1 and u["failed_requests"] == 0 and u["completions"] == 1
     await c.aclose()
 
 
@@ -228,7 +233,7 @@ async def test_500_then_success(fake: FakeOpenRouter) -> None:
     assert tr.text == teacher_text("question 0")
     assert len(sleep.delays) == 2
     u = t.usage()
-    assert u["requests"] == 3 and u["retries"] == 2 and u["failures"] == 0
+    assert u["requests"] == 3 and u["retries"] == 2 and u["failed_requests"] == 0
     await t.aclose()
 
 
@@ -239,7 +244,7 @@ async def test_5xx_exhausts_retries(fake: FakeOpenRouter) -> None:
         await c.complete("q", max_tokens=8)
     assert info.value.status == 503 and "gave up after 3 attempts" in str(info.value)
     assert "No endpoints found" in str(info.value) and "FakeProvider" in str(info.value)
-    assert c.usage()["failures"] == 1 and c.usage()["requests"] == 3
+    assert c.usage()["failed_requests"] == 1 and c.usage()["requests"] == 3
     assert_no_key(info.value)
     await c.aclose()
 
@@ -269,7 +274,7 @@ async def test_timeout_then_success_and_timeout_exhausted(fake: FakeOpenRouter) 
     assert "timed out after 0.25s" in msg and "gave up after 2 attempts" in msg
     assert info.value.__context__ is None  # no httpx exception (holding the request) chained on
     assert_no_key(info.value)
-    assert c.usage()["failures"] == 1
+    assert c.usage()["failed_requests"] == 1
     await c.aclose()
 
 
@@ -343,7 +348,7 @@ async def test_missing_logprobs_is_an_error_by_default(fake: FakeOpenRouter) -> 
     assert "log-probs were requested but the response has none" in str(info.value)
     assert "require_parameters" in str(info.value) and "p0" in str(info.value)
     assert len(fake.requests) == 1  # not retried
-    assert t.usage()["missing_logprobs"] == 1 and t.usage()["failures"] == 1
+    assert t.usage()["missing_logprobs"] == 1 and t.usage()["failed_requests"] == 1
     await t.aclose()
 
 
@@ -352,7 +357,7 @@ async def test_missing_logprobs_flagged(fake: FakeOpenRouter) -> None:
     fake.push(Reply(success=True, logprobs=False))
     [tr] = await t.traces(prompts(1), max_new_tokens=64)
     assert tr.text == teacher_text("question 0")
-    assert t.usage()["missing_logprobs"] == 1 and t.usage()["failures"] == 0
+    assert t.usage()["missing_logprobs"] == 1 and t.usage()["failed_requests"] == 0
     c = client(fake, missing_logprobs="flag")
     fake.push(Reply(success=True, logprobs=False))
     r = await c.complete("q", max_tokens=8)
@@ -501,14 +506,27 @@ async def test_slow_teacher_does_not_block_the_event_loop(fake: FakeOpenRouter) 
 
 
 async def test_batch_failure_waits_for_all_and_names_the_prompt(fake: FakeOpenRouter) -> None:
-    t = teacher(fake, max_retries=0, max_concurrency=4)
+    t = teacher(fake, max_retries=0, max_concurrency=1, partial_traces=False)
     fake.push(Reply(success=True), Reply(400, error_body(400, "bad prompt")))
     with pytest.raises(OpenRouterHTTPError) as info:
         await t.traces(prompts(4), max_new_tokens=8)
-    assert "1/4 requests failed" in str(info.value)
+    assert "1/4 requests failed" in str(info.value) and "prompt 'p1'" in str(info.value)
     assert len(fake.requests) == 4  # the other requests still completed (no orphaned, still-billing tasks)
     u = t.usage()
-    assert u["completions"] == 3 and u["failures"] == 1
+    assert u["completions"] == 3 and u["failed_requests"] == 1
+    await t.aclose()
+
+
+async def test_partial_traces_keep_the_successful_prompts(fake: FakeOpenRouter) -> None:
+    t = teacher(fake, max_retries=0, max_concurrency=1)  # partial_traces defaults to True
+    fake.push(Reply(success=True), Reply(400, error_body(400, "bad prompt")))
+    traces = await t.traces(prompts(4), max_new_tokens=64)
+    assert [tr.prompt_id for tr in traces] == ["p0", "p2", "p3"]
+    assert t.usage()["failed_requests"] == 1
+
+    fake.push(*[Reply(400, error_body(400, "bad prompt")) for _ in range(2)])
+    with pytest.raises(OpenRouterHTTPError, match="2/2 requests failed"):  # nothing usable: raise
+        await t.traces(prompts(2), max_new_tokens=64)
     await t.aclose()
 
 
@@ -524,7 +542,7 @@ async def test_usage_and_cost_accumulate(fake: FakeOpenRouter) -> None:
     assert u["completion_tokens"] == sum(b["usage"]["completion_tokens"] for b in bodies)
     assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
     assert u["cost"] == pytest.approx(sum(b["usage"]["cost"] for b in bodies))
-    assert u["completions"] == 4 and u["requests"] == 5 and u["retries"] == 1 and u["failures"] == 0
+    assert u["completions"] == 4 and u["requests"] == 5 and u["retries"] == 1 and u["failed_requests"] == 0
     assert all(isinstance(v, float) for v in u.values())
     await t.aclose()
 
@@ -546,3 +564,54 @@ async def test_traces_before_start_is_a_clear_error(fake: FakeOpenRouter) -> Non
     t = OpenRouterTeacher(settings(fake))
     with pytest.raises(RuntimeError, match="call start"):
         await t.traces(prompts(1), max_new_tokens=8)
+
+
+class DigitTokenizer:
+    """A character-level student (like the tiny model's): characters outside its alphabet are dropped."""
+
+    alphabet = "0123456789+=;"
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [self.alphabet.index(ch) for ch in text if ch in self.alphabet]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(self.alphabet[i] for i in ids)
+
+
+async def test_traces_the_student_cannot_represent_are_dropped_not_mangled(fake: FakeOpenRouter) -> None:
+    t = OpenRouterTeacher(settings(fake, max_concurrency=1), sleep=RecordingSleep())
+    t.start(DigitTokenizer(), "t0")
+    body = completion_body({"messages": [{"content": "1+2="}], "logprobs": True}, answer=addition_answer)
+    fake.push(Reply(200, body))  # p0 gets "3;" (representable); the rest get English the student cannot spell
+    traces = await t.traces([Prompt("p0", "1+2=", []), Prompt("p1", "2+2=", [])], max_new_tokens=8)
+    assert [(tr.prompt_id, tr.text, tr.completion_ids) for tr in traces] == [("p0", "3;", [3, 12])]
+    assert t.usage()["untokenizable_traces"] == 1
+
+    with pytest.raises(TeacherTraceError, match="cannot be written in the student's vocabulary"):
+        await t.traces([Prompt("p1", "2+2=", [])], max_new_tokens=8)
+    assert t.usage()["untokenizable_traces"] == 2
+    await t.aclose()
+
+
+def test_fake_addition_teacher() -> None:
+    assert addition_answer("3+4=") == "7;" and addition_answer("12+30=") == "42;"
+
+
+async def test_student_tokenizer_from_model_config(fake: FakeOpenRouter) -> None:
+    """The real path: ModelConfig -> the tiny model's tokenizer (imports transformers; no model is built)."""
+    from composer_mesh.models.config import ModelConfig
+
+    with pytest.raises(OpenRouterConfigError, match="student's model config"):
+        load_student_tokenizer(None)
+    tok = load_student_tokenizer(ModelConfig())
+    server = FakeOpenRouter(api_key=KEY, answer=addition_answer)
+    server.start()
+    try:
+        t = OpenRouterTeacher(settings(fake, base_url=server.base_url))
+        t.start(ModelConfig(), "t0")
+        [tr] = await t.traces([Prompt("p0", "3+4=", [])], max_new_tokens=8)
+        assert tr.text == "7;" and tr.completion_ids == list(tok.encode("7;", add_special_tokens=False))
+        assert len(tr.completion_ids) == 2
+        await t.aclose()
+    finally:
+        server.stop()

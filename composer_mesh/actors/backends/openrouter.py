@@ -23,11 +23,21 @@ from composer_mesh.actors.messages import Prompt, Rollout, TeacherTrace, TokenDi
 
 log = logging.getLogger("composer_mesh.openrouter")
 
-__all__ = ["OpenRouterTeacher", "StudentTokenizer", "TeacherCapabilityError", "load_student_tokenizer"]
+__all__ = [
+    "OpenRouterTeacher",
+    "StudentTokenizer",
+    "TeacherCapabilityError",
+    "TeacherTraceError",
+    "load_student_tokenizer",
+]
 
 
 class TeacherCapabilityError(NotImplementedError):
     """A teacher was asked for a signal its binding cannot supply."""
+
+
+class TeacherTraceError(ValueError):
+    """Teacher completions came back but none can be used as a trace in the student's vocabulary."""
 
 
 @runtime_checkable
@@ -51,9 +61,9 @@ def load_student_tokenizer(student_model: Any) -> StudentTokenizer:
         raise OpenRouterConfigError(
             "the openrouter teacher needs the student's model config (for its tokenizer) to re-tokenise traces"
         )
-    from composer_mesh.models import load_tokenizer  # type: ignore[attr-defined]
+    from composer_mesh.models.tiny import load_tokenizer
 
-    return load_tokenizer(student_model)  # type: ignore[no-any-return]
+    return load_tokenizer(student_model)  # type: ignore[return-value]
 
 
 class OpenRouterTeacher:
@@ -69,6 +79,7 @@ class OpenRouterTeacher:
         self._client_kwargs = client_kwargs
         self._client: OpenRouterClient | None = None
         self._tokenizer: StudentTokenizer | None = None
+        self._untokenizable = 0
 
     def __repr__(self) -> str:
         return f"OpenRouterTeacher(name={self.name!r}, models={self.settings.models!r}, started={self._client is not None})"
@@ -96,13 +107,18 @@ class OpenRouterTeacher:
         )
 
     async def traces(self, prompts: list[Prompt], max_new_tokens: int) -> list[TeacherTrace]:
-        """One trace per prompt, in order. Raises the first failure after every request has finished."""
+        """One trace per prompt, in order, once every request has finished.
+
+        Failed prompts are left out when `partial_traces` (already-paid traces are kept; the pool's traces
+        are a flat list, not aligned with prompts); otherwise, or when every request failed, the first
+        failure is raised naming its prompt and how many failed.
+        """
         client, tokenizer = self._require_started()
         cap = self.settings.max_tokens
         max_tokens = min(max_new_tokens, cap) if cap is not None else max_new_tokens
         results = await client.complete_many([p.text for p in prompts], max_tokens=max_tokens)
         failed = [(p, r) for p, r in zip(prompts, results) if isinstance(r, OpenRouterError)]
-        if failed:
+        if failed and (not self.settings.partial_traces or len(failed) == len(prompts)):
             prompt, err = failed[0]
             raise type(err)(
                 f"teacher {self.name!r}: {len(failed)}/{len(prompts)} requests failed; first "
@@ -110,14 +126,37 @@ class OpenRouterTeacher:
                 status=err.status,
                 retryable=err.retryable,
             )
+        for p, r in failed:
+            log.warning("teacher %s: no trace for prompt %s: %s", self.name, p.prompt_id, r)
         out: list[TeacherTrace] = []
+        lossy: list[tuple[str, str]] = []
         for p, r in zip(prompts, results):
-            assert isinstance(r, ChatResult)
-            out.append(self._to_trace(p, r, tokenizer, max_new_tokens))
+            if not isinstance(r, ChatResult):
+                continue
+            trace = self._to_trace(p, r, tokenizer, max_new_tokens)
+            if trace is None:
+                lossy.append((p.prompt_id, r.text))
+            else:
+                out.append(trace)
+        if lossy:
+            self._untokenizable += len(lossy)
+            pid, text = lossy[0]
+            what = (
+                f"teacher {self.name!r}: {len(lossy)}/{len(prompts)} teacher completions cannot be written in the "
+                f"student's vocabulary (the student tokenizer does not round-trip them; first, prompt {pid!r}: "
+                f"{text[:80]!r})"
+            )
+            if not out:
+                raise TeacherTraceError(what + "; no usable traces. Ask the teacher for text in the student's alphabet")
+            log.warning("%s; dropped", what)
         return out
 
     def usage(self) -> dict[str, float]:
-        return self._client.usage() if self._client is not None else {}
+        """The client's counters (requests, retries, failed_requests, tokens, cost, missing_logprobs) plus
+        `untokenizable_traces` (completions dropped because the student's vocabulary cannot represent them)."""
+        out = self._client.usage() if self._client is not None else {}
+        out["untokenizable_traces"] = float(self._untokenizable)
+        return out
 
     async def aclose(self) -> None:
         if self._client is not None:
@@ -128,13 +167,20 @@ class OpenRouterTeacher:
             raise RuntimeError(f"teacher {self.name!r}: call start(student_model, name) before traces()")
         return self._client, self._tokenizer
 
-    def _to_trace(self, prompt: Prompt, r: ChatResult, tok: StudentTokenizer, max_new_tokens: int) -> TeacherTrace:
+    def _to_trace(
+        self, prompt: Prompt, r: ChatResult, tok: StudentTokenizer, max_new_tokens: int
+    ) -> TeacherTrace | None:
         """Student-vocabulary ids for the teacher text, cut to the student's `max_new_tokens` budget.
 
-        The teacher counts tokens in its own vocabulary, so its text can be longer in student tokens; when
-        cut, `text` is the decoded cut so that text and ids always describe the same completion.
+        None when the student's tokenizer cannot represent the text (its ids do not decode back to it, e.g.
+        a character-level tokenizer and characters outside its alphabet): a silently shortened trace would
+        teach the student something the teacher never said. The teacher counts tokens in its own vocabulary,
+        so its text can be longer in student tokens; when cut, `text` is the decoded cut so that text and ids
+        always describe the same completion.
         """
         ids = list(tok.encode(r.text, add_special_tokens=False))
+        if tok.decode(ids) != r.text:
+            return None
         text = r.text
         if len(ids) > max_new_tokens:
             ids = ids[:max_new_tokens]

@@ -65,6 +65,11 @@ class OpenRouterSettings(BaseModel):
     top_logprobs: int = Field(
         5, ge=0, le=20, description="Alternatives per token (`top_logprobs`, 0–20; OpenRouter's range)."
     )
+    partial_traces: bool = Field(
+        True,
+        description="When some prompts of a batch fail (after retries), return the traces of the others (the "
+        "failures are counted and logged) instead of raising; a batch where every request fails always raises.",
+    )
     missing_logprobs: Literal["error", "flag"] = Field(
         "error",
         description="When log-probs were requested but the response has none: `error` raises "
@@ -198,7 +203,7 @@ class UsageCounters:
     requests: int = 0  # HTTP attempts sent
     completions: int = 0  # successful completions
     retries: int = 0
-    failures: int = 0  # calls that raised after all retries/fallbacks
+    failed_requests: int = 0  # calls that raised after all retries/fallbacks (the pool keeps its own `failures`)
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
@@ -327,7 +332,7 @@ class OpenRouterClient:
             try:
                 return await self._complete_with_fallback(prompt, max_tokens)
             except OpenRouterError:
-                self._counters.failures += 1
+                self._counters.failed_requests += 1
                 raise
 
     async def complete_many(self, prompts: list[str], *, max_tokens: int) -> list[ChatResult | OpenRouterError]:
