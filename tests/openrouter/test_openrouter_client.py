@@ -410,6 +410,11 @@ def test_missing_key_names_the_variable(fake: FakeOpenRouter, monkeypatch: pytes
     monkeypatch.setenv(ENV, "   ")
     with pytest.raises(OpenRouterConfigError, match=ENV):
         OpenRouterClient(settings(fake))
+    bad = KEY + "\u00e9x"  # a header library would quote this value in its error: rejected up front
+    monkeypatch.setenv(ENV, bad)
+    with pytest.raises(OpenRouterConfigError, match="printable ASCII") as info:
+        OpenRouterClient(settings(fake))
+    assert bad not in str(info.value) and KEY not in repr(info.value)
 
 
 async def test_wrong_key_is_a_non_retryable_401_without_the_key(fake: FakeOpenRouter, monkeypatch: pytest.MonkeyPatch) -> None:

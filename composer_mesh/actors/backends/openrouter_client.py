@@ -243,6 +243,12 @@ def read_api_key(env_name: str) -> str:
             f"environment variable {env_name} is not set or empty; it must hold the OpenRouter API key "
             f"(the teacher's settings.api_key_env names it)"
         )
+    if not all(33 <= ord(ch) <= 126 for ch in key):
+        # Checked here because an HTTP library rejecting the header later would quote the value.
+        raise OpenRouterConfigError(
+            f"environment variable {env_name} must hold the API key as printable ASCII without spaces "
+            f"(it has {len(key)} characters, some outside that range)"
+        )
     return key
 
 
@@ -453,10 +459,13 @@ class OpenRouterClient:
         http, _ = self._ensure_loop_state()
         where = f"POST {self.settings.base_url}/chat/completions (model {model})"
         failure: OpenRouterError | None = None
+        timeout = self.settings.request_timeout
         try:
-            response = await http.post("/chat/completions", json=payload)
+            # httpx's timeout bounds each phase (connect, each read); wait_for bounds the whole attempt, so a
+            # server that drips bytes cannot hold a slot forever.
+            response = await asyncio.wait_for(http.post("/chat/completions", json=payload), timeout)
             raw = response.content
-        except httpx.TimeoutException as e:
+        except (httpx.TimeoutException, asyncio.TimeoutError) as e:
             failure = OpenRouterTimeout(
                 self.redact(f"{where}: timed out after {self.settings.request_timeout}s ({type(e).__name__})"),
                 retryable=True,
