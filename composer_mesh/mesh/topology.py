@@ -8,6 +8,7 @@ so binding modules keep heavy imports inside functions.
 
 from __future__ import annotations
 
+import difflib
 import functools
 import os
 import re
@@ -171,8 +172,18 @@ class MeshSpec(_Strict):
             raise ValueError(f"slurm options are only allowed for backend 'slurm' (this mesh is {backend!r})")
         needed = info.data.get("procs_per_host", 1) * info.data.get("gpus_per_proc", 0)
         if v.gpus_per_node is not None and v.gpus_per_node < needed:
-            raise ValueError(
-                f"gpus_per_node={v.gpus_per_node} is less than procs_per_host × gpus_per_proc = {needed}"
+            # Raised as a nested ValidationError so the error's path ends at slurm.gpus_per_node.
+            msg = f"gpus_per_node={v.gpus_per_node} is less than procs_per_host × gpus_per_proc = {needed}"
+            raise ValidationError.from_exception_data(
+                "SlurmOptions",
+                [
+                    {
+                        "type": "value_error",
+                        "loc": ("gpus_per_node",),
+                        "input": v.gpus_per_node,
+                        "ctx": {"error": ValueError(msg)},
+                    }
+                ],
             )
         return v
 
@@ -707,8 +718,11 @@ def _describe(err: dict[str, Any], root: type[BaseModel], data: Any) -> str:
     kind, msg, loc = err["type"], err["msg"], tuple(err["loc"])
     if kind == "extra_forbidden":
         model = _model_at(root, loc[:-1], data)
-        allowed = f"; allowed keys: {', '.join(model.model_fields)}" if model is not None else ""
-        return f"unknown key {str(loc[-1])!r}{allowed}"
+        if model is None:
+            return f"unknown key {str(loc[-1])!r}"
+        close = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        return f"unknown key {str(loc[-1])!r}{hint}; allowed keys: {', '.join(model.model_fields)}"
     if kind == "missing":
         return "required key is missing"
     for prefix in ("Value error, ", "Assertion failed, "):
