@@ -63,7 +63,13 @@ def _make_batch(
             teachers=["t0", "t1", "t0"],
         )
     return LossBatch(
-        logits=logits, token_ids=token_ids, mask=mask, old_logprobs=old, rewards=rewards, group_ids=group_ids, **kwargs
+        logits=logits,
+        token_ids=token_ids,
+        mask=mask,
+        old_logprobs=old,
+        rewards=rewards,
+        group_ids=group_ids,
+        **kwargs,
     )
 
 

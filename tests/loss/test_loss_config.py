@@ -26,7 +26,16 @@ def test_unknown_variant_lists_allowed_values(field: str, value: str, needle: st
 
 @pytest.mark.parametrize(
     "field",
-    ["alpha_sdpo", "beta_replay", "kl_beta", "eps_low", "eps_high", "replay_dpo_beta", "simpo_beta", "simpo_gamma"],
+    [
+        "alpha_sdpo",
+        "beta_replay",
+        "kl_beta",
+        "eps_low",
+        "eps_high",
+        "replay_dpo_beta",
+        "simpo_beta",
+        "simpo_gamma",
+    ],
 )
 def test_negative_weights_rejected_naming_field(field: str) -> None:
     with pytest.raises(ValidationError, match=field):

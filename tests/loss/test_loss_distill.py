@@ -44,7 +44,9 @@ def _inputs(seed: int = 0, b: int = 3, t: int = 7, v: int = 50, scale: float = 2
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_generalized_jsd_matches_trl_gkd(beta: float, temperature: float) -> None:
     s, te, mask = _inputs(seed=int(beta * 10) + 1)
-    labels = torch.where(mask, torch.zeros_like(mask, dtype=torch.long), torch.full_like(mask, -100, dtype=torch.long))
+    labels = torch.where(
+        mask, torch.zeros_like(mask, dtype=torch.long), torch.full_like(mask, -100, dtype=torch.long)
+    )
     s_trl = s.clone().requires_grad_()
     ref = _trl_jsd()(s_trl, te, labels=labels, beta=beta, temperature=temperature)
     ref.backward()
@@ -146,7 +148,9 @@ def test_taid_without_schedule_raises_value_error() -> None:
 
 
 def test_taid_adaptive_schedule_is_monotone_bounded_and_above_linear() -> None:
-    cfg = LossConfig(sdpo_wrapper="taid", taid_total_steps=20, taid_t_start=0.2, taid_t_end=0.9, taid_alpha=0.3)
+    cfg = LossConfig(
+        sdpo_wrapper="taid", taid_total_steps=20, taid_t_start=0.2, taid_t_end=0.9, taid_alpha=0.3
+    )
     state = TAIDState()
     ts = []
     losses = [5.0, 4.0, 4.5, 3.0, 2.9, 3.5, 1.0] * 4
@@ -196,7 +200,9 @@ def test_topk_teacher_is_renormalised_on_its_support() -> None:
     b, t, v, k = 2, 5, 30, 6
     s = torch.randn(b, t, v, generator=g)
     ids = torch.stack([torch.stack([torch.randperm(v, generator=g)[:k] for _ in range(t)]) for _ in range(b)])
-    t_lp = torch.log_softmax(torch.randn(b, t, v, generator=g), -1).gather(-1, ids)  # not normalised on support
+    t_lp = torch.log_softmax(torch.randn(b, t, v, generator=g), -1).gather(
+        -1, ids
+    )  # not normalised on support
     mask = torch.ones(b, t, dtype=torch.bool)
     mask[1, 3:] = False
     params = DistillParams(beta=0.4, temperature=0.8)
