@@ -620,3 +620,44 @@ async def test_student_tokenizer_from_model_config(fake: FakeOpenRouter) -> None
         await t.aclose()
     finally:
         server.stop()
+
+
+TOPOLOGY = """
+name: or-check
+model: {source: tiny}
+meshes:
+  cpu: {backend: local}
+roles:
+  trainer: {mesh: cpu, binding: hf}
+  generators: {mesh: cpu, binding: hf}
+  rewarder: {mesh: cpu, binding: python, settings: {functions: [{path: "composer_mesh.tasks.arithmetic:exact_match"}]}}
+  teachers:
+    mesh: cpu
+    members:
+      - {name: api, binding: openrouter, channels: CHANNELS, settings: SETTINGS}
+loss: {alpha_sdpo: 0, beta_replay: 0.2}
+"""
+
+
+@pytest.mark.parametrize(
+    ("channels", "settings_yaml", "expected"),
+    [
+        ("[replay]", "{models: [a/b]}", None),
+        ("[distill, replay]", "{models: [a/b]}", "cannot feed channel 'distill'"),
+        ("[replay]", "{models: [a/b], api_key: KEY}", "unknown key 'api_key'"),
+        ("[replay]", "{models: [a/b], api_key_env: KEY}", "must be the NAME of an environment variable"),
+    ],
+)
+def test_topology_validation_of_an_openrouter_teacher(channels: str, settings_yaml: str, expected: str | None) -> None:
+    """The validator rejects channel 2 for this binding (capability) and never echoes a pasted key."""
+    from composer_mesh.mesh.topology import TopologyError, parse_topology
+
+    text = TOPOLOGY.replace("CHANNELS", channels).replace("SETTINGS", settings_yaml.replace("KEY", KEY))
+    if expected is None:
+        topo = parse_topology(text)
+        assert [m.name for m in topo.teachers.members] == ["api"]
+        return
+    with pytest.raises(TopologyError) as info:
+        parse_topology(text)
+    assert expected in str(info.value)
+    assert_no_key(info.value)

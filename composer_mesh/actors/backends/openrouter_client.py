@@ -83,7 +83,7 @@ class OpenRouterSettings(BaseModel):
     )
     max_concurrency: int = Field(8, ge=1, description="Maximum requests in flight at once (per teacher).")
     request_timeout: float = Field(
-        60.0, gt=0, description="Seconds allowed per HTTP attempt (connect + response); a timeout is retried."
+        60.0, gt=0, description="Seconds allowed per HTTP attempt (connect, send, whole response); a timeout is retried."
     )
     max_retries: int = Field(
         4, ge=0, description="Retries per request after the first attempt (429, 408, 5xx, timeouts, transport errors)."
