@@ -1,0 +1,194 @@
+"""The `hf` generator binding: batched sampling with a transformers causal LM on CPU (or one GPU).
+
+Log-prob convention (shared with `composer_mesh.models.sampling` and the vLLM binding): at temperature
+T > 0 each completion token is drawn from `softmax(logits / T)` and `Rollout.logprobs[t]` is
+`log_softmax(logits / T)[token_t]`, the log-prob under the distribution actually sampled from. At T == 0
+decoding is greedy and the log-probs are those of the untempered model, `log_softmax(logits)`.
+A completion ends after a stop token (the tokenizer's EOS or the task's end marker, e.g. ';'; the stop
+token is included in `completion_ids`, finish_reason "stop") or after `max_new_tokens` ("length").
+Sampling is seeded: the same request seed, weights and batch limit give the same rollouts.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from composer_mesh.actors.messages import GenerationRequest, Prompt, Rollout, RolloutGroup
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from composer_mesh.models.config import ModelConfig
+
+
+def _check_device(v: str) -> str:
+    if v == "cpu" or v == "cuda" or v.startswith("cuda:") or v == "mps":
+        return v
+    raise ValueError(f"device {v!r} is not one of 'cpu', 'cuda', 'cuda:<index>', 'mps'")
+
+
+class HFGeneratorSettings(BaseModel):
+    """Settings of the `hf` generator binding."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    device: str = Field("cpu", description="torch device of the policy copy: 'cpu', 'cuda', 'cuda:<index>' or 'mps'.")
+    torch_threads: int | None = Field(
+        1, ge=1, description="torch CPU threads for this process (null = leave torch's default). "
+        "1 is fastest for tiny models when several processes share a few cores."
+    )
+    max_batch: int = Field(64, ge=1, description="Maximum sequences sampled together in one batch.")
+    seed: int = Field(
+        0, description="Base sampling seed for requests without a seed (call i uses seed + i, so runs are reproducible)."
+    )
+    stop_at_task_eos: bool = Field(
+        True, description="Also stop at the model task's end marker (e.g. ';' for addition), besides the tokenizer's EOS."
+    )
+    cache_dir: str | None = Field(
+        None, description="Where the policy model is materialized (null = $COMPOSER_MESH_CACHE or ~/.cache/composer_mesh)."
+    )
+    name: str = Field("hf", description="Label written into Rollout.generator (e.g. to tell generators apart).")
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        return _check_device(v)
+
+
+def as_model_config(model: Any) -> ModelConfig:
+    from composer_mesh.models.config import ModelConfig
+
+    return model if isinstance(model, ModelConfig) else ModelConfig.model_validate(model)
+
+
+def prompt_ids(prompt: Prompt, tokenizer: PreTrainedTokenizerBase, vocab_size: int, who: str) -> list[int]:
+    """The prompt's token ids (encoded from its text when empty), checked against the model's vocabulary."""
+    from composer_mesh.models.tiny import encode_checked
+
+    ids = list(prompt.token_ids) or encode_checked(tokenizer, prompt.text)
+    if not ids:
+        raise ValueError(f"{who}: prompt {prompt.prompt_id!r} has no tokens (empty token_ids and text)")
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise ValueError(
+            f"{who}: prompt {prompt.prompt_id!r} has token ids {bad[:5]} outside the model's vocabulary [0, {vocab_size})"
+        )
+    return ids
+
+
+def task_stop_texts(model_config: ModelConfig) -> tuple[str, ...]:
+    """The end marker of the model's task (e.g. ';'), if the task has one."""
+    from composer_mesh.tasks import get_task
+
+    eos = getattr(get_task(model_config.task), "eos", None)
+    return (eos,) if eos else ()
+
+
+class HFGenerator:
+    """Samples rollouts with a transformers model; `load_weights` swaps weights between requests."""
+
+    Settings: ClassVar[type[BaseModel]] = HFGeneratorSettings
+    capabilities: ClassVar[frozenset[str]] = frozenset()
+
+    def __init__(self, settings: HFGeneratorSettings | None = None) -> None:
+        self.settings = settings or HFGeneratorSettings()
+        self.model: PreTrainedModel | None = None
+        self.tokenizer: PreTrainedTokenizerBase | None = None
+        self.stop_ids: list[int] = []
+        self._calls = 0
+        self._lock = threading.Lock()  # one generate or load_weights at a time
+
+    # -- lifecycle ---------------------------------------------------------------------------------------
+    def start(self, model: Any) -> None:
+        from composer_mesh.models.tiny import load_pretrained, stop_token_ids
+
+        cfg = as_model_config(model)
+        if self.settings.torch_threads is not None:
+            torch.set_num_threads(self.settings.torch_threads)
+        self.model, self.tokenizer = load_pretrained(cfg, self.settings.cache_dir, self.settings.device)
+        self.model.requires_grad_(False)
+        extra = task_stop_texts(cfg) if self.settings.stop_at_task_eos else ()
+        self.stop_ids = stop_token_ids(self.tokenizer, extra)
+        self._pad_id = int(self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stop_ids[0])
+        self._vocab = int(self.model.get_output_embeddings().weight.shape[0])
+        self._targets = self.model.state_dict()  # shares storage with the parameters
+
+    def _require_started(self) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+        if self.model is None or self.tokenizer is None:
+            raise RuntimeError("HFGenerator: call start(model_config) first")
+        return self.model, self.tokenizer
+
+    # -- generation --------------------------------------------------------------------------------------
+    def generate(self, request: GenerationRequest, weight_version: int) -> list[RolloutGroup]:
+        from composer_mesh.models.sampling import chunks, sample
+
+        model, tokenizer = self._require_started()
+        if request.samples_per_prompt < 1:
+            raise ValueError(f"GenerationRequest.samples_per_prompt must be >= 1, got {request.samples_per_prompt}")
+        if request.max_new_tokens < 1:
+            raise ValueError(f"GenerationRequest.max_new_tokens must be >= 1, got {request.max_new_tokens}")
+        if request.temperature < 0:
+            raise ValueError(f"GenerationRequest.temperature must be >= 0, got {request.temperature}")
+        ids = [prompt_ids(p, tokenizer, self._vocab, "hf generator") for p in request.prompts]
+        flat = [(i, ids[i]) for i in range(len(ids)) for _ in range(request.samples_per_prompt)]
+        seed = request.seed if request.seed is not None else self.settings.seed + self._calls
+        self._calls += 1
+        gen = torch.Generator(device=self.settings.device).manual_seed(seed)
+        outs = []
+        with self._lock:
+            for batch in chunks(flat, self.settings.max_batch):
+                outs += sample(
+                    model,
+                    [p for _, p in batch],
+                    max_new_tokens=request.max_new_tokens,
+                    temperature=request.temperature,
+                    stop_ids=self.stop_ids,
+                    pad_id=self._pad_id,
+                    generator=gen,
+                )
+        groups = [RolloutGroup(prompt=p, rollouts=[]) for p in request.prompts]
+        for (i, p_ids), out in zip(flat, outs):
+            groups[i].rollouts.append(
+                Rollout(
+                    prompt_id=request.prompts[i].prompt_id,
+                    prompt_ids=list(p_ids),
+                    completion_ids=out.token_ids,
+                    logprobs=out.logprobs,
+                    weight_version=weight_version,
+                    text=tokenizer.decode(out.token_ids, skip_special_tokens=True),
+                    finish_reason=out.finish_reason,
+                    generator=self.settings.name,
+                )
+            )
+        return groups
+
+    # -- weights -----------------------------------------------------------------------------------------
+    def weight_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """The model's state-dict names (the trainer's) -> (shape, dtype)."""
+        self._require_started()
+        return {name: (tuple(t.shape), t.dtype) for name, t in self._targets.items()}
+
+    def load_weights(self, named: dict[str, torch.Tensor]) -> None:
+        """Copy a complete state dict into the model in place; any mismatch raises before anything is copied."""
+        self._require_started()
+        unknown = sorted(set(named) - set(self._targets))
+        missing = sorted(set(self._targets) - set(named))
+        if unknown or missing:
+            raise ValueError(
+                f"hf generator load_weights: unknown names {unknown[:5]} ({len(unknown)}), "
+                f"missing names {missing[:5]} ({len(missing)})"
+            )
+        for name, t in named.items():
+            want = self._targets[name]
+            if tuple(t.shape) != tuple(want.shape) or t.dtype != want.dtype:
+                raise ValueError(
+                    f"hf generator load_weights: {name!r} is {tuple(t.shape)} {t.dtype}, "
+                    f"expected {tuple(want.shape)} {want.dtype}"
+                )
+        with self._lock, torch.no_grad():
+            for name, t in named.items():
+                self._targets[name].copy_(t)
