@@ -661,3 +661,29 @@ def test_topology_validation_of_an_openrouter_teacher(channels: str, settings_ya
         parse_topology(text)
     assert expected in str(info.value)
     assert_no_key(info.value)
+
+
+def test_errors_cross_process_boundaries_intact() -> None:
+    """Errors are pickled when they reach the controller from an actor: type, text and fields survive."""
+    err = OpenRouterHTTPError("POST x: HTTP 429: slow down", status=429, retryable=True)
+    back = pickle.loads(pickle.dumps(err))
+    assert type(back) is OpenRouterHTTPError and str(back) == str(err)
+    assert back.status == 429 and back.retryable is True
+
+
+async def test_in_a_teacher_pool(fake: FakeOpenRouter) -> None:
+    """The binding as the pool uses it (plain classes, no Monarch): traces and `<teacher>/<counter>` usage."""
+    from composer_mesh.actors.messages import TeacherRequest
+    from composer_mesh.actors.teacher_pool import PoolMember, TeacherPool
+
+    t = OpenRouterTeacher(settings(fake))
+    pool = TeacherPool([PoolMember("api", frozenset({"replay"}), t)])
+    pool.start(ByteTokenizer())
+    signals = await pool.signals(TeacherRequest(prompts=prompts(3), max_new_tokens=64))
+    assert sorted(tr.prompt_id for tr in signals.traces) == ["p0", "p1", "p2"]
+    assert {tr.teacher for tr in signals.traces} == {"api"}
+    assert signals.usage["api/completions"] == 3 and signals.usage["api/failures"] == 0
+    assert signals.usage["api/cost"] > 0
+    with pytest.raises(ValueError, match="cannot supply"):
+        TeacherPool([PoolMember("api", frozenset({"distill"}), OpenRouterTeacher(settings(fake)))])
+    await t.aclose()
