@@ -83,20 +83,30 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 COMMANDS: list[Command] = [
-    Command("validate", "check a topology file; print every error with its line, exit 1 if any", _validate_args,
-            _validate),
-    Command("plan", "show which roles run on which meshes (and the cost per hour with --prices)", _plan_args,
-            _plan),
+    Command(
+        "validate",
+        "check a topology file; print every error with its line, exit 1 if any",
+        _validate_args,
+        _validate,
+    ),
+    Command(
+        "plan",
+        "show which roles run on which meshes (and the cost per hour with --prices)",
+        _plan_args,
+        _plan,
+    ),
 ]
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="composer-mesh", description="RL post-training of language models on Monarch actor meshes."
+        prog="composer-mesh",
+        description="RL post-training of language models on Monarch actor meshes.",
+        allow_abbrev=False,  # a misspelt flag is an error, not silently another flag
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for cmd in COMMANDS:
-        p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help)
+        p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help, allow_abbrev=False)
         cmd.add_arguments(p)
         p.set_defaults(handler=cmd.handler)
     return parser

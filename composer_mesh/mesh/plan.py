@@ -29,7 +29,9 @@ class BackendPrice(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     gpu_hour: float = Field(ge=0, description="Price of one GPU for one hour.")
-    cpu_proc_hour: float = Field(0.0, ge=0, description="Price of one proc (CPU share) for one hour; default 0.")
+    cpu_proc_hour: float = Field(
+        0.0, ge=0, description="Price of one proc (CPU share) for one hour; default 0."
+    )
 
 
 class PriceTable(BaseModel):
@@ -60,7 +62,8 @@ class MeshPlan:
     hosts: int
     procs_per_host: int
     gpus_per_proc: int
-    gpus: int  # GPUs held by the mesh (billed)
+    gpus: int  # GPUs held by the mesh (billed): hosts × GPUs per node
+    gpus_used: int  # GPUs its procs use: procs × gpus_per_proc
     job: str  # how it is launched, e.g. the Slurm job options
     roles: tuple[str, ...]
     cost_per_hour: float | None  # None: no price for this backend (or no price table)
@@ -114,8 +117,17 @@ def _job(topology: Topology, name: str, spec: MeshSpec) -> str:
     s = spec.slurm
     assert s is not None
     opts = [f"job {topology.slurm_job_name(name)}"]
-    opts += [f"{k}={v}" for k, v in (("partition", s.partition), ("time", s.time_limit), ("account", s.account),
-                                     ("qos", s.qos), ("mem", s.mem)) if v]
+    opts += [
+        f"{k}={v}"
+        for k, v in (
+            ("partition", s.partition),
+            ("time", s.time_limit),
+            ("account", s.account),
+            ("qos", s.qos),
+            ("mem", s.mem),
+        )
+        if v
+    ]
     if not s.exclusive:
         opts.append("shared nodes")
     return "Slurm: " + ", ".join(opts)
@@ -132,7 +144,7 @@ def make_plan(topology: Topology, prices: PriceTable | None = None) -> Plan:
     """What runs where (meshes in file order) with the hourly cost when prices are given."""
     rows = []
     for name, spec in topology.meshes.items():
-        gpus = spec.hosts * spec.gpus_per_node
+        gpus = spec.gpus_held
         rows.append(
             MeshPlan(
                 name=name,
@@ -141,6 +153,7 @@ def make_plan(topology: Topology, prices: PriceTable | None = None) -> Plan:
                 procs_per_host=spec.procs_per_host,
                 gpus_per_proc=spec.gpus_per_proc,
                 gpus=gpus,
+                gpus_used=spec.gpus,
                 job=_job(topology, name, spec),
                 roles=_role_labels(topology, name),
                 cost_per_hour=_cost(spec, gpus, prices),
@@ -168,14 +181,23 @@ def render_plan(plan: Plan, console: Console | None = None) -> None:
         table.add_column(f"{plan.currency}/hour", justify="right")
     for m in plan.meshes:
         gpus = "CPU only" if m.gpus == 0 else f"{m.gpus} ({m.gpus_per_proc}/proc)"
-        row = [m.name, m.backend, f"{m.hosts} × {m.procs_per_host} = {m.procs}", gpus, "\n".join(m.roles), m.job]
+        if m.gpus != m.gpus_used:
+            gpus = f"{m.gpus} held, {m.gpus_used} used ({m.gpus_per_proc}/proc)"
+        row = [
+            m.name,
+            m.backend,
+            f"{m.hosts} × {m.procs_per_host} = {m.procs}",
+            gpus,
+            "\n".join(m.roles),
+            m.job,
+        ]
         if priced:
             row.append("no price" if m.cost_per_hour is None else f"{m.cost_per_hour:,.2f}")
         table.add_row(*row)
     console.print(table)
     total_gpus = sum(m.gpus for m in plan.meshes)
     total_procs = sum(m.procs for m in plan.meshes)
-    console.print(f"{len(plan.meshes)} meshes, {total_procs} procs, {total_gpus} GPUs")
+    console.print(f"{len(plan.meshes)} meshes, {total_procs} procs, {total_gpus} GPUs held")
     if priced:
         assert plan.currency is not None and plan.total_cost_per_hour is not None
         line = f"Estimated cost: {_money(plan.total_cost_per_hour, plan.currency)} per hour"

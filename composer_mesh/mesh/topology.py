@@ -37,6 +37,10 @@ Backend = Literal["local", "process", "slurm"]
 BACKENDS: tuple[Backend, ...] = ("local", "process", "slurm")
 
 
+def _plural(n: int, word: str, plural: str | None = None) -> str:
+    return f"{n} {word if n == 1 else (plural or word + 's')}"
+
+
 def _matches(pattern: str, what: str) -> Any:
     """An AfterValidator that explains the expected form instead of printing a regex."""
     rx = re.compile(pattern)
@@ -196,6 +200,11 @@ class MeshSpec(_Strict):
     def gpus(self) -> int:
         """Total GPUs used by the mesh's procs."""
         return self.procs * self.gpus_per_proc
+
+    @property
+    def gpus_held(self) -> int:
+        """GPUs the mesh holds (and is billed for): hosts × gpus_per_node."""
+        return self.hosts * self.gpus_per_node
 
     @property
     def gpus_per_node(self) -> int:
@@ -493,12 +502,12 @@ class Topology(_Strict):
             if any(m.backend == b for m in self.meshes.values())
         )
         procs = sum(m.procs for m in self.meshes.values())
-        gpus = sum(m.gpus for m in self.meshes.values())
+        gpus = sum(m.gpus_held for m in self.meshes.values())
         placed = ", ".join(f"{role} → {mesh}" for role, mesh in self.roles.placements())
         n = len(self.meshes)
         return (
-            f"topology {self.name!r}: {n} mesh{'es' if n != 1 else ''} ({backends}), {procs} procs, "
-            f"{gpus} GPUs; {placed}"
+            f"topology {self.name!r}: {_plural(n, 'mesh', 'meshes')} ({backends}), {_plural(procs, 'proc')}, "
+            f"{_plural(gpus, 'GPU')}; {placed}"
         )
 
     def slurm_job_name(self, mesh: str) -> str:

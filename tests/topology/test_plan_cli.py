@@ -1,0 +1,172 @@
+"""`plan` output for a mixed topology (with and without prices) and the `composer-mesh` CLI exit codes."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from composer_mesh.cli import COMMANDS, main
+from composer_mesh.mesh.plan import PriceTable, load_prices, make_plan, render_plan
+from composer_mesh.mesh.topology import TopologyError, load_topology
+
+HERE = Path(__file__).parent
+VALID = HERE / "valid"
+ROOT = HERE.parent.parent
+MIXED = VALID / "fake_mixed.yaml"
+PRICES = VALID / "prices.yaml"
+
+
+def rendered(plan) -> str:  # type: ignore[no-untyped-def]
+    buf = io.StringIO()
+    render_plan(plan, Console(file=buf, width=250, color_system=None))
+    return buf.getvalue()
+
+
+def test_plan_of_mixed_topology_with_prices() -> None:
+    plan = make_plan(load_topology(MIXED), load_prices(PRICES))
+    rows = {m.name: m for m in plan.meshes}
+    assert list(rows) == ["train", "gen", "teach", "cpu"]
+    train, gen, teach, cpu = rows["train"], rows["gen"], rows["teach"], rows["cpu"]
+    assert (train.backend, train.hosts, train.procs_per_host, train.gpus) == ("slurm", 2, 1, 8)
+    assert train.roles == ("trainer (topology.fake_bindings:Trainer, 2 replicas)",)
+    assert "partition=gpu" in train.job and "time=04:00:00" in train.job and "fake_mixed_train" in train.job
+    assert (gen.gpus, gen.gpus_used) == (8, 4)  # gpus_per_node: 8 holds the whole node
+    assert "gen_pool" in gen.job and "shared nodes" in gen.job
+    assert teach.roles == (
+        "teacher local_t (topology.fake_bindings:LocalTeacher: distill+replay)",
+        "teacher api_t (topology.fake_bindings:APITeacher: replay)",
+    )
+    assert (cpu.backend, cpu.gpus, cpu.roles) == ("local", 0, ("rewarder (topology.fake_bindings:Rewarder)",))
+    # slurm: 2.5/GPU-hour + 0.1/proc-hour; process: 0.05/proc-hour; local: not priced
+    assert train.cost_per_hour == pytest.approx(8 * 2.5 + 2 * 0.1)
+    assert gen.cost_per_hour == pytest.approx(8 * 2.5 + 4 * 0.1)
+    assert teach.cost_per_hour == pytest.approx(2 * 0.05)
+    assert cpu.cost_per_hour is None
+    assert plan.total_cost_per_hour == pytest.approx(40.7)
+    assert plan.unpriced == ("cpu",)
+
+    text = rendered(plan)
+    for fragment in (
+        "train",
+        "slurm",
+        "2 × 1 = 2",
+        "8 (4/proc)",
+        "8 held, 4 used (1/proc)",
+        "process",
+        "2 × 1 = 2",
+        "CPU only",
+        "teacher api_t",
+        "USD/hour",
+        "20.20",
+        "20.40",
+        "0.10",
+        "no price",
+        "Estimated cost: 40.70 USD per hour",
+        "no price for their backend: cpu",
+        "4 meshes, 9 procs, 16 GPUs held",
+    ):
+        assert fragment in text, fragment
+
+
+def test_plan_without_prices_has_no_cost_column() -> None:
+    plan = make_plan(load_topology(MIXED))
+    assert plan.total_cost_per_hour is None and all(m.cost_per_hour is None for m in plan.meshes)
+    text = rendered(plan)
+    assert "USD" not in text and "Estimated cost" not in text
+    assert "fake_mixed" in text
+
+
+def test_price_table_is_validated_with_lines(tmp_path: Path) -> None:
+    bad = tmp_path / "prices.yaml"
+    bad.write_text("currency: EUR\nslurm: {gpu_hour: -1}\nlocal: {cpu_proc_hour: 1}\nazure: {gpu_hour: 1}\n")
+    with pytest.raises(TopologyError) as info:
+        load_prices(bad)
+    got = {(e.path, e.line) for e in info.value.errors}
+    assert got == {("slurm.gpu_hour", 2), ("local.gpu_hour", 3), ("azure", 4)}
+    assert "allowed keys: currency, local, process, slurm" in str(info.value)
+    assert PriceTable().for_backend("slurm") is None
+
+
+# ---- CLI ---------------------------------------------------------------------------------------------------
+
+
+def test_validate_ok(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["validate", str(MIXED)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"ok: {MIXED}: topology 'fake_mixed': 4 meshes")
+
+
+def test_validate_prints_all_errors_and_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
+    broken = HERE / "broken" / "beta_default_without_teachers.yaml"
+    assert main(["validate", str(broken)]) == 1
+    err = capsys.readouterr().err
+    assert "2 errors" in err
+    assert f"{broken}:10:" in err and "loss.alpha_sdpo" in err and "loss.beta_replay" in err
+
+
+def test_plan_cli_with_prices(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "250")
+    assert main(["plan", str(MIXED), "--prices", str(PRICES)]) == 0
+    out = capsys.readouterr().out
+    assert "Estimated cost: 40.70 USD per hour" in out and "gen_pool" in out
+
+
+def test_plan_cli_reports_errors_of_both_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    prices = tmp_path / "p.yaml"
+    prices.write_text("slurm: {gpu_hour: cheap}\n")
+    broken = HERE / "broken" / "unknown_mesh.yaml"
+    assert main(["plan", str(broken), "--prices", str(prices)]) == 1
+    err = capsys.readouterr().err
+    assert "roles.generators.mesh" in err and f"{prices}:1:" in err and "slurm.gpu_hour" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        ([], "the following arguments are required: COMMAND"),
+        (["frobnicate"], "invalid choice: 'frobnicate'"),
+        (["validate"], "the following arguments are required: file"),
+        (["plan", "x.yaml", "--price", "p.yaml"], "unrecognized arguments"),
+    ],
+)
+def test_bad_usage_exits_2_with_a_message(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_missing_file_exits_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["validate", str(tmp_path / "nope.yaml")]) == 1
+    assert "cannot read file" in capsys.readouterr().err
+
+
+def test_commands_are_a_registry() -> None:
+    assert [c.name for c in COMMANDS][:2] == ["validate", "plan"]
+
+
+def test_console_script_exit_code() -> None:
+    """The installed `composer-mesh` entry point (as a user runs it) exits 1 and prints the errors.
+
+    One subprocess only (it imports torch through the sections' modules); the 0 path is covered by main().
+    """
+    exe = Path(sys.executable).parent / "composer-mesh"
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "composer_mesh.cli"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)])}
+    bad = subprocess.run(
+        [*cmd, "validate", str(HERE / "broken" / "bad_backend.yaml")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert bad.returncode == 1, bad.stderr
+    assert "meshes.cpu.backend" in bad.stderr and "'local', 'process' or 'slurm'" in bad.stderr
