@@ -107,10 +107,18 @@ class MeshFailureError(RuntimeError):
         places = sorted({(f.role or "(procs)", f.mesh) for f in self.failures})
         self.roles = sorted({f.role for f in self.failures if f.role is not None})
         where = ", ".join(f"role {role!r} on mesh {mesh!r}" for role, mesh in places)
-        first = self.failures[0].report.strip().splitlines() if self.failures else []
-        detail = f": {first[0]}" if first else ""
-        more = "\n".join(self.failures[0].report.strip().splitlines()[1:6]) if self.failures else ""
-        super().__init__(f"actor failure {during} in {where}{detail}" + (f"\n{more}" if more else ""))
+        reasons = list(dict.fromkeys(failure_reason(f.report) for f in self.failures))
+        super().__init__(
+            f"actor failure {during} in {where}: {'; '.join(reasons[:3])}"
+            + ("" if len(reasons) <= 3 else f" (+{len(reasons) - 3} more)")
+            + " (Monarch's full reports are in .failures)"
+        )
+
+
+def failure_reason(report: str) -> str:
+    """The gist of a Monarch failure report: the exception line ending its traceback, else its last line."""
+    lines = [line.strip() for line in report.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else "(no report)"
 
 
 class RoleConfig(BaseModel):
