@@ -224,7 +224,11 @@ def _build_into(config: ModelConfig, out: Path) -> dict[str, Any]:
         model, tokenizer = _load_dir(Path(config.source), torch.float32)
         model = model.to(torch.float32)
     t_build = time.perf_counter() - t0
-    meta: dict[str, Any] = {"config": config.model_dump(mode="json"), "build_seconds": round(t_build, 3)}
+    meta: dict[str, Any] = {
+        "config": config.model_dump(mode="json"),
+        "build_seconds": round(t_build, 3),
+        "built_by_pid": os.getpid(),
+    }
     if config.warmstart is not None:
         from composer_mesh.models.warmstart import warm_start
 

@@ -15,6 +15,7 @@ actor's event loop stays responsive; one computation runs at a time.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -34,12 +35,18 @@ from composer_mesh.models.config import ModelConfig, WarmStartConfig
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+log = logging.getLogger(__name__)
+
 # Logit given to student-vocabulary ids the teacher's head lacks (finite, so KL terms stay finite).
 _ABSENT_LOGIT = -1e9
 
 
+class TeacherTokenizerMismatch(ValueError):
+    """Channel 2 was asked of a teacher whose tokenizer differs from the student's."""
+
+
 def _default_teacher_model() -> ModelConfig:
-    return ModelConfig(warmstart=WarmStartConfig(steps=300))
+    return ModelConfig(warmstart=WarmStartConfig(steps=150))
 
 
 class HFTeacherSettings(BaseModel):
@@ -50,7 +57,7 @@ class HFTeacherSettings(BaseModel):
     model: ModelConfig = Field(
         default_factory=_default_teacher_model,
         description="The teacher model (same schema as the topology's model:). Default: the tiny model "
-        "warm-started for 300 SFT steps on the addition task, so it already solves it.",
+        "warm-started for 150 SFT steps on the addition task, so it already solves it.",
     )
     device: str = Field("cpu", description="torch device: 'cpu', 'cuda', 'cuda:<index>' or 'mps'.")
     torch_threads: int | None = Field(
@@ -117,6 +124,7 @@ class HFTeacher:
             "trace_prompts": 0.0,
             "trace_tokens": 0.0,
             "failures": 0.0,
+            "untokenizable_traces": 0.0,
             "cost": 0.0,
             "seconds": 0.0,
         }
@@ -142,14 +150,15 @@ class HFTeacher:
         self._pad_id = int(pad if pad is not None else self.stop_ids[0])
 
     @property
-    def shares_student_tokenizer(self) -> bool:
+    def shares_tokenizer(self) -> bool:
+        """True when channel 2 is possible (the teacher's tokenizer is the student's)."""
         return self.mismatch is None
 
     def check_distill(self) -> None:
         """Raise unless this teacher can give channel-2 distributions over the student's tokens."""
         self._require_started()
         if self.mismatch is not None:
-            raise ValueError(
+            raise TeacherTokenizerMismatch(
                 f"teacher {self.name!r} (binding hf, model {self.settings.model.source!r}) cannot supply channel-2 "
                 f"(distill) distributions: its tokenizer is not the student's ({self.mismatch}). "
                 "Give it channels: [replay] only, or use a teacher with the student's tokenizer."
@@ -220,7 +229,7 @@ class HFTeacher:
 
         model, tokenizer = self._require_started()
         assert self.student_tokenizer is not None
-        if self.shares_student_tokenizer:
+        if self.shares_tokenizer:
             ids = [prompt_ids(p, tokenizer, self._vocab, f"teacher {self.name!r}") for p in prompts]
         else:  # the prompt's ids are the student's: re-tokenise its text
             ids = [list(tokenizer.encode(p.text, add_special_tokens=False)) for p in prompts]
@@ -239,14 +248,23 @@ class HFTeacher:
         traces = []
         for p, s in zip(prompts, samples):
             text = tokenizer.decode(s.token_ids, skip_special_tokens=True)
-            if self.shares_student_tokenizer:
-                completion = list(s.token_ids)
-            else:
-                completion = list(self.student_tokenizer.encode(text, add_special_tokens=False))
-                ended_on_eos = s.token_ids and s.token_ids[-1] == tokenizer.eos_token_id
-                if ended_on_eos and self.student_tokenizer.eos_token_id is not None:
-                    completion.append(int(self.student_tokenizer.eos_token_id))
-            traces.append(TeacherTrace(teacher=self.name, prompt_id=p.prompt_id, text=text, completion_ids=completion))
+            if self.shares_tokenizer:
+                traces.append(TeacherTrace(self.name, p.prompt_id, text, list(s.token_ids)))
+                continue
+            # Another tokenizer: write the text in the student's vocabulary. A text the student cannot
+            # represent is dropped (a silently shortened trace would teach something the teacher never said).
+            completion = list(self.student_tokenizer.encode(text, add_special_tokens=False))
+            if self.student_tokenizer.decode(completion) != text:
+                self._usage["untokenizable_traces"] += 1
+                log.warning("teacher %r: trace for prompt %r cannot be written in the student's vocabulary; dropped",
+                            self.name, p.prompt_id)
+                continue
+            ended_on_eos = bool(s.token_ids) and s.token_ids[-1] == tokenizer.eos_token_id  # not in the text
+            if ended_on_eos and self.student_tokenizer.eos_token_id is not None:
+                completion.append(int(self.student_tokenizer.eos_token_id))
+            completion = completion[:max_new_tokens]
+            text = self.student_tokenizer.decode(completion, skip_special_tokens=True)
+            traces.append(TeacherTrace(self.name, p.prompt_id, text, completion))
         self._usage["trace_prompts"] += len(prompts)
         self._usage["trace_tokens"] += sum(len(s.token_ids) for s in samples)
         return traces
