@@ -12,6 +12,7 @@ import difflib
 import functools
 import os
 import re
+import sys
 import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -999,3 +1000,275 @@ def load_topology(path: str | os.PathLike[str]) -> Topology:
     topology = parse_topology(text, str(path))
     topology._source = Path(path)
     return topology
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Generated reference: `python -m composer_mesh.mesh.topology --docs > docs/topology.md`
+# ---------------------------------------------------------------------------------------------------------
+
+CROSS_CHECKS: tuple[str, ...] = (
+    "every role's `mesh` is a key of `meshes`, and every mesh is used by some role",
+    "a role that needs GPUs (its binding lists capability `gpu`, or its settings have `device: cuda...` or "
+    "`gpus > 0`) is not on a mesh with `gpus_per_proc: 0`",
+    "a teacher's channel `distill` / `replay` needs the binding capability of the same name "
+    "(e.g. `openrouter` gives no per-token distributions, so it cannot feed `distill`)",
+    "`loss.alpha_sdpo > 0` needs a teacher with channel `distill`; `loss.beta_replay > 0` needs a teacher with "
+    "channel `replay` (both default to 1.0, so set them to 0 to run without teachers)",
+    "`diloco` is given exactly when `roles.trainer.replicas > 1`, and `diloco.replicas` equals it",
+    "the trainer mesh's procs (hosts × procs_per_host) split evenly into `roles.trainer.replicas`",
+    "binding names and import paths resolve to a class with a `Settings` model, and `settings` validate with it",
+    "duplicate keys anywhere in the file are errors (YAML would silently keep the last one)",
+)
+
+_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _type_name(tp: Any) -> str:
+    """A short readable name of an annotation for the reference tables."""
+    origin, args = get_origin(tp), get_args(tp)
+    if origin is Annotated:
+        for meta in args[1:]:
+            if isinstance(meta, AfterValidator) and isinstance(meta.func, LazyModel):
+                return f"`{meta.func.import_path.rsplit(':', 1)[-1]}`"
+        return _type_name(args[0])
+    if origin is Literal:
+        return " \\| ".join(f"`{a!r}`" for a in args)
+    if origin in (Union, types.UnionType):
+        names = [_type_name(a) for a in args if a is not type(None)]
+        return " or ".join(names) + (" or null" if type(None) in args else "")
+    if origin is list:
+        return f"list of {_type_name(args[0])}"
+    if origin is tuple:
+        return f"tuple of ({', '.join(_type_name(a) for a in args)})"
+    if origin is dict:
+        return f"map {_type_name(args[0])} → {_type_name(args[1])}"
+    if tp is Any:
+        return "mapping"
+    if isinstance(tp, type) and issubclass(tp, BaseModel):
+        return f"`{tp.__name__}`"
+    return getattr(tp, "__name__", str(tp).replace("typing.", ""))
+
+
+def _default(f: Any) -> str:
+    if f.is_required():
+        return "required"
+    value = f.default_factory() if f.default_factory is not None else f.default
+    if isinstance(value, BaseModel):
+        return "defaults"
+    if isinstance(value, Path):
+        return f"`{str(value)!r}`"
+    return f"`{value!r}`" if value not in ({}, []) else ("`{}`" if value == {} else "`[]`")
+
+
+def _models_in(tp: Any) -> list[type[BaseModel]]:
+    model = _model_of(tp)
+    if model is not None:
+        return [model]
+    return [m for a in get_args(tp) for m in _models_in(a)]
+
+
+def _field_table(model: type[BaseModel], seen: set[type[BaseModel]] | None = None, title: str = "") -> str:
+    """Markdown table of a model's fields, followed by tables of the models nested in it."""
+    seen = seen if seen is not None else set()
+    seen.add(model)
+    doc = (model.__doc__ or "").strip()
+    rows = [f"#### {title or model.__name__}", ""]
+    if doc and doc != (BaseModel.__doc__ or "").strip():
+        rows += [doc.splitlines()[0], ""]
+    rows += ["| key | type | default | description |", "|---|---|---|---|"]
+    nested: list[type[BaseModel]] = []
+    for name, f in model.model_fields.items():
+        tp = _field_type(model, name)
+        desc = (f.description or "").replace("|", "\\|").replace("\n", " ").replace("<", "&lt;")
+        rows.append(f"| `{name}` | {_type_name(tp)} | {_default(f)} | {desc} |")
+        nested += [m for m in _models_in(tp) if m not in seen and m not in nested]
+    out = "\n".join(rows) + "\n"
+    for m in nested:
+        if m not in seen:
+            out += "\n" + _field_table(m, seen)
+    return out
+
+
+def _run_cli(argv: list[str]) -> str:
+    """Output of `composer-mesh ...` as a user sees it (stdout + stderr), for the docs."""
+    import contextlib
+    import io
+
+    from composer_mesh.cli import main as cli_main
+
+    buf = io.StringIO()
+    columns = os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = "140"  # the same table width wherever the docs are generated
+    try:
+        with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+            cli_main(argv)
+    finally:
+        if columns is None:
+            del os.environ["COLUMNS"]
+        else:
+            os.environ["COLUMNS"] = columns
+    return "\n".join(line.rstrip() for line in buf.getvalue().splitlines())
+
+
+def render_docs() -> str:
+    """The whole of docs/topology.md, generated from the schema, the bindings and the shipped files."""
+    from composer_mesh.bindings import BUILTIN
+
+    cwd = os.getcwd()
+    os.chdir(_ROOT)  # relative paths in the examples
+    try:
+        broken = _run_cli(["validate", "topologies/broken.yaml"])
+        plan = _run_cli(["plan", "topologies/mixed.yaml", "--prices", "topologies/prices.example.yaml"])
+        shipped = []
+        for path in sorted(Path("topologies").glob("*.yaml")):
+            if path.name.startswith("prices"):
+                continue
+            try:
+                shipped.append(f"| `{path}` | {load_topology(path).summary()} |")
+            except TopologyError as e:
+                shipped.append(f"| `{path}` | invalid on purpose: {len(e.errors)} errors (below) |")
+    finally:
+        os.chdir(cwd)
+
+    local = (_ROOT / "topologies" / "local.yaml").read_text().rstrip()
+    from composer_mesh.mesh.plan import BackendPrice, PriceTable
+
+    ours: list[tuple[type[BaseModel], str]] = [
+        (Topology, "top level"),
+        (MeshSpec, "meshes.&lt;name&gt; (`MeshSpec`)"),
+        (SlurmOptions, "meshes.&lt;name&gt;.slurm (`SlurmOptions`)"),
+        (RolesSpec, "roles (`RolesSpec`)"),
+        (TrainerSpec, "roles.trainer (`TrainerSpec`)"),
+        (GeneratorsSpec, "roles.generators (`GeneratorsSpec`)"),
+        (RewarderSpec, "roles.rewarder (`RewarderSpec`)"),
+        (TeachersSpec, "roles.teachers (`TeachersSpec`)"),
+        (TeacherSpec, "roles.teachers.members[] (`TeacherSpec`)"),
+    ]
+    owned = [(LazyModel(path).model, f"{name} (`{path}`)") for name, path in SECTION_MODELS.items()]
+    # Every model gets one table: listed ones in this order, nested ones right after their parent.
+    seen: set[type[BaseModel]] = {m for m, _ in ours + owned} | {PriceTable, BackendPrice}
+    schema = "\n".join(_field_table(m, seen, title) for m, title in ours)
+    sections = "\n".join(_field_table(m, seen, title) for m, title in owned)
+    prices = (
+        _field_table(PriceTable, seen, "price table (`PriceTable`)")
+        + "\n"
+        + _field_table(BackendPrice, seen, "price table: per backend (`BackendPrice`)")
+    )
+    bindings = ["| role | name | class | capabilities |", "|---|---|---|---|"]
+    binding_tables = []
+    for role, names in BUILTIN.items():
+        for name, path in names.items():
+            try:
+                b = _resolve(role, name)
+            except Exception as e:
+                bindings.append(f"| {role} | `{name}` | `{path}` (not importable: {type(e).__name__}) | |")
+                continue
+            caps = ", ".join(f"`{c}`" for c in sorted(b.capabilities)) or "—"
+            bindings.append(f"| {role} | `{name}` | `{path}` | {caps} |")
+            binding_tables.append(_field_table(b.settings_model, seen, f"{role} `{name}`: settings"))
+
+    checks = "\n".join(f"- {c}" for c in CROSS_CHECKS)
+    return f"""# Topology files
+
+<!-- Generated by `python -m composer_mesh.mesh.topology --docs > docs/topology.md`; do not edit by hand.
+     tests/topology/test_topology_docs.py fails when this file is out of date. -->
+
+A topology file is one YAML that describes a whole run: the **meshes** (where procs run and how many:
+this host, Monarch's local process job, or one Slurm job per mesh) and the **roles** placed on them
+(trainer, generators, rewarder, teachers), each bound to an implementation with typed settings, plus the
+**model**, **loss**, **weights**, **diloco** and **run** sections, typed by the components that own them.
+
+```
+composer-mesh validate FILE                       # exit 0 and a summary, or every error with line:column, exit 1
+composer-mesh plan FILE [--prices PRICES.yaml]     # what runs where, GPUs, and the cost per hour
+```
+
+From Python: `load_topology(path) -> Topology` raises `TopologyError`, whose `.errors` is a list of
+`TopologyIssue(path, line, column, message)`; `Topology` has the typed sections (`t.model`, `t.loss`,
+`t.weights`, `t.diloco`, `t.run`), `t.meshes[name]` (`MeshSpec`), and the roles (`t.trainer`,
+`t.generators`, `t.rewarder`, `t.teachers`), whose `settings` are instances of the binding's `Settings`
+model and whose `resolved` is the binding (class, import path, capabilities).
+
+Placement: the trainer's replicas split the trainer mesh's procs evenly; there is one generator per proc
+and one rewarder per proc of their meshes; teachers go round-robin over the procs of the teacher mesh.
+Several roles may share a mesh. A `slurm` mesh is one Slurm job (`MeshSpec.slurm_job_kwargs` gives the
+`monarch.job.SlurmJob` arguments); `local` meshes run on this host (hosts must be 1); `process` meshes use
+Monarch's `ProcessJob` (one local worker process per host).
+
+## The CPU default: `topologies/local.yaml`
+
+```yaml
+{local}
+```
+
+## Shipped topologies
+
+| file | summary |
+|---|---|
+{chr(10).join(shipped)}
+
+## Checks across sections
+
+Besides each field's own type and range (unknown keys are errors everywhere), `validate` checks:
+
+{checks}
+
+All errors are collected in one run: the sections are checked independently, and the checks across
+sections run on whichever parts are valid.
+
+## Example: errors
+
+`topologies/broken.yaml` is broken on purpose:
+
+```text
+$ composer-mesh validate topologies/broken.yaml
+{broken}
+```
+
+## Example: plan with prices
+
+```text
+$ composer-mesh plan topologies/mixed.yaml --prices topologies/prices.example.yaml
+{plan}
+```
+
+Cost per hour of a mesh = GPUs held × `gpu_hour` + procs × `cpu_proc_hour`, where GPUs held = hosts × GPUs
+per node (a Slurm `gpus_per_node` larger than the procs use is paid for too).
+
+## Reference: the schema
+
+{schema}
+## Reference: built-in bindings
+
+A role's `binding` is one of these names or an import path `package.module:Class` to a class with a
+`Settings` pydantic model and a `capabilities` set (see `composer_mesh/bindings.py`).
+
+{chr(10).join(bindings)}
+
+{chr(10).join(binding_tables)}
+## Reference: sections owned by the components
+
+{sections}
+## Reference: price table
+
+{prices}"""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m composer_mesh.mesh.topology --docs`: print docs/topology.md."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m composer_mesh.mesh.topology", allow_abbrev=False)
+    parser.add_argument("--docs", action="store_true", help="print the generated docs/topology.md")
+    args = parser.parse_args(argv)
+    if not args.docs:
+        parser.print_help()
+        return 2
+    sys.stdout.write(render_docs())
+    return 0
+
+
+if __name__ == "__main__":
+    from composer_mesh.mesh.topology import main as _main  # the importable module's classes, not __main__'s
+
+    raise SystemExit(_main())
