@@ -26,7 +26,7 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 class OuterOptimizerConfig(BaseModel):
     """Outer optimizer applied to the averaged pseudo-gradient (DiLoCo paper: SGD, Nesterov, lr 0.7, m 0.9)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
     kind: Literal["sgd"] = Field("sgd", description="Outer optimizer family. Only SGD is supported.")
     lr: float = Field(0.7, gt=0.0, description="Outer learning rate (DiLoCo paper: 0.7).")
@@ -49,7 +49,7 @@ class OuterOptimizerConfig(BaseModel):
 class DiLoCoConfig(BaseModel):
     """DiLoCo across trainer replicas, synchronised through an fsspec object store every `sync_every` steps."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
     store_uri: str = Field(
         ...,

@@ -71,7 +71,7 @@ def read_header(key: str, data: bytes) -> tuple[dict[str, Any], int]:
         raise ShardError(key, f"truncated: {len(data)} bytes, not even a safetensors header length")
     (n,) = struct.unpack("<Q", data[:8])
     if n > len(data) - 8:
-        raise ShardError(key, f"truncated: header says {n} header bytes but the object has {len(data)} bytes")
+        raise ShardError(key, f"truncated: the header alone needs {8 + n} bytes but the object has {len(data)}")
     try:
         header = json.loads(data[8 : 8 + n])
     except (UnicodeDecodeError, json.JSONDecodeError) as e:

@@ -1,0 +1,214 @@
+"""The store protocol of ObjectStoreManager, driven directly (replicas as threads, real file:// store).
+
+Bad shards are written by the test itself, acting as a faulty third replica.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from composer_mesh.mesh.objectstore import DiLoCoConfig
+from composer_mesh.mesh.objectstore.manager import ObjectStoreManager, RoundReport
+from composer_mesh.mesh.objectstore.store import Store, encode_shard
+
+NUMEL = 12
+
+
+def _cfg(tmp_path, **kw) -> DiLoCoConfig:
+    base = {"store_uri": f"file://{tmp_path}/store", "run_id": "run-a", "replicas": 3, "quorum_deadline_s": 2.0,
+            "poll_interval_s": 0.01}
+    return DiLoCoConfig(**{**base, **kw})
+
+
+def _vec(r: int, n: int = NUMEL) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(100 + r))
+
+
+def _rounds(cfg: DiLoCoConfig, replica_ids: list[int], tensors: dict[int, torch.Tensor],
+            delays: dict[int, float] | None = None) -> dict[int, tuple[bool, torch.Tensor, RoundReport]]:
+    """One round on each replica (in threads); returns (should_commit, tensor after wait, report)."""
+    out: dict[int, tuple[bool, torch.Tensor, RoundReport]] = {}
+    errors: list[BaseException] = []
+
+    def go(r: int) -> None:
+        try:
+            time.sleep((delays or {}).get(r, 0.0))
+            m = ObjectStoreManager(cfg, r)
+            m.start_quorum()
+            t = tensors[r].clone()
+            work = m.allreduce(t)
+            work.wait()
+            ok = m.should_commit()
+            out[r] = (ok, t, m.reports[-1])
+            m.shutdown()
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=go, args=(r,)) for r in replica_ids]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    return out
+
+
+def _fake_replica(cfg: DiLoCoConfig, r: int, tensor: torch.Tensor, *, defect: str | None = None,
+                  bad_slice: int = 0, marker_run: str | None = None) -> str:
+    """Publish replica `r`'s round-1 shards + marker like a real replica would, optionally with a defect."""
+    store = Store.from_config(cfg)
+    base = "rounds/q00000001"
+    sizes, bad_key = [], ""
+    n = cfg.replicas
+    for j in range(n):
+        lo, hi = j * NUMEL // n, (j + 1) * NUMEL // n
+        meta = {"run_id": cfg.run_id, "quorum_id": 1, "replica": r, "slice": j, "kind": "shard"}
+        if defect == "other_run" and j == bad_slice:
+            meta["run_id"] = "run-b"
+        blob = encode_shard({"data": tensor[lo:hi]}, meta)
+        sizes.append(len(blob))
+        if j == bad_slice and defect == "truncated":
+            blob = blob[: len(blob) - 7]
+        elif j == bad_slice and defect == "checksum":
+            blob = blob[:-1] + bytes([blob[-1] ^ 0x01])
+        key = f"{base}/shards/r{r:03d}/s{j:03d}.safetensors"
+        if j == bad_slice:
+            bad_key = key
+        store.put(key, blob)
+    store.put_json(f"{base}/arrived/r{r:03d}.json", {
+        "run_id": marker_run or cfg.run_id, "quorum_id": 1, "replica": r, "numel": NUMEL,
+        "dtype": "torch.float32", "abstain": False, "sizes": sizes})
+    return bad_key
+
+
+def test_three_replicas_average_bitwise_identical(tmp_path):
+    cfg = _cfg(tmp_path)
+    vecs = {r: _vec(r) for r in range(3)}
+    res = _rounds(cfg, [0, 1, 2], vecs)
+    want = (vecs[0] + vecs[1] + vecs[2]) / 3
+    for r in range(3):
+        ok, t, rep = res[r]
+        assert ok and rep.members == [0, 1, 2] and rep.epoch == 0
+        assert torch.equal(t, res[0][1])
+        assert torch.allclose(t, want, atol=1e-6)
+
+
+@pytest.mark.parametrize(("defect", "bad_slice", "problem"), [
+    ("truncated", 1, "truncated"),
+    ("checksum", 0, "checksum mismatch"),
+    ("other_run", 0, "a shard from another run"),
+])
+def test_bad_shard_rejected_and_round_completes(tmp_path, defect, bad_slice, problem):
+    cfg = _cfg(tmp_path)
+    vecs = {r: _vec(r) for r in range(3)}
+    bad_key = _fake_replica(cfg, 2, vecs[2], defect=defect, bad_slice=bad_slice)
+    res = _rounds(cfg, [0, 1], vecs)
+    want = (vecs[0] + vecs[1]) / 2
+    for r in (0, 1):
+        ok, t, rep = res[r]
+        assert ok, rep.error
+        assert rep.members == [0, 1] and rep.epoch == 1
+        msg = rep.rejected["r002"]
+        assert bad_key in msg and problem in msg, msg
+        assert torch.equal(t, res[0][1]) and torch.allclose(t, want, atol=1e-7)
+
+
+def test_marker_from_another_run_is_rejected(tmp_path):
+    cfg = _cfg(tmp_path)
+    vecs = {r: _vec(r) for r in range(3)}
+    _fake_replica(cfg, 2, vecs[2], marker_run="run-b")
+    res = _rounds(cfg, [0, 1], vecs)
+    for r in (0, 1):
+        ok, _, rep = res[r]
+        assert ok and rep.members == [0, 1] and rep.epoch == 0
+        assert "another run" in rep.rejected["r002"] and "arrived/r002.json" in rep.rejected["r002"]
+
+
+def test_corrupt_reduced_slice_fails_the_round_cleanly_everywhere(tmp_path):
+    cfg = _cfg(tmp_path, replicas=2)
+    vecs = {r: _vec(r) for r in range(2)}
+    key = "rounds/q00000001/reduced/e0/s000.safetensors"
+    Store.from_config(cfg).put(key, b"\x0a\x00\x00\x00\x00\x00\x00\x00{not json}")
+    res = _rounds(cfg, [0, 1], vecs)
+    for r in (0, 1):
+        ok, t, rep = res[r]
+        assert not ok and rep.error is not None
+        assert rep.error.startswith("round aborted") and key in rep.error and "not a safetensors" in rep.error
+        assert torch.equal(t, vecs[r]), "a failed round must leave the tensor untouched"
+
+
+def test_dead_reducer_slice_is_reduced_by_a_survivor(tmp_path):
+    cfg = _cfg(tmp_path, quorum_deadline_s=0.5)
+    vecs = {r: _vec(r) for r in range(3)}
+    _fake_replica(cfg, 2, vecs[2])  # a member that published, then died before reducing slice 2
+    res = _rounds(cfg, [0, 1], vecs)
+    want = (vecs[0] + vecs[1] + vecs[2]) / 3
+    fallbacks = set()
+    for r in (0, 1):
+        ok, t, rep = res[r]
+        assert ok and rep.members == [0, 1, 2]
+        assert torch.equal(t, res[0][1]) and torch.allclose(t, want, atol=1e-6)
+        fallbacks |= set(rep.fallback_slices)
+    assert fallbacks == {2}
+
+
+def test_late_replica_left_out_but_commits_the_same_result(tmp_path):
+    cfg = _cfg(tmp_path, replicas=2, quorum_deadline_s=0.3)
+    vecs = {r: _vec(r) for r in range(2)}
+    res = _rounds(cfg, [0, 1], vecs, delays={1: 1.5})
+    for r in (0, 1):
+        ok, t, rep = res[r]
+        assert ok and rep.members == [0]
+        assert torch.equal(t, vecs[0])
+    assert res[1][2].contributed and 1 not in res[1][2].members
+
+
+def test_bf16_compression_halves_bytes_and_stays_identical(tmp_path):
+    n = 4096
+    vecs = {r: _vec(r, n) for r in range(2)}
+    fp32 = _rounds(_cfg(tmp_path / "a", replicas=2, run_id="fp32"), [0, 1], vecs)
+    bf16 = _rounds(_cfg(tmp_path / "b", replicas=2, run_id="bf16", compression="bf16"), [0, 1], vecs)
+    want = ((vecs[0].bfloat16().float() + vecs[1].bfloat16().float()) / 2).bfloat16().float()
+    for r in (0, 1):
+        assert bf16[r][0] and torch.equal(bf16[r][1], want)
+        assert bf16[r][2].bytes_written < 0.6 * fp32[r][2].bytes_written
+    assert torch.equal(bf16[0][1], bf16[1][1])
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_bytes_read_per_replica_about_twice_the_model(tmp_path, n):
+    numel = 1 << 18  # 1 MiB of fp32
+    model_bytes = numel * 4
+    vecs = {r: _vec(r, numel) for r in range(n)}
+    res = _rounds(_cfg(tmp_path, replicas=n), list(range(n)), vecs)
+    for r in range(n):
+        ok, t, rep = res[r]
+        assert ok and torch.equal(t, res[0][1])
+        assert rep.bytes_read <= 2.2 * model_bytes, rep.bytes_read / model_bytes
+        assert rep.bytes_written <= (1 + 1 / n) * model_bytes * 1.05, rep.bytes_written / model_bytes
+
+
+def test_memory_store_real_diloco_in_threads():
+    import uuid
+
+    from diloco.worker import WorkerArgs, run
+
+    uri = f"memory://diloco-{uuid.uuid4().hex[:8]}"
+    res: dict[int, dict] = {}
+
+    def go(r: int) -> None:
+        res[r] = run(WorkerArgs(store_uri=uri, run_id="mem", replicas=2, replica_id=r,
+                                out_dir=f"/tmp/diloco-mem-{uuid.uuid4().hex[:6]}", target_outer_steps=2))
+
+    threads = [threading.Thread(target=go, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(res) == [0, 1]
+    assert all(rep["committed"] for r in res.values() for rep in r["reports"])
+    assert res[0]["outer_step"] == res[1]["outer_step"] == 2

@@ -1,0 +1,103 @@
+"""Store primitives: checksummed shards, atomic and create-only puts on file://, memory:// and S3 (moto)."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import torch
+
+from composer_mesh.mesh.objectstore import DiLoCoConfig
+from composer_mesh.mesh.objectstore.store import ShardError, Store, StoreError, decode_shard, encode_shard
+
+META = {"run_id": "r1", "quorum_id": 3, "replica": 1, "slice": 0, "kind": "shard"}
+
+
+def _blob() -> bytes:
+    return encode_shard({"data": torch.arange(10, dtype=torch.float32)}, META)
+
+
+def test_shard_roundtrip():
+    tensors, meta = decode_shard("k", _blob(), expect=META, expected_size=len(_blob()))
+    assert torch.equal(tensors["data"], torch.arange(10, dtype=torch.float32))
+    assert meta["run_id"] == "r1" and len(meta["sha256"]) == 64
+
+
+@pytest.mark.parametrize("cut", [3, 20, -1])
+def test_truncated_shard_named(cut):
+    blob = _blob()
+    with pytest.raises(ShardError, match=r"^some/key: truncated") as ei:
+        decode_shard("some/key", blob[:cut], expect=META)
+    assert ei.value.key == "some/key"
+
+
+def test_checksum_mismatch_named():
+    blob = bytearray(_blob())
+    blob[-3] ^= 0xFF
+    with pytest.raises(ShardError, match=r"^k: checksum mismatch"):
+        decode_shard("k", bytes(blob), expect=META)
+
+
+def test_shard_from_another_run_named():
+    with pytest.raises(ShardError, match=r"^k: a shard from another run: metadata run_id='r1', expected 'r2'"):
+        decode_shard("k", _blob(), expect={**META, "run_id": "r2"})
+
+
+def test_wrong_round_and_size_named():
+    with pytest.raises(ShardError, match="wrong quorum_id"):
+        decode_shard("k", _blob(), expect={**META, "quorum_id": 4})
+    with pytest.raises(ShardError, match="size mismatch"):
+        decode_shard("k", _blob(), expect=META, expected_size=len(_blob()) + 1)
+
+
+def test_garbage_is_not_unpickled():
+    import pickle
+
+    with pytest.raises(ShardError, match=r"not a safetensors object|truncated"):
+        decode_shard("k", pickle.dumps({"x": 1}), expect=META)
+
+
+def _exercise(store: Store) -> None:
+    store.put("a/b/x.bin", b"one")
+    assert store.get("a/b/x.bin") == b"one"
+    store.put("a/b/x.bin", b"two")
+    assert store.get("a/b/x.bin") == b"two"
+    assert store.put_if_absent("a/c.json", b"first") is True
+    assert store.put_if_absent("a/c.json", b"second") is False
+    assert store.get("a/c.json") == b"first"
+    assert store.list("a") == ["b", "c.json"]
+    assert store.list("nothing/here") == []
+    assert store.get_or_none("a/missing") is None
+    store.rm_prefix("a")
+    assert store.list("a") == []
+
+
+def test_file_store(tmp_path):
+    s = Store(f"file://{tmp_path}/root")
+    _exercise(s)
+    r, w = s.counters()
+    assert r > 0 and w > 0
+
+
+def test_memory_store():
+    _exercise(Store(f"memory://store-{uuid.uuid4().hex[:8]}"))
+
+
+def test_credentials_only_from_named_env(monkeypatch):
+    cfg = DiLoCoConfig(store_uri="s3://bucket/x", run_id="r", credentials_env={"secret": "DILOCO_TEST_SECRET"})
+    monkeypatch.delenv("DILOCO_TEST_SECRET", raising=False)
+    with pytest.raises(StoreError, match="DILOCO_TEST_SECRET is not set"):
+        Store.from_config(cfg)
+
+
+@pytest.mark.s3
+def test_s3_store(s3_store, monkeypatch):
+    cfg = DiLoCoConfig(run_id="r", **s3_store)
+    s = Store.from_config(cfg)
+    assert "testing" not in repr(s)
+    _exercise(s)
+    # another client's write is visible at once (no stale listing cache)
+    other = Store.from_config(cfg)
+    s.list("fresh")
+    other.put("fresh/new.bin", b"x")
+    assert s.list("fresh") == ["new.bin"] and s.exists("fresh/new.bin")
