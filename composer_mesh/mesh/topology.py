@@ -646,7 +646,7 @@ class _Doc:
                 parts.extend(r for r in loc[i:] if r != "[key]")
                 break
             key_node, value = found
-            parts.append(el)
+            parts.append(str(el) if isinstance(node, yaml.MappingNode) else el)
             last_key = key_node
             is_last = i == len(loc) - 1
             scalar = isinstance(value, yaml.ScalarNode)

@@ -203,3 +203,40 @@ loss: {alpha_sdpo: 0, beta_replay: 0.1}
     with pytest.raises(TopologyError) as info:
         parse_topology(text.replace("lr: 0.01", "lr: 0.01, momentum: 0.9"))
     assert [(e.path, e.line) for e in info.value.errors] == [("roles.trainer.settings.momentum", 5)]
+
+
+def test_topology_pickles_and_round_trips_through_a_dump() -> None:
+    """The launcher ships the Topology to actors: it must pickle, and a JSON dump must re-validate."""
+    import pickle
+
+    from composer_mesh.mesh.topology import Topology
+
+    t = load_topology(VALID / "fake_mixed.yaml")
+    u = pickle.loads(pickle.dumps(t))
+    assert u == t and u.source == t.source
+    assert isinstance(u.trainer.settings, TrainerSettings)
+    again = Topology.model_validate(t.model_dump(mode="json"))
+    assert again.trainer.settings == t.trainer.settings
+    assert again.roles == t.roles and again.meshes == t.meshes and again.loss == t.loss
+
+
+def test_yaml_features_anchors_merge_keys_and_numeric_keys() -> None:
+    text = """\
+name: t
+meshes:
+  cpu: &cpu {backend: local, procs_per_host: 2}
+  gpu: {<<: *cpu, gpus_per_proc: 1}
+  7: {backend: local}
+roles:
+  trainer: {mesh: cpu, binding: "topology.fake_bindings:Trainer", settings: null}
+  generators: {mesh: gpu, binding: "topology.fake_bindings:Generator"}
+  rewarder: {mesh: cpu, binding: "topology.fake_bindings:Rewarder"}
+loss: {alpha_sdpo: 0, beta_replay: 0}
+"""
+    with pytest.raises(TopologyError) as info:
+        parse_topology(text)
+    got = {(e.path, e.line) for e in info.value.errors}
+    assert ("meshes.7", 5) in got  # a number is not a mesh name (and the path says so)
+    t = parse_topology(text.replace("  7: {backend: local}\n", ""))
+    assert t.meshes["gpu"].procs_per_host == 2 and t.meshes["gpu"].gpus_per_proc == 1  # merged
+    assert t.trainer.settings == TrainerSettings()  # `settings: null` means defaults
