@@ -1,0 +1,170 @@
+"""The `hf` generator binding on the tiny model: log-prob contract, seeding, stops, weight loading."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from composer_mesh.actors.backends.hf_generator import HFGenerator, HFGeneratorSettings
+from composer_mesh.actors.messages import GenerationRequest, Prompt
+from composer_mesh.models.config import ModelConfig
+
+STUDENT = ModelConfig(warmstart={"steps": 30})  # same as tests/models: one cache build per session
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return str(tmp_path_factory.getbasetemp() / "composer_mesh_models")
+
+
+@pytest.fixture(scope="module")
+def gen(cache):
+    g = HFGenerator(HFGeneratorSettings(cache_dir=cache, max_batch=5, name="g0"))
+    g.start(STUDENT)
+    return g
+
+
+@pytest.fixture(scope="module")
+def reference(cache):
+    """An independent copy of the same weights for recomputation."""
+    from composer_mesh.models.tiny import load_pretrained
+
+    return load_pretrained(STUDENT, cache)
+
+
+def prompts(tok, n: int, seed: int = 0) -> list[Prompt]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        a, b = rng.randint(0, 9), rng.randint(0, 9)
+        text = f"{a}+{b}=" if i % 3 else f"{a}+{b}+{i % 10}="  # mixed lengths: exercises left padding
+        out.append(Prompt(f"p{i}", text, tok.encode(text, add_special_tokens=False), str(a + b)))
+    return out
+
+
+def recompute_logprobs(model, rollout, temperature: float) -> torch.Tensor:
+    ids = torch.tensor([rollout.prompt_ids + rollout.completion_ids])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0].float()
+    p = len(rollout.prompt_ids)
+    rows = logits[p - 1 : p - 1 + len(rollout.completion_ids)]
+    logp = torch.log_softmax(rows / temperature if temperature > 0 else rows, dim=-1)
+    return logp.gather(-1, torch.tensor(rollout.completion_ids)[:, None]).squeeze(-1)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
+def test_logprobs_are_those_of_the_sampling_distribution(gen, reference, temperature):
+    model, tok = reference
+    req = GenerationRequest(prompts(tok, 6), samples_per_prompt=3, max_new_tokens=5, temperature=temperature, seed=11)
+    groups = gen.generate(req, weight_version=4)
+    assert [g.prompt.prompt_id for g in groups] == [p.prompt_id for p in req.prompts]
+    for g in groups:
+        assert len(g.rollouts) == 3 and g.weight_version == 4
+        for r in g.rollouts:
+            assert r.prompt_ids == g.prompt.token_ids and r.generator == "g0" and r.weight_version == 4
+            assert torch.allclose(torch.tensor(r.logprobs), recompute_logprobs(model, r, temperature), atol=1e-5)
+            assert r.text == tok.decode(r.completion_ids, skip_special_tokens=True)
+
+
+def test_stops_at_task_eos_or_length(gen):
+    tok = gen.tokenizer
+    semicolon = tok.encode(";", add_special_tokens=False)[0]
+    assert set(gen.stop_ids) == {tok.eos_token_id, semicolon}
+    groups = gen.generate(GenerationRequest(prompts(tok, 8), samples_per_prompt=4, max_new_tokens=3, seed=0), 0)
+    reasons = set()
+    for r in (r for g in groups for r in g.rollouts):
+        reasons.add(r.finish_reason)
+        stops = [i for i, t in enumerate(r.completion_ids) if t in gen.stop_ids]
+        if r.finish_reason == "stop":
+            assert stops == [len(r.completion_ids) - 1]
+        else:
+            assert stops == [] and len(r.completion_ids) == 3
+    assert "stop" in reasons  # the warm-started student ends with ';'
+
+
+def test_seeded_sampling_is_reproducible(gen):
+    tok = gen.tokenizer
+    req = GenerationRequest(prompts(tok, 5), samples_per_prompt=4, max_new_tokens=6, temperature=1.0, seed=5)
+
+    def ids(groups):
+        return [r.completion_ids for g in groups for r in g.rollouts]
+
+    a, b = ids(gen.generate(req, 0)), ids(gen.generate(req, 0))
+    assert a == b
+    req.seed = 6
+    assert ids(gen.generate(req, 0)) != a
+    # Without a request seed calls differ from each other (settings.seed + call index).
+    req.seed = None
+    assert ids(gen.generate(req, 0)) != ids(gen.generate(req, 0))
+
+
+def test_prompt_text_is_encoded_when_ids_are_missing_and_bad_ids_are_named(gen):
+    tok = gen.tokenizer
+    [g] = gen.generate(GenerationRequest([Prompt("t", "2+2=", [])], samples_per_prompt=1, seed=0), 0)
+    assert g.rollouts[0].prompt_ids == tok.encode("2+2=", add_special_tokens=False)
+    with pytest.raises(ValueError, match=r"prompt 'bad' has token ids \[999\] outside"):
+        gen.generate(GenerationRequest([Prompt("bad", "", [1, 999])]), 0)
+    with pytest.raises(ValueError, match="samples_per_prompt"):
+        gen.generate(GenerationRequest(prompts(tok, 1), samples_per_prompt=0), 0)
+
+
+def test_weight_specs_are_the_trainer_state_dict(gen, reference):
+    model, _ = reference
+    specs = gen.weight_specs()
+    sd = model.state_dict()
+    assert specs == {k: (tuple(v.shape), v.dtype) for k, v in sd.items()}
+    assert "lm_head.weight" in specs and "model.embed_tokens.weight" in specs
+
+
+def test_load_weights_then_generate_uses_new_weights(cache):
+    from composer_mesh.models.tiny import build_tiny
+
+    g = HFGenerator(HFGeneratorSettings(cache_dir=cache))
+    g.start(STUDENT)
+    req = GenerationRequest(prompts(g.tokenizer, 6), samples_per_prompt=2, max_new_tokens=4, temperature=0.0)
+    before = [r.completion_ids for grp in g.generate(req, 0) for r in grp.rollouts]
+    other, _ = build_tiny(ModelConfig(seed=123))  # untrained, different seed
+    new = {k: v.clone() for k, v in other.state_dict().items()}
+
+    bad = dict(new)
+    bad.pop("lm_head.weight")
+    with pytest.raises(ValueError, match=r"missing names \['lm_head.weight'\]"):
+        g.load_weights(bad)
+    bad = {**new, "model.norm.weight": torch.zeros(3)}
+    with pytest.raises(ValueError, match=r"'model.norm.weight' is \(3,\)"):
+        g.load_weights(bad)
+    with pytest.raises(ValueError, match="unknown names"):
+        g.load_weights({**new, "extra.weight": torch.zeros(1)})
+
+    g.load_weights(new)
+    for name, p in g.model.state_dict().items():
+        assert torch.equal(p, new[name]), name
+    after = g.generate(req, 1)
+    assert [r.completion_ids for grp in after for r in grp.rollouts] != before
+    assert all(r.weight_version == 1 for grp in after for r in grp.rollouts)
+    # Log-probs now follow the new weights.
+    r = after[0].rollouts[0]
+    assert torch.allclose(torch.tensor(r.logprobs), recompute_logprobs(other, r, 0.0), atol=1e-5)
+
+
+def test_settings_are_validated_and_the_binding_resolves():
+    from composer_mesh.bindings import resolve_binding
+
+    with pytest.raises(ValidationError, match="device 'gpu' is not one of"):
+        HFGeneratorSettings(device="gpu")
+    with pytest.raises(ValidationError, match="max_batch"):
+        HFGeneratorSettings(max_batch=0)
+    with pytest.raises(ValidationError, match="batch_size"):
+        HFGeneratorSettings.model_validate({"batch_size": 3})
+    b = resolve_binding("generator", "hf")
+    assert b.cls is HFGenerator and b.settings_model is HFGeneratorSettings
+    for name, field in HFGeneratorSettings.model_fields.items():
+        assert field.description, name
+
+
+def test_generate_before_start_is_a_clear_error():
+    with pytest.raises(RuntimeError, match="call start"):
+        HFGenerator().generate(GenerationRequest([]), 0)

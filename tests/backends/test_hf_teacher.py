@@ -1,0 +1,186 @@
+"""The `hf` teacher binding: channel-2 distributions aligned like the trainer, channel-3 traces, tokenizer check."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from composer_mesh.actors.backends.hf_teacher import HFTeacher, HFTeacherSettings, TeacherTokenizerMismatch
+from composer_mesh.actors.messages import Prompt, Rollout
+from composer_mesh.models.config import ModelConfig
+
+STUDENT = ModelConfig(warmstart={"steps": 30})  # the same configs as tests/models: one cache build per session
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return str(tmp_path_factory.getbasetemp() / "composer_mesh_models")
+
+
+@pytest.fixture(scope="module")
+def teacher(cache):
+    t = HFTeacher(HFTeacherSettings(cache_dir=cache, max_batch=3))  # default model: tiny + 150-step warm start
+    t.start(STUDENT, "t0")
+    return t
+
+
+@pytest.fixture(scope="module")
+def teacher_copy(teacher, cache):
+    from composer_mesh.models.tiny import load_pretrained
+
+    return load_pretrained(teacher.settings.model, cache)
+
+
+def prompts(tok, n: int, seed: int = 0) -> list[Prompt]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        a, b = rng.randint(0, 9), rng.randint(0, 9)
+        text = f"{a}+{b}="
+        out.append(Prompt(f"p{i}", text, tok.encode(text, add_special_tokens=False), str(a + b)))
+    return out
+
+
+def rollouts(tok) -> list[Rollout]:
+    """Student-like rollouts of different lengths (one empty completion), as the trainer receives them."""
+    enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+    items = [("1+2=", "3;"), ("9+9+1=", "19;"), ("4+4=", "13579;"), ("0+0=", "")]
+    return [Rollout(f"r{i}", enc(p), enc(c), [0.0] * len(enc(c)), weight_version=0) for i, (p, c) in enumerate(items)]
+
+
+def manual_rows(model, r: Rollout) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([r.prompt_ids + r.completion_ids])).logits[0].float()
+    p = len(r.prompt_ids)
+    return logits[p - 1 : p - 1 + len(r.completion_ids)]  # row t scores completion token t
+
+
+async def test_dense_distributions_align_with_a_manual_forward(teacher, teacher_copy):
+    model, tok = teacher_copy
+    rs = rollouts(tok)
+    dists = await teacher.distributions(rs, top_k=0)
+    assert len(dists) == len(rs)
+    for r, d in zip(rs, dists):
+        assert d.teacher == "t0" and d.topk_ids is None
+        assert d.logits.shape == (len(r.completion_ids), len(tok))
+        assert torch.allclose(d.logits, manual_rows(model, r), atol=1e-5)
+
+
+async def test_topk_distributions(teacher, teacher_copy):
+    model, tok = teacher_copy
+    rs = rollouts(tok)
+    for r, d in zip(rs, await teacher.distributions(rs, top_k=3)):
+        assert d.logits is None and d.topk_ids.shape == d.topk_logprobs.shape == (len(r.completion_ids), 3)
+        ref_vals, ref_ids = torch.log_softmax(manual_rows(model, r), -1).topk(3, dim=-1)
+        assert torch.equal(d.topk_ids, ref_ids)
+        assert torch.allclose(d.topk_logprobs, ref_vals, atol=1e-5)
+    # The teacher knows the task: its top-1 at the answer position of '1+2=' is '3'.
+    [d] = await teacher.distributions(rs[:1], top_k=1)
+    assert int(d.topk_ids[0, 0]) == tok.encode("3", add_special_tokens=False)[0]
+    with pytest.raises(ValueError, match="top_k must be >= 0"):
+        await teacher.distributions(rs, top_k=-1)
+
+
+async def test_traces_solve_the_task_and_decode_to_their_text(teacher, teacher_copy):
+    from composer_mesh.tasks.arithmetic import exact_match
+
+    _, tok = teacher_copy
+    ps = prompts(tok, 20, seed=3)
+    traces = await teacher.traces(ps, max_new_tokens=4)
+    assert [t.prompt_id for t in traces] == [p.prompt_id for p in ps]
+    for t in traces:
+        assert t.teacher == "t0" and t.text == tok.decode(t.completion_ids, skip_special_tokens=True)
+    accuracy = sum(exact_match(p.text, t.text, p.answer) for p, t in zip(ps, traces)) / len(ps)
+    assert accuracy >= 0.8
+    assert all(t.text.endswith(";") for t in traces)
+
+
+async def test_calls_run_off_the_event_loop_and_are_counted(teacher, teacher_copy):
+    _, tok = teacher_copy
+    before = teacher.usage()
+    ticks = 0
+
+    async def ticker():
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    task = asyncio.create_task(ticker())
+    await asyncio.gather(teacher.distributions(rollouts(tok), 0), teacher.traces(prompts(tok, 4), 4))
+    task.cancel()
+    assert ticks > 1  # the loop kept running while the teacher computed
+    after = teacher.usage()
+    assert after["requests"] == before["requests"] + 2
+    assert after["distill_rollouts"] == before["distill_rollouts"] + 4
+    assert after["trace_prompts"] == before["trace_prompts"] + 4
+    assert after["failures"] == before["failures"] == 0
+
+
+def _other_tokenizer_student(tmp_path, alphabet: str = ";=+9876543210") -> ModelConfig:
+    """A local student checkpoint whose char tokenizer has another alphabet/order (different ids)."""
+    from composer_mesh.models.tiny import build_tiny_model, build_tokenizer, stop_token_ids
+
+    tok = build_tokenizer(alphabet)
+    model = build_tiny_model(ModelConfig(), len(tok), stop_token_ids(tok, (";",)), tok.pad_token_id)
+    model.save_pretrained(str(tmp_path))
+    tok.save_pretrained(str(tmp_path))
+    return ModelConfig(source=str(tmp_path))
+
+
+async def test_other_tokenizer_gives_retokenised_traces_but_no_distributions(cache, tmp_path, teacher_copy):
+    from composer_mesh.models.tiny import load_tokenizer
+
+    _, tok = teacher_copy
+    student = _other_tokenizer_student(tmp_path)
+    t = HFTeacher(HFTeacherSettings(cache_dir=cache))
+    t.start(student, "t_other")
+    assert not t.shares_tokenizer
+    with pytest.raises(TeacherTokenizerMismatch, match=r"teacher 't_other'.*channels: \[replay\]"):
+        t.check_distill()
+    with pytest.raises(TeacherTokenizerMismatch, match="t_other"):
+        await t.distributions(rollouts(tok), 0)
+    student_tok = load_tokenizer(student)
+    ps = [Prompt(p.prompt_id, p.text, student_tok.encode(p.text, add_special_tokens=False), p.answer)
+          for p in prompts(tok, 5, seed=9)]
+    traces = await t.traces(ps, 4)
+    assert len(traces) == 5
+    for trace in traces:
+        assert trace.completion_ids == student_tok.encode(trace.text, add_special_tokens=False)
+        assert trace.completion_ids != tok.encode(trace.text, add_special_tokens=False)  # really other ids
+    assert t.usage()["requests"] == 1 and t.usage()["failures"] == 0
+
+
+async def test_traces_the_student_cannot_write_are_dropped(cache, tmp_path):
+    from composer_mesh.models.tiny import load_tokenizer
+
+    student = _other_tokenizer_student(tmp_path, "02468+=;")  # no odd digits
+    t = HFTeacher(HFTeacherSettings(cache_dir=cache))
+    t.start(student, "t_even")
+    tok = load_tokenizer(student)
+    ps = [Prompt(f"p{i}", text, tok.encode(text, add_special_tokens=False), None)
+          for i, text in enumerate(["2+2=", "2+4=", "1+2=", "4+4="])]  # the teacher answers 4; 6; 3; 8;
+    traces = await t.traces(ps, 4)
+    assert [x.prompt_id for x in traces] == ["p0", "p1", "p3"]
+    assert [x.text for x in traces] == ["4;", "6;", "8;"]
+    assert t.usage()["untokenizable_traces"] == 1
+
+
+def test_settings_are_validated_and_the_binding_resolves():
+    from composer_mesh.bindings import resolve_binding
+
+    with pytest.raises(ValidationError, match=r"model\.source"):
+        HFTeacherSettings.model_validate({"model": {"source": "/does/not/exist"}})
+    with pytest.raises(ValidationError, match="trace_temperature"):
+        HFTeacherSettings(trace_temperature=-1)
+    with pytest.raises(ValidationError, match="top_k"):
+        HFTeacherSettings.model_validate({"top_k": 3})
+    b = resolve_binding("teacher", "hf")
+    assert b.cls is HFTeacher and b.capabilities == {"distill", "replay"}
+    assert HFTeacherSettings().model.warmstart is not None
+    for name, field in HFTeacherSettings.model_fields.items():
+        assert field.description, name
