@@ -734,6 +734,11 @@ def _describe(err: dict[str, Any], root: type[BaseModel], data: Any) -> str:
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         return f"unknown key {str(loc[-1])!r}{hint}; allowed keys: {', '.join(model.model_fields)}"
     if kind == "missing":
+        model = _model_at(root, loc[:-1], data)
+        field_info = model.model_fields.get(str(loc[-1])) if model is not None else None
+        if field_info is not None and get_origin(field_info.annotation) is Literal:
+            choices = ", ".join(repr(a) for a in get_args(field_info.annotation))
+            return f"required key is missing (one of {choices})"
         return "required key is missing"
     for prefix in ("Value error, ", "Assertion failed, "):
         if msg.startswith(prefix):
