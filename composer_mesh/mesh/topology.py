@@ -1102,16 +1102,23 @@ def _run_cli(argv: list[str]) -> str:
     from composer_mesh.cli import main as cli_main
 
     buf = io.StringIO()
-    columns = os.environ.get("COLUMNS")
-    os.environ["COLUMNS"] = "140"  # the same table width wherever the docs are generated
+    # The same plain 140-column output wherever the docs are generated (no colours forced by CI settings).
+    fixed = {"COLUMNS": "140", "NO_COLOR": "1", "FORCE_COLOR": None, "TTY_COMPATIBLE": None, "TERM": "dumb"}
+    saved = {k: os.environ.get(k) for k in fixed}
     try:
+        for k, v in fixed.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
         with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
             cli_main(argv)
     finally:
-        if columns is None:
-            del os.environ["COLUMNS"]
-        else:
-            os.environ["COLUMNS"] = columns
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     return "\n".join(line.rstrip() for line in buf.getvalue().splitlines())
 
 
