@@ -610,9 +610,12 @@ async def _start(
         os.makedirs(slurm_logs, exist_ok=True)
         for name in by_backend["slurm"]:
             spec = meshes[name]
-            kwargs = spec.slurm_job_kwargs(
-                job_name=f"{getattr(topo, 'name', 'topology')}_{name}_{launched.launch_id}"
-            )
+            # Monarch appends "_<controller pid>" to the job name.
+            if hasattr(topo, "slurm_job_name"):
+                job_name = topo.slurm_job_name(name)
+            else:
+                job_name = f"{getattr(topo, 'name', 'topology')}_{name}"
+            kwargs = spec.slurm_job_kwargs(job_name=job_name)
             job = SlurmJob(meshes={name: spec.hosts}, python_exe=sys.executable, log_dir=slurm_logs, **kwargs)
             jobs.slurm[name] = job
         if hostname_is_loopback_only():

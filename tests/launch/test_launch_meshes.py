@@ -102,17 +102,18 @@ async def test_process_topology_exception_in_block_propagates_and_cleans_up() ->
     assert not new_descendants_after_exit(before)
 
 
-async def test_actor_init_failure_is_a_mesh_failure_naming_role_and_mesh(monkeypatch) -> None:
+async def test_actor_init_failure_is_a_mesh_failure_naming_role_and_mesh() -> None:
     before = descendants()
-    topo = load_topology(HERE / "local_probe.yaml")
-    pool = topo.meshes["pool"].model_copy(update={"env": {"PROBE_FAIL_INIT": "rewarder"}})
-    topo = topo.model_copy(update={"meshes": {**topo.meshes, "pool": pool}})
+    topo = load_topology(HERE / "solo_probe.yaml")
+    solo = topo.meshes["solo"].model_copy(update={"env": {"PROBE_FAIL_INIT": "rewarder"}})
+    topo = topo.model_copy(update={"meshes": {"solo": solo}})
     with pytest.raises(MeshFailureError) as err:
         async with launch(topo, actors=PROBES):
             pytest.fail("launch must not yield when a role's __init__ fails")
+    # Only the rewarder failed; the trainer and generators on the same proc did not.
     assert err.value.roles == ["rewarder"]
-    assert "role 'rewarder' on mesh 'pool'" in str(err.value)
-    assert "fails in __init__ on purpose" in str(err.value)
+    assert "role 'rewarder' on mesh 'solo'" in str(err.value)
+    assert "RuntimeError: probe rewarder fails in __init__ on purpose" in str(err.value)
     assert not new_descendants_after_exit(before)
 
 
@@ -135,7 +136,7 @@ async def test_cancelled_task_cleans_up() -> None:
     pids: set[int] = set()
 
     async def run() -> None:
-        async with launch(HERE / "local_probe.yaml", actors=PROBES) as mesh:
+        async with launch(HERE / "solo_probe.yaml", actors=PROBES) as mesh:
             pids.update(w["pid"] for w in await _where(mesh.generators))
             inside.set()
             await asyncio.sleep(3600)
