@@ -786,6 +786,8 @@ def parse_yaml_model(text: str, model: type[M], source: str | None = None) -> M:
         result = model.model_validate(doc.data)
     except ValidationError as e:
         doc.issues.extend(_issues_from(e, doc, model))
+    except Exception as e:
+        doc.issues.append(TopologyIssue("", None, None, f"validation failed: {type(e).__name__}: {e}"))
     _finish(doc.issues, source)
     return result
 
@@ -820,7 +822,7 @@ class _Parts:
 def _try(fn: Callable[[], Any]) -> tuple[bool, Any]:
     try:
         return True, fn()
-    except (ValidationError, ValueError, TypeError):
+    except Exception:  # any failure only means "this part is not valid"; the full validation reports why
         return False, None
 
 
@@ -986,6 +988,8 @@ def parse_topology(text: str, source: str | None = None) -> Topology:
         topology = Topology.model_validate(doc.data)
     except ValidationError as e:
         doc.issues.extend(_issues_from(e, doc, Topology))
+    except Exception as e:  # a component validator that raised something other than ValueError
+        doc.issues.append(TopologyIssue("", None, None, f"validation failed: {type(e).__name__}: {e}"))
     for loc, message in _cross_check(_parts_of(doc.data)):
         path, line, col = doc.locate(loc)
         doc.issues.append(TopologyIssue(path, line, col, message))

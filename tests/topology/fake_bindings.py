@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class _Settings(BaseModel):
@@ -84,3 +84,20 @@ class NoSettings:
     """Not a binding: no `Settings` attribute."""
 
     capabilities: ClassVar[frozenset[str]] = frozenset()
+
+
+class CrashingSettings(_Settings):
+    value: int = Field(0, description="Anything; the validator crashes with a non-ValueError.")
+
+    @field_validator("value")
+    @classmethod
+    def _crash(cls, v: int) -> int:
+        if v == 13:
+            raise OSError("unlucky settings validator")
+        return v
+
+
+class CrashingRewarder(Rewarder):
+    """A binding whose settings validator raises an OSError (not a ValueError)."""
+
+    Settings: ClassVar[type[BaseModel]] = CrashingSettings

@@ -125,3 +125,22 @@ def test_issue_format() -> None:
     issue = TopologyIssue("roles.trainer.mesh", 7, 3, "unknown mesh 'x'")
     assert issue.format("f.yaml") == "f.yaml:7:3: roles.trainer.mesh: unknown mesh 'x'"
     assert TopologyIssue("", None, None, "boom").format() == "(file): boom"
+
+
+def test_a_crashing_component_validator_is_reported_not_raised() -> None:
+    text = """\
+name: t
+meshes:
+  cpu: {backend: local}
+roles:
+  trainer: {mesh: cpu, binding: "topology.fake_bindings:Trainer"}
+  generators: {mesh: cpu, binding: "topology.fake_bindings:Generator"}
+  rewarder: {mesh: cpu, binding: "topology.fake_bindings:CrashingRewarder", settings: {value: 13}}
+  teachers: {mesh: nowhere, members: [{name: a, binding: "topology.fake_bindings:LocalTeacher", channels: [replay]}]}
+loss: {alpha_sdpo: 0, beta_replay: 0}
+"""
+    with pytest.raises(TopologyError) as info:
+        parse_topology(text)
+    messages = [(e.path, e.message) for e in info.value.errors]
+    assert ("", "validation failed: OSError: unlucky settings validator") in messages
+    assert any(path == "roles.teachers.mesh" for path, _ in messages)  # the other checks still ran
