@@ -555,7 +555,7 @@ async def _launch(
         await _start(launched, topo, classes, sections, jobs, slurm_logs, ready_timeout)
         body_started = True
         yield launched
-    except (asyncio.CancelledError, KeyboardInterrupt, GeneratorExit):
+    except (asyncio.CancelledError, KeyboardInterrupt, SystemExit, GeneratorExit):
         raise
     except MeshFailureError:
         raise
@@ -630,7 +630,9 @@ async def _start(
             configure(default_transport=ChannelTransport.TcpWithLocalhost)
         for job in jobs.slurm.values():
             _register_atexit(job)
-            await asyncio.to_thread(job.apply)  # sbatch
+            # sbatch, synchronously (~0.1 s): in a thread, a cancellation could let it submit a job
+            # after the cleanup already ran.
+            job.apply()
         job_ids = await asyncio.gather(
             *(
                 _wait_slurm_running(
