@@ -938,6 +938,23 @@ def _cross_check(parts: _Parts) -> list[tuple[Loc, str]]:
                     )
                 )
 
+    # Slurm meshes that may share a node (not exclusive, same partition) need different worker ports.
+    ports: dict[tuple[str | None, int], str] = {}
+    for name, spec in parts.meshes.items():
+        if spec.backend != "slurm" or spec.slurm is None or spec.slurm.exclusive:
+            continue
+        slot = (spec.slurm.partition, spec.slurm.monarch_port)
+        if slot in ports:
+            out.append(
+                (
+                    ("meshes", name, "slurm", "monarch_port"),
+                    f"meshes {ports[slot]!r} and {name!r} may share a node (exclusive: false, same partition) and "
+                    f"would both bind port {slot[1]}; give one of them another slurm.monarch_port",
+                )
+            )
+        else:
+            ports[slot] = name
+
     # Trainer replicas: DiLoCo exactly when replicas > 1, and the mesh must hold them.
     trainer = parts.roles.get("trainer")
     if isinstance(trainer, TrainerSpec):
@@ -1025,6 +1042,7 @@ CROSS_CHECKS: tuple[str, ...] = (
     "channel `replay` (both default to 1.0, so set them to 0 to run without teachers)",
     "`diloco` is given exactly when `roles.trainer.replicas > 1`, and `diloco.replicas` equals it",
     "the trainer mesh's procs (hosts × procs_per_host) split evenly into `roles.trainer.replicas`",
+    "Slurm meshes that may share a node (`exclusive: false`, same partition) use different `monarch_port`s",
     "binding names and import paths resolve to a class with a `Settings` model, and `settings` validate with it",
     "duplicate keys anywhere in the file are errors (YAML would silently keep the last one)",
 )
