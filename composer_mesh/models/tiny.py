@@ -252,6 +252,19 @@ def load_pretrained(
     return model.to(device), tokenizer
 
 
+def named_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors that define a model's weights, by state-dict name: every parameter (tied ones once, under
+    their first name) and every persistent buffer. The trainer publishes and the generators load this set;
+    the returned tensors share storage with the model."""
+    named = dict(model.named_parameters())
+    for name, buf in model.named_buffers():
+        owner, _, attr = name.rpartition(".")
+        module = model.get_submodule(owner) if owner else model
+        if attr not in module._non_persistent_buffers_set:
+            named[name] = buf
+    return {k: v.detach() for k, v in named.items()}
+
+
 def load_tokenizer(config: ModelConfig) -> PreTrainedTokenizerBase:
     """The tokenizer of `config` without building or training the model (cheap)."""
     if config.is_tiny:

@@ -111,11 +111,13 @@ def test_prompt_text_is_encoded_when_ids_are_missing_and_bad_ids_are_named(gen):
         gen.generate(GenerationRequest(prompts(tok, 1), samples_per_prompt=0), 0)
 
 
-def test_weight_specs_are_the_trainer_state_dict(gen, reference):
+def test_weight_specs_are_the_trainer_weights(gen, reference):
+    from composer_mesh.models.tiny import named_weights
+
     model, _ = reference
     specs = gen.weight_specs()
-    sd = model.state_dict()
-    assert specs == {k: (tuple(v.shape), v.dtype) for k, v in sd.items()}
+    assert specs == {k: (tuple(v.shape), v.dtype) for k, v in named_weights(model).items()}
+    assert set(specs) == set(model.state_dict())  # untied tiny model: every state-dict entry
     assert "lm_head.weight" in specs and "model.embed_tokens.weight" in specs
 
 
@@ -168,3 +170,24 @@ def test_settings_are_validated_and_the_binding_resolves():
 def test_generate_before_start_is_a_clear_error():
     with pytest.raises(RuntimeError, match="call start"):
         HFGenerator().generate(GenerationRequest([]), 0)
+
+
+def test_tied_embeddings_are_one_weight(cache, tmp_path):
+    """A local checkpoint with a tied head: the head is not a separate weight, and loading updates it."""
+    from transformers import AutoConfig, Qwen2ForCausalLM
+
+    from composer_mesh.models.tiny import load_tokenizer, materialize
+
+    base = materialize(ModelConfig(), cache)
+    cfg = AutoConfig.from_pretrained(str(base), local_files_only=True)
+    cfg.tie_word_embeddings = True
+    Qwen2ForCausalLM(cfg).save_pretrained(str(tmp_path))
+    load_tokenizer(ModelConfig()).save_pretrained(str(tmp_path))
+    g = HFGenerator(HFGeneratorSettings(cache_dir=cache))
+    g.start(ModelConfig(source=str(tmp_path)))
+    specs = g.weight_specs()
+    assert "model.embed_tokens.weight" in specs and "lm_head.weight" not in specs
+    gen = torch.Generator().manual_seed(0)
+    new = {k: torch.randn(shape, generator=gen, dtype=dtype) for k, (shape, dtype) in specs.items()}
+    g.load_weights(new)
+    assert torch.equal(g.model.get_output_embeddings().weight, new["model.embed_tokens.weight"])

@@ -104,7 +104,7 @@ class HFGenerator:
 
     # -- lifecycle ---------------------------------------------------------------------------------------
     def start(self, model: Any) -> None:
-        from composer_mesh.models.tiny import load_pretrained, stop_token_ids
+        from composer_mesh.models.tiny import load_pretrained, named_weights, stop_token_ids
 
         cfg = as_model_config(model)
         if self.settings.torch_threads is not None:
@@ -115,7 +115,7 @@ class HFGenerator:
         self.stop_ids = stop_token_ids(self.tokenizer, extra)
         self._pad_id = int(self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stop_ids[0])
         self._vocab = int(self.model.get_output_embeddings().weight.shape[0])
-        self._targets = self.model.state_dict()  # shares storage with the parameters
+        self._targets = named_weights(self.model)  # shares storage with the parameters
 
     def _require_started(self) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
         if self.model is None or self.tokenizer is None:
@@ -168,12 +168,14 @@ class HFGenerator:
 
     # -- weights -----------------------------------------------------------------------------------------
     def weight_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """The model's state-dict names (the trainer's) -> (shape, dtype)."""
+        """Name -> (shape, dtype) of `named_weights(model)`: parameters (tied ones once) + persistent buffers,
+        under their state-dict names — the set the trainer publishes."""
         self._require_started()
         return {name: (tuple(t.shape), t.dtype) for name, t in self._targets.items()}
 
     def load_weights(self, named: dict[str, torch.Tensor]) -> None:
-        """Copy a complete state dict into the model in place; any mismatch raises before anything is copied."""
+        """Copy exactly the `weight_specs()` tensors into the model in place (tied aliases follow).
+        Any name, shape or dtype mismatch raises before anything is copied."""
         self._require_started()
         unknown = sorted(set(named) - set(self._targets))
         missing = sorted(set(self._targets) - set(named))
