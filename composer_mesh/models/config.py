@@ -51,8 +51,8 @@ class ModelConfig(BaseModel):
     )
     task: str = Field(
         "addition",
-        description="Task whose alphabet the tiny character-level tokenizer covers (built-in name or 'pkg.mod:Task'). "
-        "Only used when source is 'tiny'.",
+        description="The model's task (built-in name or 'pkg.mod:Task'): the tiny character-level tokenizer "
+        "covers its alphabet, and generators/teachers with stop_at_task_eos also stop at its end marker (';').",
     )
     hidden_size: int = Field(64, ge=8, description="Tiny model: hidden (embedding) size.")
     num_layers: int = Field(2, ge=1, description="Tiny model: number of transformer layers.")

@@ -113,7 +113,7 @@ async def test_calls_run_off_the_event_loop_and_are_counted(teacher, teacher_cop
     task = asyncio.create_task(ticker())
     await asyncio.gather(teacher.distributions(rollouts(tok), 0), teacher.traces(prompts(tok, 4), 4))
     task.cancel()
-    assert ticks > 1  # the loop kept running while the teacher computed
+    assert ticks > 10  # the loop kept running while the teacher computed (blocking would allow ~2)
     after = teacher.usage()
     assert after["requests"] == before["requests"] + 2
     assert after["distill_rollouts"] == before["distill_rollouts"] + 4
