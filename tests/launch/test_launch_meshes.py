@@ -37,10 +37,10 @@ async def test_local_topology_roles_reach_their_meshes_and_clean_up() -> None:
         assert {r: p.mesh for r, p in mesh.roles.items()} == {
             "trainer": "learner",
             "generators": "rollout",
-            "rewarder": "pool",
-            "teachers": "pool",
+            "rewarder": "learner",
+            "teachers": "learner",
         }
-        assert set(mesh.proc_meshes) == {"learner", "rollout", "pool"}
+        assert set(mesh.proc_meshes) == {"learner", "rollout"}
         trainer, gens, rewarder, teachers = (
             await _where(mesh.trainer),
             await _where(mesh.generators),
@@ -51,8 +51,8 @@ async def test_local_topology_roles_reach_their_meshes_and_clean_up() -> None:
         for role, got, mesh_name in [
             ("trainer", trainer, "learner"),
             ("generators", gens, "rollout"),
-            ("rewarder", rewarder, "pool"),
-            ("teachers", teachers, "pool"),
+            ("rewarder", rewarder, "learner"),
+            ("teachers", teachers, "learner"),
         ]:
             assert {(w["role"], w["mesh"], w["env_mesh"]) for w in got} == {(role, mesh_name, mesh_name)}
             assert all(w["topology"] == "probe_local" for w in got)
@@ -60,9 +60,9 @@ async def test_local_topology_roles_reach_their_meshes_and_clean_up() -> None:
         assert sorted((w["rank"]["hosts"], w["rank"]["procs"]) for w in gens) == [(0, 0), (0, 1)]
         assert len({w["pid"] for w in gens}) == 2 and all(w["ppid"] == os.getpid() for w in gens)
         # Meshes are separate procs; roles on one mesh share its procs.
-        assert not {w["pid"] for w in trainer} & {w["pid"] for w in gens + rewarder}
-        assert {w["pid"] for w in rewarder} == {w["pid"] for w in teachers}
-        # Per-proc GPU pinning (gpus_per_proc: 1 on rollout, 0 elsewhere) and the mesh env.
+        assert not {w["pid"] for w in trainer} & {w["pid"] for w in gens}
+        assert {w["pid"] for w in trainer} == {w["pid"] for w in rewarder} == {w["pid"] for w in teachers}
+        # Per-proc GPU pinning (gpus_per_proc: 1 on rollout, 0 on learner) and the mesh env.
         assert sorted(w["cuda_visible_devices"] for w in gens) == ["0", "1"]
         assert trainer[0]["cuda_visible_devices"] == ""
         assert all(w["probe_env"] == {"PROBE_MESH_TAG": "rollout"} for w in gens)
@@ -73,7 +73,7 @@ async def test_local_topology_roles_reach_their_meshes_and_clean_up() -> None:
         assert (await _where(mesh.rewarder))[0]["pid"] == rewarder[0]["pid"]
         mesh.check()
         assert mesh.failures == []
-        pids = {w["pid"] for w in trainer + gens + rewarder}
+        pids = {w["pid"] for w in trainer + gens}
     assert not wait_gone(pids)
     assert not new_descendants_after_exit(before)
 
@@ -153,7 +153,7 @@ async def test_cancelled_task_cleans_up() -> None:
 def test_ctrl_c_in_a_controller_script_leaves_no_process() -> None:
     """SIGINT (Ctrl-C) to a real controller process: it exits and takes procs and workers with it."""
     proc = subprocess.Popen(
-        [sys.executable, str(HERE / "ctrl_c_main.py"), str(HERE / "process_probe.yaml")],
+        [sys.executable, str(HERE / "ctrl_c_main.py"), str(HERE / "solo_process_probe.yaml")],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
