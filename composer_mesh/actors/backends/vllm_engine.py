@@ -222,9 +222,9 @@ class VLLMEngine:
         """Replace the weights in place (HF names), then re-pack a tied lm_head and drop stale prefix KV."""
         payload: list[tuple[str, torch.Tensor]] | bytes
         items = [(k, v) for k, v in named.items() if not (self.tied and k == "lm_head.weight")]
-        if self.settings.in_process:
-            payload = items
-        else:  # tensors do not pickle through vLLM's engine-core IPC; safetensors bytes do
+        if self.settings.in_process and self.settings.tensor_parallel_size == 1:
+            payload = items  # the worker lives in this process: tensors pass by reference
+        else:  # tensors do not cross vLLM's process boundaries (msgpack IPC); safetensors bytes do
             import safetensors.torch
 
             payload = safetensors.torch.save({k: v.detach().contiguous().cpu() for k, v in items})

@@ -49,8 +49,8 @@ class VLLMTeacherSettings(VLLMEngineSettings):
 
     model: ModelConfig = Field(
         default_factory=_default_teacher_model,
-        description="The teacher model (same schema as the topology's model:). Default: the tiny model "
-        "warm-started for 300 SFT steps on the addition task (the hf teacher's default).",
+        description="The teacher model (same schema as the topology's model:). Default: the hf teacher's "
+        "default, the tiny model warm-started on the addition task so that it already solves it.",
     )
     trace_temperature: float = Field(0.0, ge=0, description="Sampling temperature of channel-3 traces (0 = greedy).")
     stop_at_task_eos: bool = Field(
