@@ -101,3 +101,18 @@ def test_s3_store(s3_store, monkeypatch):
     s.list("fresh")
     other.put("fresh/new.bin", b"x")
     assert s.list("fresh") == ["new.bin"] and s.exists("fresh/new.bin")
+
+
+def test_interoperates_with_the_safetensors_library():
+    from safetensors.torch import load, save
+
+    tensors = {"a": torch.randn(3, 5), "b": torch.arange(7, dtype=torch.bfloat16), "c": torch.ones(2, dtype=torch.int64)}
+    ours = encode_shard(tensors, META)
+    back = load(ours)  # the real safetensors reader accepts what we write
+    assert all(torch.equal(back[k], v) for k, v in tensors.items())
+    meta = {k: str(v) for k, v in META.items()}
+    from composer_mesh.mesh.objectstore.store import SHARD_FORMAT, tensor_digest
+
+    theirs = save(tensors, metadata={**meta, "format": SHARD_FORMAT, "sha256": tensor_digest(tensors)})
+    got, _ = decode_shard("k", bytearray(theirs), expect=META)  # and we read what safetensors writes
+    assert all(torch.equal(got[k], v) for k, v in tensors.items())

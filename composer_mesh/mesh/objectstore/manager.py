@@ -40,7 +40,13 @@ from typing import Any
 import torch
 
 from composer_mesh.mesh.objectstore.config import DiLoCoConfig
-from composer_mesh.mesh.objectstore.store import ShardError, Store, decode_shard, encode_shard
+from composer_mesh.mesh.objectstore.store import (
+    ShardError,
+    Store,
+    decode_shard,
+    encode_shard,
+    encode_shard_parts,
+)
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +71,7 @@ class RoundReport:
     bytes_read: int = 0
     bytes_written: int = 0
     seconds: float = 0.0
+    phases: dict[str, float] = field(default_factory=dict)  # seconds in publish / quorum / reduce / gather
     error: str | None = None
 
 
@@ -122,6 +129,7 @@ class ObjectStoreManager:
         self._abstain = False
         self._needs_heal = False
         self._pending_checkpoint: tuple[int, int, list[int]] | None = None
+        self._own: dict[str, Any] = {"wire": None, "reduced": {}}  # per round, used by the round thread only
         self._errored: Exception | None = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"objstore-r{replica_id}")
         self._ckpt_executor = ThreadPoolExecutor(1, thread_name_prefix=f"objstore-ckpt-r{replica_id}")
@@ -160,8 +168,14 @@ class ObjectStoreManager:
                 time.sleep(self.config.poll_interval_s)
                 latest = self._read_latest()
         if self._needs_heal or (latest is not None and latest["quorum_id"] > self._quorum_id):
-            why = "its last round failed" if self._needs_heal else f"the store is at round {latest['quorum_id']}"
-            log.warning("replica %d at round %d heals from the store (%s)", self.replica_id, self._quorum_id, why)
+            why = (
+                "its last round failed"
+                if self._needs_heal
+                else f"the store is at round {latest['quorum_id']}"
+            )
+            log.warning(
+                "replica %d at round %d heals from the store (%s)", self.replica_id, self._quorum_id, why
+            )
             if self.heal(latest):
                 self._abstain = True  # local progress is relative to stale globals: read this round only
             self._needs_heal = False
@@ -171,7 +185,9 @@ class ObjectStoreManager:
         self._round_done = False
         self._round_ok = None
 
-    def allreduce(self, tensor: torch.Tensor, should_quantize: bool = False, reduce_op: Any = None) -> ObjectStoreWork:
+    def allreduce(
+        self, tensor: torch.Tensor, should_quantize: bool = False, reduce_op: Any = None
+    ) -> ObjectStoreWork:
         """Queue `tensor` for this round's average; the result is written into `tensor` by `wait()`.
 
         `should_quantize` is accepted for DiLoCo's sake; compression is set by `diloco.compression`.
@@ -227,8 +243,11 @@ class ObjectStoreManager:
             return
         flat = None
         if not self._abstain:
+            # Like torch.distributed async ops, the inputs must not change until wait(); DiLoCo honours this
+            # (its pseudo-gradients sit untouched between prepare_sync and perform_sync), so one contiguous
+            # fp32 CPU tensor is used as is, without a copy.
             parts = [w.tensor.detach().reshape(-1).to("cpu", torch.float32) for w in self._works]
-            flat = torch.cat(parts) if parts else torch.empty(0)
+            flat = parts[0] if len(parts) == 1 else torch.cat(parts) if parts else torch.empty(0)
         numel = sum(w.tensor.numel() for w in self._works)
         self._round_future = self._executor.submit(self._run_round, self._quorum_id, flat, numel)
 
@@ -252,7 +271,9 @@ class ObjectStoreManager:
         for w in self._works:
             w._future.set_result([w.tensor])
 
-    def _run_round(self, q: int, flat: torch.Tensor | None, numel: int) -> tuple[torch.Tensor | None, RoundReport]:
+    def _run_round(
+        self, q: int, flat: torch.Tensor | None, numel: int
+    ) -> tuple[torch.Tensor | None, RoundReport]:
         r0, w0 = self.store.counters()
         t0 = time.perf_counter()
         report = RoundReport(quorum_id=q, replica=self.replica_id, abstained=flat is None, numel=numel)
@@ -279,36 +300,61 @@ class ObjectStoreManager:
     def _round(self, q: int, flat: torch.Tensor | None, numel: int, report: RoundReport) -> torch.Tensor:
         cfg, n, me = self.config, self.config.replicas, self.replica_id
         base = f"rounds/q{q:08d}"
+        t_start = time.perf_counter()
         # 1. publish
-        marker: dict[str, Any] = {"run_id": cfg.run_id, "quorum_id": q, "replica": me, "numel": numel,
-                                  "dtype": str(self._wire_dtype), "abstain": flat is None, "sizes": []}
-        if flat is not None:
-            wire = flat.to(self._wire_dtype)
+        marker: dict[str, Any] = {
+            "run_id": cfg.run_id,
+            "quorum_id": q,
+            "replica": me,
+            "numel": numel,
+            "dtype": str(self._wire_dtype),
+            "abstain": flat is None,
+            "sizes": [],
+        }
+        wire = flat.to(self._wire_dtype) if flat is not None else None
+        # What this replica already holds, so it never reads back its own bytes: its wire vector and the
+        # slices it averaged (same bytes as in the store; both are only used for this round).
+        self._own = {"wire": wire, "reduced": {}}
+        if wire is not None:
 
             def put_slice(j: int) -> int:
                 lo, hi = self._slice_bounds(numel, j)
-                blob = encode_shard({"data": wire[lo:hi]}, self._meta(q, me, j, kind="shard"))
-                self.store.put(f"{base}/shards/r{me:03d}/s{j:03d}.safetensors", blob)
-                return len(blob)
+                parts = encode_shard_parts({"data": wire[lo:hi]}, self._meta(q, me, j, kind="shard"))
+                self.store.put(f"{base}/shards/r{me:03d}/s{j:03d}.safetensors", parts)
+                return sum(memoryview(b).nbytes for b in parts)
 
             marker["sizes"] = list(self._io.map(put_slice, range(n)))
             report.contributed = True
         self.store.put_json(f"{base}/arrived/r{me:03d}.json", marker)
+        t_pub = time.perf_counter()
+        report.phases["publish"] = t_pub - t_start
         # 2. quorum
         record = self._decide_members(base, q, numel)
+        t_quorum = time.perf_counter()
+        report.phases["quorum"] = t_quorum - t_pub
         # 3 + 4. reduce my slices, gather all; a bad shard moves everyone to the next epoch
         while True:
             members = record["members"]
-            report.members, report.rejected, report.epoch = list(members), dict(record["rejected"]), record["epoch"]
+            report.members, report.rejected, report.epoch = (
+                list(members),
+                dict(record["rejected"]),
+                record["epoch"],
+            )
             if not members:
-                raise _RoundFailed(f"no usable replica in round {q} (rejected: {record['rejected'] or 'none'})")
+                raise _RoundFailed(
+                    f"no usable replica in round {q} (rejected: {record['rejected'] or 'none'})"
+                )
             k = len(members)
             mine = [j for j in range(n) if members[j % k] == me]
             try:
+                t0 = time.perf_counter()
                 for j in mine:
                     self._reduce_slice(base, q, record, j)
                     report.reduced_slices.append(j)
+                t1 = time.perf_counter()
                 out = self._gather(base, q, record, numel, report)
+                report.phases["reduce"] = report.phases.get("reduce", 0.0) + t1 - t0
+                report.phases["gather"] = report.phases.get("gather", 0.0) + time.perf_counter() - t1
             except ShardError as bad:
                 record = self._amend(base, record, bad)
                 continue
@@ -317,9 +363,18 @@ class ObjectStoreManager:
                 continue
             return out
 
+    def _backoff(self, polls: int) -> float:
+        """Poll quickly at first (most waits are short), then every poll_interval_s."""
+        return min(self.config.poll_interval_s, 0.002 * 2 ** min(polls, 12))
+
     def _meta(self, q: int, replica: int, j: int, kind: str, epoch: int | None = None) -> dict[str, Any]:
-        m: dict[str, Any] = {"run_id": self.config.run_id, "quorum_id": q, "replica": replica, "slice": j,
-                             "kind": kind}
+        m: dict[str, Any] = {
+            "run_id": self.config.run_id,
+            "quorum_id": q,
+            "replica": replica,
+            "slice": j,
+            "kind": kind,
+        }
         if epoch is not None:
             m["epoch"] = epoch
         return m
@@ -328,6 +383,7 @@ class ObjectStoreManager:
         cfg = self.config
         deadline = time.monotonic() + cfg.quorum_deadline_s
         key = f"{base}/members/e0.json"
+        polls = 0
         while True:
             record = self.store.get_json_or_none(key)
             if record is not None:
@@ -337,7 +393,9 @@ class ObjectStoreManager:
                 latest = self._read_latest()
                 if latest is not None and latest["quorum_id"] >= q:
                     # The others committed this round long ago (its records may be gone): never re-decide it.
-                    raise RuntimeError(f"round {q} was already committed by other replicas; this replica is behind")
+                    raise RuntimeError(
+                        f"round {q} was already committed by other replicas; this replica is behind"
+                    )
                 members: list[int] = []
                 sizes: dict[str, list[int]] = {}
                 rejected: dict[str, str] = {}
@@ -347,15 +405,21 @@ class ObjectStoreManager:
                         m = self.store.get_json(mkey)
                         r = int(m["replica"])
                         if m.get("run_id") != cfg.run_id:
-                            raise ShardError(mkey, f"a marker from another run: run_id={m.get('run_id')!r}, "
-                                                   f"expected {cfg.run_id!r}")
+                            raise ShardError(
+                                mkey,
+                                f"a marker from another run: run_id={m.get('run_id')!r}, "
+                                f"expected {cfg.run_id!r}",
+                            )
                         if int(m["quorum_id"]) != q:
                             raise ShardError(mkey, f"wrong quorum_id {m['quorum_id']}, expected {q}")
                         if m["abstain"]:
                             continue
                         if int(m["numel"]) != numel or m["dtype"] != str(self._wire_dtype):
-                            raise ShardError(mkey, f"layout mismatch: numel={m['numel']} dtype={m['dtype']}, "
-                                                   f"expected numel={numel} dtype={self._wire_dtype}")
+                            raise ShardError(
+                                mkey,
+                                f"layout mismatch: numel={m['numel']} dtype={m['dtype']}, "
+                                f"expected numel={numel} dtype={self._wire_dtype}",
+                            )
                         if not 0 <= r < cfg.replicas or len(m["sizes"]) != cfg.replicas:
                             raise ShardError(mkey, f"bad replica id {r} or slice count {len(m['sizes'])}")
                     except ShardError as e:
@@ -367,20 +431,35 @@ class ObjectStoreManager:
                         continue
                     members.append(r)
                     sizes[str(r)] = [int(s) for s in m["sizes"]]
-                record = {"epoch": 0, "members": sorted(members), "sizes": sizes, "rejected": rejected, "numel": numel,
-                          "decided_by": self.replica_id, "arrived": arrived}
+                record = {
+                    "epoch": 0,
+                    "members": sorted(members),
+                    "sizes": sizes,
+                    "rejected": rejected,
+                    "numel": numel,
+                    "decided_by": self.replica_id,
+                    "arrived": arrived,
+                }
                 self.store.put_json_if_absent(key, record)
                 return self.store.get_json(key)
-            time.sleep(cfg.poll_interval_s)
+            polls += 1
+            time.sleep(self._backoff(polls))
 
     def _amend(self, base: str, record: dict[str, Any], bad: ShardError) -> dict[str, Any]:
         """Drop the replica whose shard is bad; the next epoch record is create-only, so all agree."""
         culprit = int(bad.key.split("/shards/r", 1)[1][:3]) if "/shards/r" in bad.key else None
         log.error("replica %d: rejecting shard %s", self.replica_id, bad)
         epoch = record["epoch"] + 1
-        new = {**record, "epoch": epoch, "decided_by": self.replica_id,
-               "members": [m for m in record["members"] if m != culprit],
-               "rejected": {**record["rejected"], f"r{culprit:03d}" if culprit is not None else bad.key: str(bad)}}
+        new = {
+            **record,
+            "epoch": epoch,
+            "decided_by": self.replica_id,
+            "members": [m for m in record["members"] if m != culprit],
+            "rejected": {
+                **record["rejected"],
+                f"r{culprit:03d}" if culprit is not None else bad.key: str(bad),
+            },
+        }
         if culprit is None:  # a corrupt reduced slice: no member to blame, fail the round cleanly
             new["members"] = []
         key = f"{base}/members/e{epoch}.json"
@@ -390,42 +469,69 @@ class ObjectStoreManager:
     def _reduce_slice(self, base: str, q: int, record: dict[str, Any], j: int) -> None:
         epoch, members = record["epoch"], record["members"]
         out_key = f"{base}/reduced/e{epoch}/s{j:03d}.safetensors"
-        if self.store.exists(out_key):
+        if (epoch, j) in self._own["reduced"] or self.store.exists(out_key):
             return
+        lo, hi = self._slice_bounds(int(record["numel"]), j)
 
         def fetch(m: int) -> torch.Tensor:
+            if m == self.replica_id and self._own["wire"] is not None:
+                return self._own["wire"][lo:hi]
             key = f"{base}/shards/r{m:03d}/s{j:03d}.safetensors"
             try:
                 blob = self.store.get(key)
             except FileNotFoundError:
                 raise ShardError(key, "missing although its replica announced it") from None
-            tensors, _ = decode_shard(key, blob, expect={"run_id": self.config.run_id, "quorum_id": q,
-                                                         "replica": m, "slice": j, "kind": "shard"},
-                                      expected_size=record["sizes"][str(m)][j])
+            tensors, _ = decode_shard(
+                key,
+                blob,
+                expect={
+                    "run_id": self.config.run_id,
+                    "quorum_id": q,
+                    "replica": m,
+                    "slice": j,
+                    "kind": "shard",
+                },
+                expected_size=record["sizes"][str(m)][j],
+            )
             t = tensors.get("data")
-            lo, hi = self._slice_bounds(int(record["numel"]), j)
             if t is None or t.dtype != self._wire_dtype or t.numel() != hi - lo:
-                raise ShardError(key, f"unexpected payload: {None if t is None else (t.dtype, t.numel())}, "
-                                      f"expected ({self._wire_dtype}, {hi - lo})")
+                raise ShardError(
+                    key,
+                    f"unexpected payload: {None if t is None else (t.dtype, t.numel())}, "
+                    f"expected ({self._wire_dtype}, {hi - lo})",
+                )
             return t
 
         acc: torch.Tensor | None = None
         for t in self._io.map(fetch, members):  # fetched concurrently, summed in member order
-            acc = t.to(torch.float32) if acc is None else acc.add_(t.to(torch.float32))
+            acc = t.to(torch.float32, copy=True) if acc is None else acc.add_(t)
         assert acc is not None
         avg = acc.div_(len(members)).to(self._wire_dtype)
-        self.store.put(out_key, encode_shard({"data": avg}, self._meta(q, -1, j, kind="reduced", epoch=epoch)))
+        self.store.put(
+            out_key, encode_shard_parts({"data": avg}, self._meta(q, -1, j, kind="reduced", epoch=epoch))
+        )
+        self._own["reduced"][(epoch, j)] = avg
 
-    def _gather(self, base: str, q: int, record: dict[str, Any], numel: int,
-                report: RoundReport) -> torch.Tensor | dict[str, Any]:
+    def _gather(
+        self, base: str, q: int, record: dict[str, Any], numel: int, report: RoundReport
+    ) -> torch.Tensor | dict[str, Any]:
         cfg, n, epoch = self.config, self.config.replicas, record["epoch"]
         out = torch.empty(numel, dtype=self._wire_dtype)
         pending = set(range(n))
         deadline = time.monotonic() + cfg.quorum_deadline_s
         prefix = f"{base}/reduced/e{epoch}"
+        polls = 0
+        for (e, j), avg in self._own["reduced"].items():
+            if e == epoch:
+                lo, hi = self._slice_bounds(numel, j)
+                out[lo:hi] = avg
+                pending.discard(j)
         while pending:
-            later = [m for m in self.store.list(f"{base}/members") if m.startswith("e")
-                     and int(m[1:].split(".")[0]) > epoch]
+            later = [
+                m
+                for m in self.store.list(f"{base}/members")
+                if m.startswith("e") and int(m[1:].split(".")[0]) > epoch
+            ]
             if later:
                 return self.store.get_json(f"{base}/members/e{epoch + 1}.json")
             present = {int(name[1:4]) for name in self.store.list(prefix) if name.endswith(".safetensors")}
@@ -433,14 +539,25 @@ class ObjectStoreManager:
 
             def fetch(j: int) -> tuple[int, torch.Tensor]:
                 key = f"{prefix}/s{j:03d}.safetensors"
-                tensors, _ = decode_shard(key, self.store.get(key), expect={
-                    "run_id": cfg.run_id, "quorum_id": q, "slice": j, "kind": "reduced", "epoch": epoch})
+                tensors, _ = decode_shard(
+                    key,
+                    self.store.get(key),
+                    expect={
+                        "run_id": cfg.run_id,
+                        "quorum_id": q,
+                        "slice": j,
+                        "kind": "reduced",
+                        "epoch": epoch,
+                    },
+                )
                 return j, tensors["data"]
 
             for j, t in self._io.map(fetch, ready):
                 lo, hi = self._slice_bounds(numel, j)
                 if t.numel() != hi - lo or t.dtype != self._wire_dtype:
-                    raise ShardError(f"{prefix}/s{j:03d}.safetensors", "reduced slice has the wrong size or dtype")
+                    raise ShardError(
+                        f"{prefix}/s{j:03d}.safetensors", "reduced slice has the wrong size or dtype"
+                    )
                 out[lo:hi] = t
                 pending.discard(j)
             if not pending:
@@ -449,9 +566,14 @@ class ObjectStoreManager:
                 for j in sorted(pending):  # the reducer is gone: reduce it here (same inputs -> same bytes)
                     self._reduce_slice(base, q, record, j)
                     report.fallback_slices.append(j)
+                    if (epoch, j) in self._own["reduced"]:
+                        lo, hi = self._slice_bounds(numel, j)
+                        out[lo:hi] = self._own["reduced"][(epoch, j)]
+                        pending.discard(j)
                 deadline = time.monotonic() + cfg.quorum_deadline_s
                 continue
-            time.sleep(cfg.poll_interval_s)
+            polls += 1
+            time.sleep(self._backoff(polls))
         return out
 
     # ------------------------------------------------------------------ checkpoint, bootstrap, heal
@@ -475,24 +597,32 @@ class ObjectStoreManager:
         tensors: dict[str, torch.Tensor] = {}
         skeleton = _flatten(self._collect_state(), "", tensors)  # cloned now: training moves on meanwhile
         meta = {"run_id": self.config.run_id, "quorum_id": q, "step": step}
-        self._ckpt_future = self._ckpt_executor.submit(self._write_checkpoint, q, step, tensors, skeleton, meta)
+        self._ckpt_future = self._ckpt_executor.submit(
+            self._write_checkpoint, q, step, tensors, skeleton, meta
+        )
         if wait:
             self._ckpt_future.result()
 
-    def _write_checkpoint(self, q: int, step: int, tensors: dict[str, torch.Tensor], skeleton: Any,
-                          meta: dict[str, Any]) -> None:
+    def _write_checkpoint(
+        self, q: int, step: int, tensors: dict[str, torch.Tensor], skeleton: Any, meta: dict[str, Any]
+    ) -> None:
         try:
             blob = _encode_flat(tensors, skeleton, meta)
             self.store.put(f"ckpt/q{q:08d}/state.safetensors", blob)
-            self.store.put_json(f"ckpt/q{q:08d}/COMMITTED.json",
-                                {"quorum_id": q, "step": step, "bytes": len(blob), "run_id": self.config.run_id})
+            self.store.put_json(
+                f"ckpt/q{q:08d}/COMMITTED.json",
+                {"quorum_id": q, "step": step, "bytes": len(blob), "run_id": self.config.run_id},
+            )
             latest = self._read_latest()
             if latest is None or latest["quorum_id"] < q:
                 self.store.put_json("latest.json", {"quorum_id": q, "step": step, "key": f"ckpt/q{q:08d}"})
             self._collect_garbage(q)
         except Exception:
-            log.exception("replica %d: checkpoint of round %d failed (the next round's writer retries)",
-                          self.replica_id, q)
+            log.exception(
+                "replica %d: checkpoint of round %d failed (the next round's writer retries)",
+                self.replica_id,
+                q,
+            )
 
     def _collect_garbage(self, q: int) -> None:
         keep = self.config.keep_rounds
@@ -514,10 +644,14 @@ class ObjectStoreManager:
             return "resumed"
         ptr_key = "ckpt/init/COMMITTED.json"
         if not self.store.exists(ptr_key):
-            blob = encode_state(self._collect_state(), {"run_id": self.config.run_id, "quorum_id": 0, "step": 0})
+            blob = encode_state(
+                self._collect_state(), {"run_id": self.config.run_id, "quorum_id": 0, "step": 0}
+            )
             own = f"ckpt/init/r{self.replica_id:03d}.safetensors"
             self.store.put(own, blob)
-            self.store.put_json_if_absent(ptr_key, {"key": own, "bytes": len(blob), "quorum_id": 0, "step": 0})
+            self.store.put_json_if_absent(
+                ptr_key, {"key": own, "bytes": len(blob), "quorum_id": 0, "step": 0}
+            )
         ptr = self.store.get_json(ptr_key)
         self._load_checkpoint(ptr["key"], ptr)
         return "initialized"
@@ -548,8 +682,13 @@ class ObjectStoreManager:
             load(state[k])
         if self.on_heal is not None:
             self.on_heal(state)
-        log.info("replica %d loaded %s (round %s, step %s)", self.replica_id, key, meta.get("quorum_id"),
-                 meta.get("step"))
+        log.info(
+            "replica %d loaded %s (round %s, step %s)",
+            self.replica_id,
+            key,
+            meta.get("quorum_id"),
+            meta.get("step"),
+        )
 
     def shutdown(self, wait: bool = True) -> None:
         if self._ckpt_future is not None and wait:
@@ -569,11 +708,15 @@ def _flatten(obj: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> Any:
     if isinstance(obj, dict):
         return {"__dict__": [[k, _flatten(v, f"{prefix}.{k}", tensors)] for k, v in obj.items()]}
     if isinstance(obj, (list, tuple)):
-        return {"__list__": [_flatten(v, f"{prefix}.{i}", tensors) for i, v in enumerate(obj)],
-                "tuple": isinstance(obj, tuple)}
+        return {
+            "__list__": [_flatten(v, f"{prefix}.{i}", tensors) for i, v in enumerate(obj)],
+            "tuple": isinstance(obj, tuple),
+        }
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
-    raise TypeError(f"cannot store {type(obj).__name__} at {prefix!r} in a checkpoint (tensors and JSON only)")
+    raise TypeError(
+        f"cannot store {type(obj).__name__} at {prefix!r} in a checkpoint (tensors and JSON only)"
+    )
 
 
 def _unflatten(skel: Any, tensors: dict[str, torch.Tensor]) -> Any:
@@ -599,8 +742,12 @@ def encode_state(state: dict[str, StateDict], meta: dict[str, Any]) -> bytes:
     return _encode_flat(tensors, skel, meta)
 
 
-def decode_state(key: str, blob: bytes, run_id: str, expected_size: int | None = None) -> tuple[dict[str, Any], dict]:
-    tensors, meta = decode_shard(key, blob, expect={"run_id": run_id, "kind": "state"}, expected_size=expected_size)
+def decode_state(
+    key: str, blob: bytes, run_id: str, expected_size: int | None = None
+) -> tuple[dict[str, Any], dict]:
+    tensors, meta = decode_shard(
+        key, blob, expect={"run_id": run_id, "kind": "state"}, expected_size=expected_size
+    )
     try:
         skel = json.loads(meta["skeleton"])
     except (KeyError, json.JSONDecodeError) as e:

@@ -23,8 +23,6 @@ from typing import Any
 
 import fsspec
 import torch
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
 from composer_mesh.mesh.objectstore.config import DiLoCoConfig
 
@@ -45,35 +43,78 @@ class StoreError(RuntimeError):
     """The store itself is unusable (bad URI, missing credentials variable, I/O failure)."""
 
 
+_ST_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+_TORCH_DTYPES: dict[str, torch.dtype] = {v: k for k, v in _ST_DTYPES.items()}
+
+
+def _raw(t: torch.Tensor) -> memoryview:
+    """The tensor's bytes without a copy (t must be contiguous and on CPU)."""
+    flat = t.reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+
+
+def _prepare(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, t in tensors.items():
+        t = t.detach().to("cpu").contiguous()
+        if t.dtype not in _ST_DTYPES:
+            raise TypeError(f"tensor {name!r}: dtype {t.dtype} cannot be stored")
+        out[name] = t
+    return out
+
+
 def tensor_digest(tensors: Mapping[str, torch.Tensor]) -> str:
-    """sha256 over the raw bytes of every tensor, in sorted-name order (names and dtypes included)."""
+    """sha256 over every tensor's name, dtype, size and raw bytes, in sorted-name order."""
     h = hashlib.sha256()
     for name in sorted(tensors):
-        t = tensors[name].detach().contiguous().reshape(-1)
-        h.update(f"{name}|{t.dtype}|{t.numel()};".encode())
-        if t.numel():
-            h.update(memoryview(t.view(torch.uint8).numpy()))
+        t = tensors[name].detach().to("cpu").contiguous()
+        h.update(f"{name}|{_ST_DTYPES[t.dtype]}|{t.numel()};".encode())
+        h.update(_raw(t))
     return h.hexdigest()
 
 
-def encode_shard(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> bytes:
-    """safetensors bytes whose metadata carries `meta` (stringified) plus the payload's sha256."""
-    clean = {k: v.detach().contiguous() for k, v in tensors.items()}
+def encode_shard_parts(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> list[bytes | memoryview]:
+    """A safetensors object as buffers [length, header, tensor bytes...], without copying tensor data.
+
+    The header's metadata carries `meta` (stringified), the format tag and the payload's sha256. Tensors
+    are laid out by decreasing element size, so every tensor is aligned for zero-copy reads.
+    """
+    clean = _prepare(tensors)
     md = {k: str(v) for k, v in meta.items()}
     md["format"] = SHARD_FORMAT
     md["sha256"] = tensor_digest(clean)
-    return st_save(clean, metadata=md)
+    header: dict[str, Any] = {"__metadata__": md}
+    parts: list[bytes | memoryview] = []
+    off = 0
+    for name in sorted(clean, key=lambda k: (-clean[k].element_size(), k)):
+        t = clean[name]
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [off, off + n]}
+        parts.append(_raw(t))
+        off += n
+    hb = json.dumps(header, separators=(",", ":")).encode()
+    hb += b" " * (-len(hb) % 8)
+    return [struct.pack("<Q", len(hb)), hb, *parts]
 
 
-def read_header(key: str, data: bytes) -> tuple[dict[str, Any], int]:
+def encode_shard(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> bytes:
+    """safetensors bytes (readable by `safetensors.torch.load`) with metadata and the payload's sha256."""
+    return b"".join(encode_shard_parts(tensors, meta))
+
+
+def read_header(key: str, data: bytes | bytearray | memoryview) -> tuple[dict[str, Any], int]:
     """Parse a safetensors header without touching tensor data; returns (header, expected total size)."""
     if len(data) < 8:
         raise ShardError(key, f"truncated: {len(data)} bytes, not even a safetensors header length")
-    (n,) = struct.unpack("<Q", data[:8])
+    (n,) = struct.unpack("<Q", bytes(data[:8]))
     if n > len(data) - 8:
         raise ShardError(key, f"truncated: the header alone needs {8 + n} bytes but the object has {len(data)}")
     try:
-        header = json.loads(data[8 : 8 + n])
+        header = json.loads(bytes(data[8 : 8 + n]))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ShardError(key, f"not a safetensors object (unreadable header: {e})") from None
     if not isinstance(header, dict):
@@ -83,19 +124,29 @@ def read_header(key: str, data: bytes) -> tuple[dict[str, Any], int]:
         if name == "__metadata__":
             continue
         try:
-            end = max(end, int(info["data_offsets"][1]))
-        except (KeyError, TypeError, IndexError, ValueError):
+            start, stop = (int(x) for x in info["data_offsets"])
+            numel = 1
+            for d in info["shape"]:
+                numel *= int(d)
+            dtype = _TORCH_DTYPES[info["dtype"]]
+        except (KeyError, TypeError, ValueError):
             raise ShardError(key, f"not a safetensors object (bad entry {name!r})") from None
+        if stop - start != numel * dtype.itemsize or start < 0:
+            raise ShardError(key, f"not a safetensors object (entry {name!r}: offsets do not match its shape)")
+        end = max(end, stop)
     return header, 8 + n + end
 
 
 def decode_shard(
-    key: str, data: bytes, expect: Mapping[str, Any], expected_size: int | None = None
+    key: str, data: bytes | bytearray, expect: Mapping[str, Any], expected_size: int | None = None
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Validate and load a shard: size, header, run/round/replica metadata, then the sha256 of the payload.
 
     Every failure is a ShardError naming `key` and the problem (truncated, checksum mismatch, another run...).
+    Tensors are zero-copy views of `data` (pass a bytearray to get writable tensors without a warning).
     """
+    if not isinstance(data, bytearray):  # torch tensors over immutable bytes would be "read-only" views
+        data = bytearray(data)
     header, total = read_header(key, data)
     if len(data) < total:
         raise ShardError(key, f"truncated: {len(data)} bytes, the safetensors header describes {total}")
@@ -109,11 +160,25 @@ def decode_shard(
         if got != str(want):
             what = "a shard from another run" if field == "run_id" else f"wrong {field}"
             raise ShardError(key, f"{what}: metadata {field}={got!r}, expected {str(want)!r}")
-    try:
-        tensors = st_load(data)
-    except Exception as e:  # safetensors raises its own error type for malformed bodies
-        raise ShardError(key, f"malformed safetensors body: {e}") from None
-    digest = tensor_digest(tensors)
+    (n,) = struct.unpack("<Q", bytes(data[:8]))
+    base = 8 + n
+    mv = memoryview(data)
+    h = hashlib.sha256()
+    tensors: dict[str, torch.Tensor] = {}
+    for name in sorted(k for k in header if k != "__metadata__"):
+        info = header[name]
+        dtype, shape = _TORCH_DTYPES[info["dtype"]], [int(d) for d in info["shape"]]
+        start, stop = (int(x) for x in info["data_offsets"])
+        numel = (stop - start) // dtype.itemsize
+        h.update(f"{name}|{info['dtype']}|{numel};".encode())
+        h.update(mv[base + start : base + stop])
+        if numel == 0:
+            tensors[name] = torch.empty(shape, dtype=dtype)
+        elif (base + start) % dtype.itemsize:  # unaligned (a foreign writer): copy instead of viewing
+            tensors[name] = torch.frombuffer(bytearray(mv[base + start : base + stop]), dtype=dtype).reshape(shape)
+        else:
+            tensors[name] = torch.frombuffer(data, dtype=dtype, count=numel, offset=base + start).reshape(shape)
+    digest = h.hexdigest()
     if digest != meta.get("sha256"):
         raise ShardError(key, f"checksum mismatch: payload sha256 {digest[:16]}…, metadata says "
                               f"{str(meta.get('sha256'))[:16]}…")
@@ -174,18 +239,21 @@ class Store:
             return self.bytes_read, self.bytes_written
 
     # ---- writes --------------------------------------------------------------------------------------
-    def put(self, key: str, data: bytes) -> None:
-        """Atomic put: readers see nothing or the whole object."""
+    def put(self, key: str, data: bytes | list[bytes | memoryview]) -> None:
+        """Atomic put: readers see nothing or the whole object. `data` may be a list of buffers."""
         p = self.path(key)
+        parts = data if isinstance(data, list) else [data]
+        size = sum(memoryview(b).nbytes for b in parts)
         if self.scheme == "file":
             os.makedirs(os.path.dirname(p), exist_ok=True)
             tmp = f"{p}.tmp-{uuid.uuid4().hex}"
             with open(tmp, "wb") as f:
-                f.write(data)
+                for b in parts:
+                    f.write(b)
             os.replace(tmp, p)
         else:
-            self.fs.pipe_file(p, data)
-        self._count(written=len(data))
+            self.fs.pipe_file(p, parts[0] if len(parts) == 1 else b"".join(parts))
+        self._count(written=size)
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         """Create-only put; False if the key already exists (someone else won). Atomic on every backend."""
@@ -229,18 +297,20 @@ class Store:
         return self.put_if_absent(key, json.dumps(obj, sort_keys=True).encode())
 
     # ---- reads ---------------------------------------------------------------------------------------
-    def get(self, key: str) -> bytes:
-        """Whole object; FileNotFoundError if absent."""
+    def get(self, key: str) -> bytearray:
+        """Whole object as a (writable) bytearray; FileNotFoundError if absent."""
         p = self.path(key)
         if self.scheme == "file":
             with open(p, "rb") as f:
-                data = f.read()
+                data = bytearray(os.fstat(f.fileno()).st_size)
+                got = f.readinto(data)
+            del data[got:]
         else:
-            data = self.fs.cat_file(p)
+            data = bytearray(self.fs.cat_file(p))
         self._count(read=len(data))
         return data
 
-    def get_or_none(self, key: str) -> bytes | None:
+    def get_or_none(self, key: str) -> bytearray | None:
         try:
             return self.get(key)
         except FileNotFoundError:

@@ -1,0 +1,311 @@
+"""Object-store DiLoCo sync: reduce-scatter vs naive all-gather vs a raw copy of M bytes, side by side.
+
+For each store (file:// on local disk, s3:// on a moto server subprocess on localhost), model size M and
+replica count N, the N replicas run as threads of this process against the same store, and three things
+are measured in one run, one after the other, under the same concurrency:
+
+  reduce-scatter : ObjectStoreManager (the real code): publish N slices, average one slice, read all
+                   averaged slices; checksummed safetensors, quorum records and all.
+  naive          : every replica PUTs its whole checksummed shard, then reads all N shards and averages.
+  raw copy       : every replica PUTs M raw bytes, then reads another replica's M bytes (no format, no
+                   checksum, no protocol): the floor for moving M bytes through this store.
+
+Bytes are counted by the store wrapper (everything, including the small JSON records); seconds are the
+wall time of the whole round (slowest replica), after a barrier. Targets (issue 5): reduce-scatter reads
+<= 2.2 x M per replica for every N; its round time <= 1.5 x the raw copy.
+
+    .venv/bin/python benchmarks/bench_objectstore.py            # 64 and 256 MiB, N = 2, 4, 8, file + s3
+    .venv/bin/python benchmarks/bench_objectstore.py --quick    # 4 and 16 MiB, N = 2, 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+from composer_mesh.mesh.objectstore import DiLoCoConfig  # noqa: E402
+from composer_mesh.mesh.objectstore.manager import ObjectStoreManager  # noqa: E402
+from composer_mesh.mesh.objectstore.store import Store, decode_shard, encode_shard  # noqa: E402
+
+MIB = 1024 * 1024
+
+
+# ------------------------------------------------------------------------------------------ stores
+class MotoServer:
+    """`moto_server` in its own process, so its CPU does not share this process's GIL."""
+
+    def __init__(self) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        exe = os.path.join(os.path.dirname(sys.executable), "moto_server")
+        self.proc = subprocess.Popen(
+            [exe, "-H", "127.0.0.1", "-p", str(self.port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        end = time.monotonic() + 30
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
+                    break
+            except OSError:
+                if time.monotonic() > end or self.proc.poll() is not None:
+                    raise RuntimeError("moto_server did not start") from None
+                time.sleep(0.1)
+        os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
+        os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
+        import boto3
+
+        boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1").create_bucket(Bucket="bench")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def store_fields(kind: str, tmp: str, moto: MotoServer | None) -> dict[str, Any]:
+    if kind == "file":
+        return {"store_uri": f"file://{tmp}/store"}
+    assert moto is not None
+    return {
+        "store_uri": "s3://bench/diloco",
+        "storage_options": {"endpoint_url": moto.endpoint, "region_name": "us-east-1"},
+        "credentials_env": {"key": "AWS_ACCESS_KEY_ID", "secret": "AWS_SECRET_ACCESS_KEY"},
+    }
+
+
+# ------------------------------------------------------------------------------------------ methods
+def run_threads(n: int, fn: Callable[[int, threading.Barrier], Any]) -> tuple[float, list[Any]]:
+    barrier = threading.Barrier(n + 1)
+    out: list[Any] = [None] * n
+    errors: list[BaseException] = []
+
+    def go(r: int) -> None:
+        try:
+            out[r] = fn(r, barrier)
+        except BaseException as e:
+            errors.append(e)
+            barrier.abort()
+
+    threads = [threading.Thread(target=go, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return time.perf_counter() - t0, out
+
+
+def wait_for(store: Store, prefix: str, count: int, poll: float) -> None:
+    while len(store.list(prefix)) < count:
+        time.sleep(poll)
+
+
+def bench_reduce_scatter(cfg: DiLoCoConfig, vecs: list[torch.Tensor]) -> tuple[float, list[tuple[int, int]]]:
+    n = len(vecs)
+    managers = [ObjectStoreManager(cfg, r) for r in range(n)]
+
+    def one(r: int, barrier: threading.Barrier) -> tuple[int, int]:
+        m = managers[r]
+        barrier.wait()
+        m.start_quorum()
+        work = m.allreduce(vecs[r])
+        work.wait()
+        assert m.should_commit(), m.reports[-1].error
+        rep = m.reports[-1]
+        return rep.bytes_read, rep.bytes_written
+
+    try:
+        return run_threads(n, one)
+    finally:
+        for m in managers:
+            m.shutdown()
+
+
+def bench_naive(cfg: DiLoCoConfig, vecs: list[torch.Tensor]) -> tuple[float, list[tuple[int, int]]]:
+    n = len(vecs)
+    stores = [Store.from_config(cfg) for _ in range(n)]
+
+    def one(r: int, barrier: threading.Barrier) -> tuple[int, int]:
+        s = stores[r]
+        barrier.wait()
+        r0, w0 = s.counters()
+        meta = {"run_id": cfg.run_id, "quorum_id": 1, "replica": r, "kind": "naive"}
+        s.put(f"naive/r{r:03d}.safetensors", encode_shard({"data": vecs[r]}, meta))
+        s.put_json(f"naive_arrived/r{r:03d}.json", {"replica": r})
+        wait_for(s, "naive_arrived", n, cfg.poll_interval_s)
+        acc = None
+        for m in range(n):
+            key = f"naive/r{m:03d}.safetensors"
+            t = decode_shard(key, s.get(key), expect={**meta, "replica": m})[0]["data"]
+            acc = t.clone() if acc is None else acc.add_(t)
+        assert acc is not None
+        acc.div_(n)
+        r1, w1 = s.counters()
+        return r1 - r0, w1 - w0
+
+    return run_threads(n, one)
+
+
+def bench_raw_copy(cfg: DiLoCoConfig, vecs: list[torch.Tensor]) -> tuple[float, list[tuple[int, int]]]:
+    n = len(vecs)
+    stores = [Store.from_config(cfg) for _ in range(n)]
+    payloads = [v.numpy().tobytes() for v in vecs]
+
+    def one(r: int, barrier: threading.Barrier) -> tuple[int, int]:
+        s = stores[r]
+        barrier.wait()
+        r0, w0 = s.counters()
+        s.put(f"raw/r{r:03d}.bin", payloads[r])
+        peer = f"raw/r{(r + 1) % n:03d}.bin"
+        while not s.exists(peer):
+            time.sleep(cfg.poll_interval_s)
+        data = s.get(peer)
+        assert len(data) == len(payloads[r])
+        r1, w1 = s.counters()
+        return r1 - r0, w1 - w0
+
+    return run_threads(n, one)
+
+
+METHODS = {
+    "reduce-scatter": bench_reduce_scatter,
+    "naive all-gather": bench_naive,
+    "raw copy": bench_raw_copy,
+}
+
+
+# ------------------------------------------------------------------------------------------ report
+def environment() -> list[str]:
+    import fsspec
+    import safetensors
+    import torchft  # noqa: F401
+
+    cpu = platform.processor() or "?"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    vers = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "fsspec": fsspec.__version__,
+        "safetensors": safetensors.__version__,
+    }
+    for mod in ("s3fs", "moto", "torchft"):
+        try:
+            vers[mod] = __import__(mod).__version__
+        except Exception:
+            vers[mod] = "?"
+    return [
+        f"host: {platform.node()} | {platform.platform()} | {cpu} | {os.cpu_count()} cpus | {mem:.1f} GiB RAM"
+        f" | load avg {os.getloadavg()[0]:.1f}",
+        "versions: " + ", ".join(f"{k} {v}" for k, v in vers.items()),
+    ]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="4 and 16 MiB, N = 2 and 4")
+    ap.add_argument("--sizes-mib", type=int, nargs="+", help="model sizes in MiB (default 64 256)")
+    ap.add_argument("--replicas", type=int, nargs="+", help="replica counts (default 2 4 8)")
+    ap.add_argument("--stores", nargs="+", default=["file", "s3"], choices=["file", "s3"])
+    ap.add_argument("--rounds", type=int, default=1, help="timed rounds per cell (median is reported)")
+    args = ap.parse_args()
+    sizes = args.sizes_mib or ([4, 16] if args.quick else [64, 256])
+    counts = args.replicas or ([2, 4] if args.quick else [2, 4, 8])
+    torch.set_num_threads(1)
+
+    print("\n".join(environment()), flush=True)
+    print("N replicas are threads of one process; moto runs as a separate process. M = model bytes (fp32).")
+    moto = MotoServer() if "s3" in args.stores else None
+    tmp = tempfile.mkdtemp(prefix="bench_objstore_", dir=os.environ.get("BENCH_TMP"))
+    rows = []
+    try:
+        for kind in args.stores:
+            for size in sizes:
+                numel = size * MIB // 4
+                for n in counts:
+                    vecs = [torch.randn(numel, generator=torch.Generator().manual_seed(r)) for r in range(n)]
+                    cell: dict[str, tuple[float, float, float]] = {}
+                    for method, fn in METHODS.items():
+                        secs, reads, writes = [], [], []
+                        for _ in range(args.rounds):
+                            cfg = DiLoCoConfig(
+                                run_id=f"b{uuid.uuid4().hex[:8]}",
+                                replicas=n,
+                                quorum_deadline_s=600,
+                                poll_interval_s=0.02,
+                                **store_fields(kind, tmp, moto),
+                            )
+                            wall, counters = fn(cfg, vecs)
+                            secs.append(wall)
+                            reads.append(statistics.mean(c[0] for c in counters) / (numel * 4))
+                            writes.append(statistics.mean(c[1] for c in counters) / (numel * 4))
+                            Store.from_config(cfg).rm_prefix("")
+                        cell[method] = (
+                            statistics.median(secs),
+                            statistics.median(reads),
+                            statistics.median(writes),
+                        )
+                    raw = cell["raw copy"][0]
+                    for method, (sec, rd, wr) in cell.items():
+                        rows.append((kind, size, n, method, rd, wr, sec, sec / raw))
+                        print(
+                            f"  {kind:4} {size:4d} MiB N={n} {method:16} read {rd:5.2f}xM write {wr:5.2f}xM "
+                            f"{sec:7.2f} s  {sec / raw:5.2f}x raw",
+                            flush=True,
+                        )
+                    del vecs
+    finally:
+        if moto is not None:
+            moto.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    print()
+    print(
+        "| store | M (MiB) | N | method | read / replica (×M) | written / replica (×M) | s / round | × raw copy |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for kind, size, n, method, rd, wr, sec, ratio in rows:
+        print(f"| {kind} | {size} | {n} | {method} | {rd:.2f} | {wr:.2f} | {sec:.2f} | {ratio:.2f} |")
+    rs = [r for r in rows if r[3] == "reduce-scatter"]
+    worst_read = max(r[4] for r in rs)
+    worst_ratio = max(r[7] for r in rs)
+    print(
+        f"\nreduce-scatter: worst bytes read per replica {worst_read:.2f} x M (target <= 2.2): "
+        f"{'PASS' if worst_read <= 2.2 else 'FAIL'}; worst round time {worst_ratio:.2f} x raw copy "
+        f"(target <= 1.5): {'PASS' if worst_ratio <= 1.5 else 'FAIL'}"
+    )
+
+
+if __name__ == "__main__":
+    main()
