@@ -37,12 +37,13 @@ import ipaddress
 import json
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -550,6 +551,7 @@ async def _launch(
     jobs = _Jobs()
     slurm_logs = str(Path(log_dir or "slurm_logs").resolve())
     runtime.add_failure_claimer(launched._sink)
+    restore_sigterm = _cancel_on_sigterm()
     body_started = False
     try:
         await _start(launched, topo, classes, sections, jobs, slurm_logs, ready_timeout)
@@ -570,8 +572,32 @@ async def _launch(
             await _stop(launched, stop_timeout)
         finally:
             jobs.kill_all()
+            restore_sigterm()
     if launched.failures:
         raise MeshFailureError(launched.failures, during="during the launch block")
+
+
+def _cancel_on_sigterm() -> Callable[[], None]:
+    """While launched, SIGTERM cancels the launching task like Ctrl-C does, so cleanup runs.
+
+    Without this, SIGTERM (a scheduler or CI timeout stopping the controller) ends the process without
+    unwinding, and Slurm jobs live on until their time limit. Only installed when SIGTERM has its default
+    action and we are on the main thread's loop; returns the function that removes it again.
+    """
+    task = asyncio.current_task()
+    try:
+        loop = asyncio.get_running_loop()
+        if task is None or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+            return lambda: None
+        loop.add_signal_handler(signal.SIGTERM, task.cancel)
+    except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or no signals here
+        return lambda: None
+
+    def restore() -> None:
+        with suppress(Exception):
+            loop.remove_signal_handler(signal.SIGTERM)
+
+    return restore
 
 
 def _is_supervision_error(exc: BaseException) -> bool:
