@@ -63,13 +63,16 @@ class BenchTrainer(Actor):
     def __init__(self) -> None:
         self.params: dict[str, torch.Tensor] = {}
         self.pub: WeightPublisher | None = None
+        self.copy_dest: dict[str, torch.Tensor] = {}
 
     @endpoint
     async def setup(self, size_mb: int, config: dict[str, Any]) -> int:
         if self.pub is not None:
             self.pub.close()
         self.pub = None
-        self.params = model_params(size_mb)
+        if sum(t.nbytes for t in self.params.values()) != size_mb * MIB:
+            self.params = model_params(size_mb)
+            self.copy_dest = {n: torch.empty_like(t) for n, t in self.params.items()}
         self.pub = WeightPublisher(self.params, WeightPlaneConfig(**config))
         return self.pub.nbytes
 
@@ -84,31 +87,42 @@ class BenchTrainer(Actor):
         return manifest, time.perf_counter() - t0
 
     @endpoint
-    async def local_copy(self, reps: int) -> float:
-        """Median seconds of an in-process copy of the state dict into preallocated tensors."""
-        dest = {n: torch.empty_like(t) for n, t in self.params.items()}
-        times = []
-        for _ in range(reps + 1):
-            t0 = time.perf_counter()
-            for n, t in self.params.items():
-                dest[n].copy_(t)
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times[1:])
+    async def state_dict(self) -> dict[str, torch.Tensor]:
+        """The naive baseline: return the tensors from an endpoint (Monarch pickles them)."""
+        return self.params
+
+    @endpoint
+    async def local_copy(self) -> float:
+        """Seconds of one in-process copy of the state dict into preallocated tensors."""
+        t0 = time.perf_counter()
+        for n, t in self.params.items():
+            self.copy_dest[n].copy_(t)
+        return time.perf_counter() - t0
 
 
 class BenchGenerator(Actor):
     def __init__(self) -> None:
         self.sub: WeightSubscriber | None = None
+        self.dest: dict[str, torch.Tensor] = {}
 
     @endpoint
     async def reset(self, config: dict[str, Any]) -> None:
         self.sub = WeightSubscriber(WeightPlaneConfig(**config))
+        self.dest = {}
 
     @endpoint
-    async def pull(self, manifest: Any) -> tuple[int, float, int]:
+    async def pull(self, manifest: Any) -> int:
         assert self.sub is not None
-        pulled = await self.sub.pull(manifest)
-        return pulled.version, pulled.seconds, pulled.retries
+        return (await self.sub.pull(manifest)).version
+
+    @endpoint
+    async def fetch_state_dict(self, trainer: Any) -> int:
+        sd = await trainer.state_dict.call_one()
+        if not self.dest:
+            self.dest = {n: torch.empty_like(t) for n, t in sd.items()}
+        for n, t in sd.items():
+            self.dest[n].copy_(t)
+        return len(sd)
 
 
 def hardware() -> str:
@@ -134,7 +148,7 @@ def hardware() -> str:
 
 
 async def run(args: argparse.Namespace) -> None:
-    console = Console(width=150)
+    console = Console(width=170)
     failures: list[Any] = []
     monarch.actor.unhandled_fault_hook = failures.append
     max_gens = max(args.generators)
@@ -146,64 +160,80 @@ async def run(args: argparse.Namespace) -> None:
     rows = []
     try:
         for size in args.sizes:
-            results: dict[tuple[str, int], float] = {}
+            med: dict[tuple[str, int], float] = {}
             publish_s: list[float] = []
-            retries = 0
-            for transport in args.transports:
-                cfg = {**base, "transport": transport}
+            copy_s: list[float] = []
+            nbytes = 0
+            # plane, state_dict and the in-process copy alternate within each rep (robust to load drift);
+            # the safetensors endpoint needs a different publisher, so it runs as its own block.
+            blocks = [
+                [m for m in args.methods if m != "endpoint"],
+                ["endpoint"] if "endpoint" in args.methods else [],
+            ]
+            for block in filter(None, blocks):
+                cfg = {**base, "transport": "endpoint" if block == ["endpoint"] else "rdma"}
                 nbytes = await trainer.setup.call_one(size, cfg)
                 for n in args.generators:
                     sub = gens.slice(procs=slice(0, n))
                     await gens.reset.call(cfg)  # frees every generator's staging from the last round
-                    times = []
+                    times: dict[str, list[float]] = {m: [] for m in block}
                     for rep in range(args.reps + 1):  # rep 0 warms up (allocates staging)
-                        manifest, pub_s = await trainer.publish.call_one()
-                        t0 = time.perf_counter()
-                        out = list((await sub.pull.call(manifest)).values())
-                        dt = time.perf_counter() - t0
-                        assert all(v == manifest.version for v, _, _ in out), out
-                        retries += sum(r for _, _, r in out)
-                        if rep:
-                            times.append(dt)
-                            if transport == "rdma":
-                                publish_s.append(pub_s)
-                    results[(transport, n)] = statistics.median(times)
-                    console.log(f"{size} MB, {n} gen, {transport}: {statistics.median(times):.3f} s")
-            copy_s = await trainer.local_copy.call_one(args.reps)
+                        for method in block:
+                            if method == "state_dict":
+                                t0 = time.perf_counter()
+                                await sub.fetch_state_dict.call(trainer)
+                                dt = time.perf_counter() - t0
+                            else:
+                                manifest, pub_s = await trainer.publish.call_one()
+                                t0 = time.perf_counter()
+                                versions = list((await sub.pull.call(manifest)).values())
+                                dt = time.perf_counter() - t0
+                                assert versions == [manifest.version] * n, versions
+                                if rep and method == "plane":
+                                    publish_s.append(pub_s)
+                                    copy_s.append(await trainer.local_copy.call_one())
+                            if rep:
+                                times[method].append(dt)
+                    for method in block:
+                        med[(method, n)] = statistics.median(times[method])
+                        console.log(f"{size} MiB, {n} gen, {method}: {med[(method, n)]:.3f} s")
             mb = nbytes / MIB
+            nan = float("nan")
+            copy = statistics.median(copy_s) if copy_s else nan
+            pub = statistics.median(publish_s) if publish_s else nan
             for n in args.generators:
-                plane, ep = results.get(("rdma", n), float("nan")), results.get(("endpoint", n), float("nan"))
+                plane, ep, sd = (med.get((m, n), nan) for m in ("plane", "endpoint", "state_dict"))
                 rows.append(
                     (
                         f"{mb:.0f}",
                         str(n),
                         f"{plane:.3f}",
                         f"{n * mb / plane:.0f}",
-                        f"{ep:.3f}",
+                        f"{n * mb / sd:.0f}",
                         f"{n * mb / ep:.0f}",
-                        f"{mb / copy_s:.0f}",
-                        f"{ep / plane:.2f}x",
-                        f"{copy_s * n / plane:.2f}",
-                        f"{1000 * statistics.median(publish_s):.0f}",
-                        str(retries),
+                        f"{mb / copy:.0f}",
+                        f"{sd / plane:.1f}x",
+                        f"{ep / plane:.1f}x",
+                        f"{n * copy / plane:.2f}",
+                        f"{1000 * pub:.0f}",
                     )
                 )
     finally:
         await g_procs.stop()
         await t_procs.stop()
-    table = Table(title="Weight sync: plane (RDMA) vs endpoint (safetensors bytes) vs in-process copy")
+    table = Table(title="Weight sync: plane (RDMA) vs state dict through an endpoint vs in-process copy")
     for col in (
         "MiB",
         "gens",
         "plane s",
         "plane MB/s",
-        "endpoint s",
-        "endpoint MB/s",
-        "copy MB/s",
-        "plane / endpoint",
-        "plane / copy",
-        "publish ms",
-        "retries",
+        "endpoint\nstate_dict MB/s",
+        "endpoint\nsafetensors MB/s",
+        "in-process\ncopy MB/s",
+        "plane /\nstate_dict",
+        "plane /\nsafetensors",
+        "plane /\ncopy",
+        "publish\nms",
     ):
         table.add_column(col, justify="right")
     for r in rows:
@@ -212,8 +242,13 @@ async def run(args: argparse.Namespace) -> None:
     console.print(hardware())
     console.print(
         f"median of {args.reps} reps after 1 warm-up; bucket {args.bucket_mb} MiB, {args.concurrency} concurrent "
-        "reads per generator; MB/s = generators x size / wall time until all hold the version (MiB/s); "
-        "'copy MB/s' = one in-process copy_ of the state dict; 'publish ms' = trainer-side copy into a slot."
+        "reads per generator. MB/s (MiB/s) = generators x size / wall time until all generators hold the "
+        "version. 'endpoint state_dict' = the trainer endpoint returns its tensors (Monarch pickling) and "
+        "each generator copies them in (the baseline; alternates with the plane in every rep); 'endpoint "
+        "safetensors' = the plane's endpoint transport (safetensors bytes from an actor in the trainer process). "
+        "'in-process copy' = one copy_ of the state dict inside the trainer, "
+        "measured between the plane's reps; 'plane / copy' compares aggregate rates. 'publish ms' = "
+        "trainer-side copy into a slot (independent of the number of generators)."
     )
     if failures:
         console.print(f"[red]mesh failures: {failures}")
@@ -235,7 +270,11 @@ def main() -> None:
         help="sets MONARCH_RDMA_TCP_FALLBACK_PARALLELISM for the spawned procs",
     )
     p.add_argument(
-        "--transports", nargs="+", default=["rdma", "endpoint"], choices=["rdma", "endpoint"], help="what to run"
+        "--methods",
+        nargs="+",
+        default=["plane", "endpoint", "state_dict"],
+        choices=["plane", "endpoint", "state_dict"],
+        help="what to run",
     )
     p.add_argument("--quick", action="store_true", help="16 MiB, 1 and 2 generators, 2 reps")
     args = p.parse_args()
