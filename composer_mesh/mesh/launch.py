@@ -659,16 +659,11 @@ async def _start(
             # sbatch, synchronously (~0.1 s): in a thread, a cancellation could let it submit a job
             # after the cleanup already ran.
             job.apply()
-        job_ids = await asyncio.gather(
-            *(
-                _wait_slurm_running(
-                    job, name, meshes[name].slurm.start_timeout if meshes[name].slurm else None, slurm_logs
-                )
-                for name, job in jobs.slurm.items()
-            )
-        )
-        for (name, job), job_id in zip(jobs.slurm.items(), job_ids):
-            launched.slurm_job_ids[name] = job_id
+        # All jobs are queued already, so waiting for them one after the other costs no extra time.
+        for name, job in jobs.slurm.items():
+            options = meshes[name].slurm
+            timeout = options.start_timeout if options is not None else None
+            launched.slurm_job_ids[name] = await _wait_slurm_running(job, name, timeout, slurm_logs)
             host_meshes[name] = getattr(job.state(cached_path=None), name)
 
     if by_backend["process"]:

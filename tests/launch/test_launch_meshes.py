@@ -121,7 +121,20 @@ async def test_dead_proc_inside_block_surfaces_as_mesh_failure() -> None:
     before = descendants()
     with pytest.raises(MeshFailureError) as err:
         async with launch(HERE / "process_probe.yaml", actors=PROBES) as mesh:
-            await mesh.generators.slice(hosts=1).crash.call()
+            with pytest.raises(RuntimeError) as call_err:
+                await mesh.generators.slice(hosts=1).crash.call()
+            assert type(call_err.value).__name__ == "SupervisionError"
+            # check() reports it, naming the role and mesh (the fault hook may trail the call's error).
+            for _ in range(50):
+                if mesh.failures:
+                    break
+                await asyncio.sleep(0.1)
+            with pytest.raises(MeshFailureError, match="role 'generators' on mesh 'rollout'"):
+                mesh.check()
+            # The controller survived; the other meshes still answer.
+            assert (await mesh.trainer.where.call_one())["mesh"] == "learner"
+            # A call that fails on the dead proc and leaves the block becomes a MeshFailureError.
+            await mesh.generators.where.call()
     # The dead proc belonged to the generators; nothing else was on it.
     assert err.value.roles == ["generators"]
     assert {f.mesh for f in err.value.failures} == {"rollout"}
