@@ -82,6 +82,36 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- run --------------------------------------------------------------------------------------------------
+
+
+def _run_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("file", help="topology YAML file")
+    p.add_argument("--steps", type=_positive_int, help="override run.steps")
+    p.add_argument("--run-dir", help="override run.run_dir (metrics.jsonl, plot.png, checkpoint/)")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _run(args: argparse.Namespace) -> int:
+    from composer_mesh.mesh.topology import TopologyError
+
+    try:
+        from composer_mesh.runner import main as run_main
+
+        return run_main(args.file, steps=args.steps, run_dir=args.run_dir)
+    except TopologyError as e:
+        return _print_error(e)
+
+
 COMMANDS: list[Command] = [
     Command(
         "validate",
@@ -95,6 +125,7 @@ COMMANDS: list[Command] = [
         _plan_args,
         _plan,
     ),
+    Command("run", "launch every mesh of a topology and run the built-in RL loop", _run_args, _run),
 ]
 
 

@@ -39,7 +39,7 @@ class RunConfig(BaseModel):
     max_policy_lag: int = Field(
         1, ge=0, description="Rollouts produced by weights older than `trainer version - max_policy_lag` are dropped and counted."
     )
-    rollout_queue_size: int = Field(4, ge=1, description="Scored batches buffered between generation and training.")
+    rollout_queue_size: int = Field(2, ge=1, description="Scored batches buffered between generation and training.")
     teacher_top_k: int = Field(0, ge=0, description="Top-k of teacher distributions for channel 2; 0 asks for dense logits.")
     seed: int = Field(0, description="Seed for prompt sampling and generation.")
     run_dir: Path = Field(Path("runs/local"), description="Where metrics.jsonl, checkpoints and plot.png are written.")
@@ -258,13 +258,13 @@ class RLLoop:
         return TrainBatch(groups=scored, distributions=signals.distributions, traces=signals.traces)
 
     async def evaluate(self, n: int, seed: int) -> float:
-        """Mean reward of near-greedy completions on `n` held-out prompts (fixed seed: same prompts each time)."""
+        """Mean reward of greedy completions on `n` held-out prompts (fixed seed: same prompts each time)."""
         if n == 0:
             return float("nan")
         held_out = PromptSource(self.cfg.task, seed=10_000 + seed)
         request = GenerationRequest(
             prompts=held_out.take(n, prefix="eval"), samples_per_prompt=1,
-            max_new_tokens=self.cfg.max_new_tokens, temperature=1e-3, seed=seed,
+            max_new_tokens=self.cfg.max_new_tokens, temperature=0.0, seed=seed,
         )
         gen = self.generators[0]
         await gen.version.call_one()  # apply any pulled weights before evaluating

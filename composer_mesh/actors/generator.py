@@ -61,7 +61,9 @@ class GeneratorService:
         if manifest.version <= max(self.version, self._pending[0] if self._pending else -1):
             return WeightVersion(version=self.version)
         if self._subscriber is None:
-            self._subscriber = WeightSubscriber(self.weights_config, expected=self.backend.weight_specs())
+            # Meta tensors describe the expected names/shapes/dtypes without allocating anything.
+            expected = {n: torch.empty(shape, dtype=dtype, device="meta") for n, (shape, dtype) in self.backend.weight_specs().items()}
+            self._subscriber = WeightSubscriber(self.weights_config, expected=expected)
         t0 = time.perf_counter()
         pulled = await self._subscriber.pull(manifest)
         tensors = {k: v.clone() for k, v in pulled.tensors.items()}  # staging views are reused by the next pull
