@@ -120,7 +120,7 @@ class LossConfig(BaseModel):
         "term on tokens where the teacher's entropy is high (EOPD, arXiv:2603.07079).",
     )
     sdpo_chunk_tokens: int = Field(
-        128,
+        32,
         description="Channel 2 is computed over this many tokens at a time, so only a (chunk x vocab) float32 "
         "working set exists besides the logits and their gradient.",
     )

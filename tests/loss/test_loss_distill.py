@@ -103,6 +103,25 @@ def test_chunked_equals_naive_in_value_and_gradient(params: DistillParams) -> No
         assert out_c.clipped.any() and not out_c.clipped.all()
 
 
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_chunked_is_accurate_at_qwen_vocab(beta: float) -> None:
+    """At vocab 151,936 the chunked loss stays within 1e-6 of a float64 evaluation (no cancellation)."""
+    g = torch.Generator().manual_seed(12)
+    s = torch.randn(1, 6, 151_936, generator=g) * 2
+    te = torch.randn(1, 6, 151_936, generator=g) * 2
+    mask = torch.ones(1, 6, dtype=torch.bool)
+    ls, lt = torch.log_softmax(s.double(), -1), torch.log_softmax(te.double(), -1)
+    if beta == 0.0:
+        ref = (lt.exp() * (lt - ls)).sum(-1)
+    elif beta == 1.0:
+        ref = (ls.exp() * (ls - lt)).sum(-1)
+    else:
+        lm = torch.logaddexp(lt + math.log(beta), ls + math.log1p(-beta))
+        ref = beta * (lt.exp() * (lt - lm)).sum(-1) + (1 - beta) * (ls.exp() * (ls - lm)).sum(-1)
+    out = distill_loss_chunked(s, te, mask, DistillParams(beta=beta, chunk_tokens=4))
+    assert abs(float(out.loss) - float(ref.mean())) < 1e-6
+
+
 def test_bf16_logits_give_bf16_gradient_close_to_float32() -> None:
     s, te, mask = _inputs(seed=6)
     a = s.to(torch.bfloat16).requires_grad_()
