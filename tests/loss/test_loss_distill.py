@@ -105,7 +105,7 @@ def test_chunked_equals_naive_in_value_and_gradient(params: DistillParams) -> No
 
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
 def test_chunked_is_accurate_at_qwen_vocab(beta: float) -> None:
-    """At vocab 151,936 the chunked loss stays within 1e-6 of a float64 evaluation (no cancellation)."""
+    """At vocab 151,936 the chunked loss stays within float32 rounding (1e-6 relative) of a float64 evaluation."""
     g = torch.Generator().manual_seed(12)
     s = torch.randn(1, 6, 151_936, generator=g) * 2
     te = torch.randn(1, 6, 151_936, generator=g) * 2
@@ -119,7 +119,7 @@ def test_chunked_is_accurate_at_qwen_vocab(beta: float) -> None:
         lm = torch.logaddexp(lt + math.log(beta), ls + math.log1p(-beta))
         ref = beta * (lt.exp() * (lt - lm)).sum(-1) + (1 - beta) * (ls.exp() * (ls - lm)).sum(-1)
     out = distill_loss_chunked(s, te, mask, DistillParams(beta=beta, chunk_tokens=4))
-    assert abs(float(out.loss) - float(ref.mean())) < 1e-6
+    assert abs(float(out.loss) - float(ref.mean())) < 1e-6 * max(1.0, float(ref.mean()))
 
 
 def test_bf16_logits_give_bf16_gradient_close_to_float32() -> None:
