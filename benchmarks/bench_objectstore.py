@@ -133,6 +133,7 @@ def bench_reduce_scatter(cfg: DiLoCoConfig, vecs: list[torch.Tensor]) -> tuple[f
 
     def one(r: int, barrier: threading.Barrier) -> tuple[int, int]:
         m = managers[r]
+        m.store.exists("warmup")  # connect (S3 client creation) before the clock starts
         barrier.wait()
         m.start_quorum()
         work = m.allreduce(vecs[r])
@@ -154,6 +155,7 @@ def bench_naive(cfg: DiLoCoConfig, vecs: list[torch.Tensor]) -> tuple[float, lis
 
     def one(r: int, barrier: threading.Barrier) -> tuple[int, int]:
         s = stores[r]
+        s.exists("warmup")  # connect (S3 client creation) before the clock starts
         barrier.wait()
         r0, w0 = s.counters()
         meta = {"run_id": cfg.run_id, "quorum_id": 1, "replica": r, "kind": "naive"}
@@ -180,6 +182,7 @@ def bench_raw_copy(cfg: DiLoCoConfig, vecs: list[torch.Tensor]) -> tuple[float, 
 
     def one(r: int, barrier: threading.Barrier) -> tuple[int, int]:
         s = stores[r]
+        s.exists("warmup")  # connect (S3 client creation) before the clock starts
         barrier.wait()
         r0, w0 = s.counters()
         s.put(f"raw/r{r:03d}.bin", payloads[r])

@@ -399,11 +399,15 @@ class ObjectStoreManager:
                 members: list[int] = []
                 sizes: dict[str, list[int]] = {}
                 rejected: dict[str, str] = {}
-                for name in arrived:
-                    mkey = f"{base}/arrived/{name}"
+                keys = [f"{base}/arrived/{name}" for name in arrived]
+                for name, mkey, got in zip(arrived, keys, self._io.map(self._try_get_json, keys)):
                     try:
-                        m = self.store.get_json(mkey)
+                        if isinstance(got, Exception):
+                            raise ShardError(mkey, f"unreadable arrival marker ({got})")
+                        m = got
                         r = int(m["replica"])
+                        if name != f"r{r:03d}.json":
+                            raise ShardError(mkey, f"marker claims to be replica {r}")
                         if m.get("run_id") != cfg.run_id:
                             raise ShardError(
                                 mkey,
@@ -440,10 +444,21 @@ class ObjectStoreManager:
                     "decided_by": self.replica_id,
                     "arrived": arrived,
                 }
-                self.store.put_json_if_absent(key, record)
-                return self.store.get_json(key)
+                return self._publish_record(key, record)
             polls += 1
             time.sleep(self._backoff(polls))
+
+    def _try_get_json(self, key: str) -> Any:
+        try:
+            return self.store.get_json(key)
+        except (ShardError, FileNotFoundError) as e:
+            return e
+
+    def _publish_record(self, key: str, record: dict[str, Any]) -> dict[str, Any]:
+        """Create-only write of a decision; returns the record that won (ours or an earlier one)."""
+        if self.store.put_json_if_absent(key, record):
+            return json.loads(json.dumps(record, sort_keys=True))
+        return self.store.get_json(key)
 
     def _amend(self, base: str, record: dict[str, Any], bad: ShardError) -> dict[str, Any]:
         """Drop the replica whose shard is bad; the next epoch record is create-only, so all agree."""
@@ -462,14 +477,12 @@ class ObjectStoreManager:
         }
         if culprit is None:  # a corrupt reduced slice: no member to blame, fail the round cleanly
             new["members"] = []
-        key = f"{base}/members/e{epoch}.json"
-        self.store.put_json_if_absent(key, new)
-        return self.store.get_json(key)
+        return self._publish_record(f"{base}/members/e{epoch}.json", new)
 
-    def _reduce_slice(self, base: str, q: int, record: dict[str, Any], j: int) -> None:
+    def _reduce_slice(self, base: str, q: int, record: dict[str, Any], j: int, fallback: bool = False) -> None:
         epoch, members = record["epoch"], record["members"]
         out_key = f"{base}/reduced/e{epoch}/s{j:03d}.safetensors"
-        if (epoch, j) in self._own["reduced"] or self.store.exists(out_key):
+        if (epoch, j) in self._own["reduced"] or (fallback and self.store.exists(out_key)):
             return
         lo, hi = self._slice_bounds(int(record["numel"]), j)
 
@@ -564,7 +577,7 @@ class ObjectStoreManager:
                 break
             if time.monotonic() >= deadline:
                 for j in sorted(pending):  # the reducer is gone: reduce it here (same inputs -> same bytes)
-                    self._reduce_slice(base, q, record, j)
+                    self._reduce_slice(base, q, record, j, fallback=True)
                     report.fallback_slices.append(j)
                     if (epoch, j) in self._own["reduced"]:
                         lo, hi = self._slice_bounds(numel, j)
