@@ -212,3 +212,38 @@ def test_memory_store_real_diloco_in_threads():
     assert sorted(res) == [0, 1]
     assert all(rep["committed"] for r in res.values() for rep in r["reports"])
     assert res[0]["outer_step"] == res[1]["outer_step"] == 2
+
+
+def test_replica_that_fell_rounds_behind_heals_abstains_and_ends_identical(tmp_path):
+    from diloco.worker import WorkerArgs, run
+
+    common = {"store_uri": f"file://{tmp_path}/store", "run_id": "behind", "replicas": 2,
+              "out_dir": str(tmp_path / "out"), "sync_every": 2, "target_outer_steps": 5,
+              "require_full_final_round": True, "quorum_deadline_s": 0.3}
+    res: dict[int, dict] = {}
+    errors: list[BaseException] = []
+
+    def go(r: int, **kw) -> None:
+        try:
+            res[r] = run(WorkerArgs(replica_id=r, **common, **kw))
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=go, args=(0,), kwargs={"step_sleep_s": 0.02}),
+               threading.Thread(target=go, args=(1,), kwargs={"pause_at_outer_step": 1, "pause_s": 2.5})]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    behind = res[1]["reports"]
+    healed = [rep for rep in behind if rep["abstained"]]
+    assert healed, f"replica 1 never healed: {behind}"
+    assert all(rep["committed"] and not rep["contributed"] and 1 not in rep["members"] for rep in healed)
+    assert any(rep["members"] == [0] for rep in res[0]["reports"])  # replica 0 went on alone meanwhile
+    assert res[0]["round_id"] == res[1]["round_id"]
+    from safetensors.torch import load_file
+
+    g0 = load_file(f"{common['out_dir']}/{res[0]['tag']}.global.safetensors")
+    g1 = load_file(f"{common['out_dir']}/{res[1]['tag']}.global.safetensors")
+    assert g0.keys() == g1.keys() and all(torch.equal(g0[k], g1[k]) for k in g0)

@@ -45,6 +45,8 @@ class WorkerArgs:
     inner_lr: float = 0.05
     init_seed: int | None = None  # default: replica_id (replicas start apart on purpose)
     step_sleep_s: float = 0.0
+    pause_at_outer_step: int | None = None  # sleep pause_s once when this many outer steps are committed
+    pause_s: float = 0.0
     poll_interval_s: float = 0.02
 
 
@@ -100,6 +102,9 @@ def run(a: WorkerArgs) -> dict[str, Any]:
             inner += 1
             if a.step_sleep_s:
                 time.sleep(a.step_sleep_s)
+            if a.pause_at_outer_step is not None and sync.outer_step == a.pause_at_outer_step and a.pause_s:
+                time.sleep(a.pause_s)  # fall rounds behind the others
+                a = dataclasses.replace(a, pause_s=0.0)
             rep = sync.last_report
             done = sync.outer_step >= a.target_outer_steps and (
                 not a.require_full_final_round or (rep is not None and rep.committed and rep.quorum_id ==

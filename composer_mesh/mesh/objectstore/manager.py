@@ -493,7 +493,12 @@ class ObjectStoreManager:
             try:
                 blob = self.store.get(key)
             except FileNotFoundError:
-                raise ShardError(key, "missing although its replica announced it") from None
+                # Shards are written before their marker, so an announced shard only vanishes when the round
+                # was garbage-collected: the others are rounds ahead. Never amend on that (the survivors of
+                # such an amendment would be this replica alone); fail locally and heal instead.
+                raise RuntimeError(
+                    f"{key}: missing although announced; round {q} was garbage-collected, this replica is behind"
+                ) from None
             tensors, _ = decode_shard(
                 key,
                 blob,
