@@ -250,20 +250,30 @@ class LossConfig(BaseModel):
         return self.taid_t is not None or self.taid_total_steps is not None
 
 
+def _type_name(annotation: Any) -> str:
+    text = str(annotation)
+    if text.startswith("typing.Literal"):
+        return " \\| ".join(repr(a) for a in annotation.__args__)
+    name = getattr(annotation, "__name__", None)
+    if name and not text.startswith(("typing.", "types.")) and "|" not in text:
+        return str(name)
+    return text.replace("typing.", "").replace("NoneType", "None").replace("|", "\\|")
+
+
 def config_table(model: type[BaseModel]) -> str:
     """A Markdown table (field | type | default | description) of a pydantic model, for the generated docs."""
     rows = ["| field | type | default | description |", "|---|---|---|---|"]
     for name, field in model.model_fields.items():
-        annotation = field.annotation
-        type_name = getattr(annotation, "__name__", None) or str(annotation).replace("typing.", "")
-        if str(annotation).startswith("typing.Literal"):
-            type_name = " \\| ".join(repr(a) for a in annotation.__args__)  # type: ignore[union-attr]
         default = "required" if field.is_required() else repr(field.default)
         description = (field.description or "").replace("|", "\\|")
-        rows.append(f"| `{name}` | {type_name.replace('|', chr(92) + '|')} | `{default}` | {description} |")
+        rows.append(f"| `{name}` | {_type_name(field.annotation)} | `{default}` | {description} |")
     return "\n".join(rows)
 
 
 def loss_config_table() -> str:
-    """The knob table of `docs/loss.md`."""
+    """The knob table of `docs/loss.md` (between the `loss-config-table` markers)."""
     return config_table(LossConfig)
+
+
+if __name__ == "__main__":
+    print(loss_config_table())
