@@ -164,8 +164,9 @@ class ObjectStoreDiLoCo:
         fragment carries local progress).
         """
         out: dict[str, torch.Tensor] = {}
+        states = self.manager.collect_state()
         for i, (frag, opt) in enumerate(zip(self.fragments, self.outer_optimizers)):
-            state = self.manager._state_fns[f"StreamingDiLoCoFragment_{i}"][1]()
+            state = states[f"StreamingDiLoCoFragment_{i}"]
             for name, t in state["original_parameters"].items():
                 out[f"f{i}/param/{name}"] = t.detach().clone()
             for idx, (name, _) in enumerate(frag.named_parameters()):

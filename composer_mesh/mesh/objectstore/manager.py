@@ -601,7 +601,8 @@ class ObjectStoreManager:
         except ShardError:
             return None
 
-    def _collect_state(self) -> dict[str, StateDict]:
+    def collect_state(self) -> dict[str, StateDict]:
+        """What the registered state-dict fns return now (DiLoCo: global params + outer optimizer per fragment)."""
         return {key: save() for key, (_, save) in sorted(self._state_fns.items())}
 
     def maybe_checkpoint(self, wait: bool = False) -> None:
@@ -613,7 +614,7 @@ class ObjectStoreManager:
         if self._ckpt_future is not None:
             self._ckpt_future.result()
         tensors: dict[str, torch.Tensor] = {}
-        skeleton = _flatten(self._collect_state(), "", tensors)  # cloned now: training moves on meanwhile
+        skeleton = _flatten(self.collect_state(), "", tensors)  # cloned now: training moves on meanwhile
         meta = {"run_id": self.config.run_id, "quorum_id": q, "step": step}
         self._ckpt_future = self._ckpt_executor.submit(
             self._write_checkpoint, q, step, tensors, skeleton, meta
@@ -663,7 +664,7 @@ class ObjectStoreManager:
         ptr_key = "ckpt/init/COMMITTED.json"
         if not self.store.exists(ptr_key):
             blob = encode_state(
-                self._collect_state(), {"run_id": self.config.run_id, "quorum_id": 0, "step": 0}
+                self.collect_state(), {"run_id": self.config.run_id, "quorum_id": 0, "step": 0}
             )
             own = f"ckpt/init/r{self.replica_id:03d}.safetensors"
             self.store.put(own, blob)
