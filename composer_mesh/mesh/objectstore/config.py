@@ -101,10 +101,13 @@ class DiLoCoConfig(BaseModel):
     bucket_cap_mb: float | None = Field(
         None,
         gt=0.0,
-        description="If set, torchft packs pseudo-gradients into buckets of this many MiB (fewer store "
-        "objects). Must be at least the largest parameter tensor (checked by check_against).",
+        description="If set, torchft packs pseudo-gradients into flat buckets of this many MiB before the "
+        "allreduce (the store plane sends one vector per round either way). Must be at least the largest "
+        "parameter tensor, or torchft silently skips it (checked by check_against).",
     )
-    poll_interval_s: float = Field(0.05, gt=0.0, le=5.0, description="Seconds between store polls.")
+    poll_interval_s: float = Field(
+        0.05, gt=0.0, le=5.0, description="Longest pause between store polls (polls start at 2 ms and back off)."
+    )
     keep_rounds: int = Field(
         2, ge=1, description="Completed rounds kept in the store before garbage collection."
     )
