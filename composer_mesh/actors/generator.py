@@ -16,6 +16,7 @@ import torch
 from monarch.actor import Actor, concurrent_endpoint, current_rank, endpoint
 
 from composer_mesh.actors.backends.base import GeneratorBackend
+from composer_mesh.actors.digest import weights_digest
 from composer_mesh.actors.messages import GenerationRequest, RolloutGroup, WeightVersion
 from composer_mesh.mesh.launch import RoleConfig
 from composer_mesh.mesh.weights import WeightManifest, WeightPlaneConfig, WeightSubscriber
@@ -31,7 +32,9 @@ class GeneratorService:
         self.version = 0
         self._subscriber: WeightSubscriber | None = None
         self._pending: tuple[int, dict[str, torch.Tensor]] | None = None
-        self._lock = threading.Lock()  # guards _pending and the swap
+        self._lock = threading.Lock()  # guards _pending
+        self._serving = threading.Lock()  # held by a request from swap to last token: versions stay exact
+        self._pull_lock: asyncio.Lock | None = None  # created on the actor's event loop
         self.last_sync_s = 0.0
         self.requests = 0
 
@@ -48,16 +51,25 @@ class GeneratorService:
 
     def generate(self, request: GenerationRequest) -> list[RolloutGroup]:
         """Apply any pulled version first (between requests), then sample stamped with that version."""
-        self._swap_if_pending()
-        self.requests += 1
-        groups = self.backend.generate(request, self.version)
+        with self._serving:
+            self._swap_if_pending()
+            self.requests += 1
+            groups = self.backend.generate(request, self.version)
         for g in groups:
             for r in g.rollouts:
                 r.generator = self.name
         return groups
 
     async def update(self, manifest: WeightManifest) -> WeightVersion:
-        """Pull `manifest` into private staging tensors; it becomes active at the next request."""
+        """Pull `manifest` into private staging tensors; it becomes active at the next request.
+
+        Pulls are serialised (one staging buffer); a manifest not newer than what is held is a no-op."""
+        if self._pull_lock is None:
+            self._pull_lock = asyncio.Lock()
+        async with self._pull_lock:
+            return await self._update(manifest)
+
+    async def _update(self, manifest: WeightManifest) -> WeightVersion:
         if manifest.version <= max(self.version, self._pending[0] if self._pending else -1):
             return WeightVersion(version=self.version)
         if self._subscriber is None:
@@ -73,9 +85,10 @@ class GeneratorService:
         return WeightVersion(version=pulled.version, num_params=len(tensors), num_bytes=pulled.nbytes)
 
     def apply_pending_now(self) -> int:
-        """Swap immediately (used when the generator is idle, e.g. before an evaluation)."""
-        self._swap_if_pending()
-        return self.version
+        """Swap now, or as soon as the request in flight finishes."""
+        with self._serving:
+            self._swap_if_pending()
+            return self.version
 
 
 class GeneratorActor(Actor):
@@ -109,6 +122,16 @@ class GeneratorActor(Actor):
     @endpoint
     async def version(self) -> int:
         return self._svc().apply_pending_now()
+
+    @endpoint
+    async def weights_digest(self) -> tuple[int, str]:
+        """(version, digest) of the active weights, after applying any pulled version."""
+        svc = self._svc()
+        version = svc.apply_pending_now()
+        named = getattr(svc.backend, "named_weights", None)
+        if named is None:
+            raise NotImplementedError(f"{type(svc.backend).__name__} cannot expose its weights for a digest")
+        return version, weights_digest(named())
 
     @endpoint
     async def stats(self) -> dict[str, float]:

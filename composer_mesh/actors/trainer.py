@@ -11,8 +11,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from monarch.actor import Actor, current_rank, endpoint
+from monarch.actor import Actor, endpoint
 
+from composer_mesh.actors.digest import weights_digest
 from composer_mesh.actors.messages import TrainBatch, TrainMetrics
 from composer_mesh.mesh.launch import RoleConfig
 from composer_mesh.mesh.weights import WeightManifest, WeightPlaneConfig, WeightPublisher
@@ -92,5 +93,7 @@ class TrainerActor(Actor):
         return str(path)
 
     @endpoint
-    async def rank(self) -> int:
-        return current_rank().rank
+    async def weights_digest(self) -> tuple[int, str]:
+        """(version, digest) of the current weights: compare with `GeneratorActor.weights_digest`."""
+        svc = self._svc()
+        return svc.version, weights_digest(svc.backend.named_weights())

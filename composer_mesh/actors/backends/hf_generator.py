@@ -173,6 +173,11 @@ class HFGenerator:
         self._require_started()
         return {name: (tuple(t.shape), t.dtype) for name, t in self._targets.items()}
 
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        """The active weights (views of the model's own storage), under the trainer's names."""
+        self._require_started()
+        return dict(self._targets)
+
     def load_weights(self, named: dict[str, torch.Tensor]) -> None:
         """Copy exactly the `weight_specs()` tensors into the model in place (tied aliases follow).
         Any name, shape or dtype mismatch raises before anything is copied."""

@@ -93,15 +93,11 @@ class HFTrainer:
         self.loss_state = new_loss_state(loss)
 
     def named_weights(self) -> dict[str, torch.Tensor]:
-        """The tensors generators need: every parameter (tied ones once) and persistent buffers, by HF name."""
+        """The tensors generators need (parameters, tied ones once, and persistent buffers), by HF name."""
+        from composer_mesh.models.tiny import named_weights
+
         assert self.model is not None, "call start() first"
-        named = dict(self.model.named_parameters())
-        for name, buf in self.model.named_buffers():
-            owner, _, attr = name.rpartition(".")
-            module = self.model.get_submodule(owner) if owner else self.model
-            if attr not in module._non_persistent_buffers_set:
-                named[name] = buf
-        return {k: v.detach() for k, v in named.items()}
+        return named_weights(self.model)
 
     # ---- one step ----------------------------------------------------------------------------------
     def build_loss_batch(self, batch: TrainBatch) -> LossBatch:
