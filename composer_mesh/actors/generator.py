@@ -104,6 +104,11 @@ class GeneratorActor(Actor):
         return self.service
 
     @endpoint
+    async def ready(self) -> bool:
+        """Answered once `__init__` succeeded: the launcher waits for it on every actor."""
+        return True
+
+    @endpoint
     async def setup(self) -> str:
         name = f"generator{current_rank().rank}"
         service = GeneratorService(self.topology.generators.build(), self.topology.weights, name=name)

@@ -20,6 +20,11 @@ class RewarderActor(Actor):
         self.backend: RewardBackend = config.topology.rewarder.build()
 
     @endpoint
+    async def ready(self) -> bool:
+        """Answered once `__init__` succeeded: the launcher waits for it on every actor."""
+        return True
+
+    @endpoint
     async def score(self, groups: list[RolloutGroup]) -> list[ScoredGroup]:
         # Graders may be subprocesses: keep them off the actor's event loop.
         return await asyncio.to_thread(score_groups, self.backend, groups)

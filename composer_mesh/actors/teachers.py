@@ -28,6 +28,11 @@ class TeacherPoolActor(Actor):
         return self.pool
 
     @endpoint
+    async def ready(self) -> bool:
+        """Answered once `__init__` succeeded: the launcher waits for it on every actor."""
+        return True
+
+    @endpoint
     async def setup(self) -> list[str]:
         size = 1
         for n in current_size().values():

@@ -70,6 +70,11 @@ class TrainerActor(Actor):
         return self.service
 
     @endpoint
+    async def ready(self) -> bool:
+        """Answered once `__init__` succeeded: the launcher waits for it on every actor."""
+        return True
+
+    @endpoint
     async def setup(self) -> WeightManifest:
         """Build model, optimizer and loss; publish the initial policy as version 1."""
         topo = self.topology
