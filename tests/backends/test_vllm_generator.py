@@ -200,3 +200,4 @@ def test_weight_push_then_generation_matches_transformers(gen, hf):
     assert diff_short < TOL
     # the push really changed the policy: the old weights' log-probs no longer fit
     assert [r.logprobs for g in before for r in g.rollouts] != [r.logprobs for g in after for r in g.rollouts]
+

