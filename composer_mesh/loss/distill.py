@@ -70,18 +70,21 @@ class DistillOutput:
     teacher_entropy: Tensor  # [n] entropy of the (temperature-scaled) teacher per distilled token
     gate: Tensor  # [n] entropy-OPD gate per token (zeros when the wrapper is off)
     clipped: Tensor  # [n] bool, token divergence hit sdpo_token_clip
+    has_entropy: bool = True  # False when the dense path skipped the teacher entropy (not entropy-OPD)
 
     def metrics(self, prefix: str = "sdpo/") -> dict[str, float]:
         n = self.per_token.numel()
         if n == 0:
             return {f"{prefix}tokens": 0.0}
-        return {
+        out = {
             f"{prefix}tokens": float(n),
             f"{prefix}divergence_mean": float(self.per_token.mean()),
-            f"{prefix}teacher_entropy": float(self.teacher_entropy.mean()),
             f"{prefix}gate_frac": float(self.gate.mean()),
             f"{prefix}clipped_frac": float(self.clipped.float().mean()),
         }
+        if self.has_entropy:
+            out[f"{prefix}teacher_entropy"] = float(self.teacher_entropy.mean())
+        return out
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -251,46 +254,64 @@ def _chunk_loss_and_grad(
     return loss, entropy, gate, clipped
 
 
+def _plan_chunks(rows: list[list[int]], step: int) -> list[tuple[int, int]]:
+    """Split the (b, t) row list into [start, stop) chunks of <= step rows that never cross a sequence."""
+    chunks = []
+    start, n = 0, len(rows)
+    while start < n:
+        b0 = rows[start][0]
+        stop = start + 1
+        while stop < n and stop - start < step and rows[stop][0] == b0:
+            stop += 1
+        chunks.append((start, stop))
+        start = stop
+    return chunks
+
+
 class _ChunkedDistill(torch.autograd.Function):
-    """loss = sum_i w_i * D(student[rows_i], teacher[rows_i]); gradient rows are written during forward."""
+    """loss = sum_i w_i * D(student[b_i, t_i], teacher[b_i, t_i]); gradient rows are written during forward.
+
+    Works on the [B, T, V] tensors as given (no flattening), so a non-contiguous student view such as
+    `logits[:, prompt_len - 1 : -1]` is never copied: a chunk of consecutive tokens is a view.
+    """
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, student: Tensor, teacher: Tensor, rows: Tensor, weights: Tensor, params: DistillParams
+        ctx: Any, student: Tensor, teacher: Tensor, mask: Tensor, weights: Tensor, params: DistillParams
     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         need_grad = bool(ctx.needs_input_grad[0])
-        n_rows = rows.numel()
+        dev = student.device
+        rows = mask.nonzero().tolist()  # row-major (b, t), same order as student[mask]
+        n_rows = len(rows)
         grad_buf: Tensor | None = None
         if need_grad:
-            full = n_rows == student.shape[0]
-            grad_buf = torch.empty_like(student) if full else torch.zeros_like(student)
+            full = n_rows == mask.numel()
+            alloc = torch.empty if full else torch.zeros
+            grad_buf = alloc(student.shape, dtype=student.dtype, device=dev)
         # Outputs are preallocated: small tensors kept alive between the chunks' large temporaries would pin
         # glibc heap pages (measured: +440 MB RSS at 2,048 x 32,000 before this change).
-        dev = student.device
         per_token = torch.empty(n_rows, dtype=torch.float32, device=dev)
         entropy = torch.empty(n_rows, dtype=torch.float32, device=dev)
         gate = torch.empty(n_rows, dtype=torch.float32, device=dev)
         clipped = torch.empty(n_rows, dtype=torch.bool, device=dev)
-        step = max(1, params.chunk_tokens)
-        rows_list = rows.tolist()
-        for start in range(0, n_rows, step):
-            idx_list = rows_list[start : start + step]
-            stop = start + len(idx_list)
+        for start, stop in _plan_chunks(rows, max(1, params.chunk_tokens)):
+            b = rows[start][0]
+            ts = [r[1] for r in rows[start:stop]]
             w = weights[start:stop]
-            lo, hi = idx_list[0], idx_list[-1] + 1
-            if hi - lo == len(idx_list):  # contiguous run: views, gradient written in place
-                g_chunk = grad_buf[lo:hi] if grad_buf is not None else None
-                out = _chunk_loss_and_grad(student[lo:hi], teacher[lo:hi], params, g_chunk, w)
+            t0, t1 = ts[0], ts[-1] + 1
+            if t1 - t0 == len(ts):  # consecutive tokens: views, gradient written in place
+                g_chunk = grad_buf[b, t0:t1] if grad_buf is not None else None
+                out = _chunk_loss_and_grad(student[b, t0:t1], teacher[b, t0:t1], params, g_chunk, w)
             else:
-                idx = rows[start:stop]
+                idx = torch.tensor(ts, device=dev)
                 g_tmp = (
-                    torch.empty(len(idx_list), student.shape[1], dtype=torch.float32, device=dev)
+                    torch.empty(len(ts), student.shape[-1], dtype=torch.float32, device=dev)
                     if need_grad
                     else None
                 )
-                out = _chunk_loss_and_grad(student[idx], teacher[idx], params, g_tmp, w)
+                out = _chunk_loss_and_grad(student[b, idx], teacher[b, idx], params, g_tmp, w)
                 if grad_buf is not None and g_tmp is not None:
-                    grad_buf[idx] = g_tmp.to(grad_buf.dtype)
+                    grad_buf[b, idx] = g_tmp.to(grad_buf.dtype)
                 del g_tmp
             per_token[start:stop] = out[0]
             entropy[start:stop] = out[1]
@@ -317,21 +338,30 @@ class _ChunkedDistill(torch.autograd.Function):
 def distill_loss_chunked(
     student_logits: Tensor, teacher_logits: Tensor, weights_mask: Tensor, params: DistillParams
 ) -> DistillOutput:
-    """Channel 2 over a dense teacher: mean divergence over tokens where `weights_mask`, chunked (see module doc)."""
-    vocab = student_logits.shape[-1]
+    """Channel 2 over a dense teacher: mean divergence over tokens where `weights_mask`, chunked (see module doc).
+
+    student_logits, teacher_logits: [B, T, V] (any strides; the last dim must be contiguous for speed);
+    weights_mask: [B, T] bool.
+    """
+    if student_logits.dim() != 3:
+        raise ValueError(f"logits must be [B, T, V], got shape {tuple(student_logits.shape)}")
     if teacher_logits.shape != student_logits.shape:
         raise ValueError(
             f"teacher_logits shape {tuple(teacher_logits.shape)} != logits shape {tuple(student_logits.shape)}"
         )
-    student_2d = student_logits.reshape(-1, vocab)
-    teacher_2d = teacher_logits.detach().reshape(-1, vocab)
-    rows = weights_mask.reshape(-1).nonzero().squeeze(-1)
-    n = max(rows.numel(), 1)
-    weights = torch.full((rows.numel(),), 1.0 / n, dtype=torch.float32, device=student_logits.device)
+    if tuple(weights_mask.shape) != tuple(student_logits.shape[:2]):
+        raise ValueError(
+            f"distill mask shape {tuple(weights_mask.shape)} != logits [B, T] {tuple(student_logits.shape[:2])}"
+        )
+    mask = weights_mask.bool()
+    n_rows = int(mask.sum())
+    weights = torch.full((n_rows,), 1.0 / max(n_rows, 1), dtype=torch.float32, device=student_logits.device)
     total, per_token, entropy, gate, clipped = _ChunkedDistill.apply(
-        student_2d, teacher_2d, rows, weights, params
+        student_logits, teacher_logits.detach(), mask, weights, params
     )
-    return DistillOutput(total, per_token, entropy, gate, clipped)
+    return DistillOutput(
+        total, per_token, entropy, gate, clipped, has_entropy=params.entropy_h_max is not None
+    )
 
 
 def distill_loss_topk(

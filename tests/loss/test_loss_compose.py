@@ -142,7 +142,7 @@ def test_precomputed_advantages_override_rewards(make_batch) -> None:
 
 
 def test_metrics_are_floats_with_expected_keys(make_batch) -> None:
-    result = compose_loss(make_batch(teacher="dense", replay=True), LossConfig())
+    result = compose_loss(make_batch(teacher="dense", replay=True), LossConfig(sdpo_wrapper="entropy_opd"))
     assert all(isinstance(v, float) for v in result.metrics.values())
     for key in (
         "grpo/clip_frac",

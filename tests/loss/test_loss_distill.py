@@ -122,6 +122,22 @@ def test_chunked_is_accurate_at_qwen_vocab(beta: float) -> None:
     assert abs(float(out.loss) - float(ref.mean())) < 1e-6 * max(1.0, float(ref.mean()))
 
 
+def test_non_contiguous_student_view_is_handled_without_flattening() -> None:
+    """A shifted view such as logits[:, 1:-1] (non-contiguous) gives the same value and gradient."""
+    g = torch.Generator().manual_seed(13)
+    full = torch.randn(3, 9, 40, generator=g).requires_grad_()
+    te = torch.randn(3, 7, 40, generator=g)
+    mask = torch.rand(3, 7, generator=g) > 0.2
+    view = full[:, 1:-1]
+    assert not view.is_contiguous()
+    params = DistillParams(beta=0.3, chunk_tokens=3)
+    distill_loss_chunked(view, te, mask, params).loss.backward()
+    ref = full.detach().clone().requires_grad_()
+    distill_loss_naive(ref[:, 1:-1], te, mask, params).loss.backward()
+    torch.testing.assert_close(full.grad, ref.grad, rtol=0, atol=1e-6)
+    assert full.grad is not None and full.grad[:, [0, -1]].abs().sum() == 0
+
+
 def test_bf16_logits_give_bf16_gradient_close_to_float32() -> None:
     s, te, mask = _inputs(seed=6)
     a = s.to(torch.bfloat16).requires_grad_()
