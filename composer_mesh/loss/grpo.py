@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -41,21 +42,56 @@ def group_advantages(rewards: Tensor, group_ids: Tensor, scale_std: bool, eps: f
     return centred / (var.sqrt()[inverse] + eps)
 
 
-def token_logprobs(logits: Tensor, token_ids: Tensor) -> Tensor:
-    """log softmax(logits)[token] per position, float32, without a full float32 log-softmax copy when possible.
+_TOKEN_CHUNK = 64  # sequence positions per chunk in token_logprobs
 
-    For float32/float64 logits: gather - logsumexp (backward builds one softmax). For half types the rows are
-    processed one sequence at a time so no full float32 copy exists (as TRL's selective_log_softmax).
+
+class _TokenLogprobs(torch.autograd.Function):
+    """log_softmax(logits)[token] computed `_TOKEN_CHUNK` positions at a time.
+
+    Forward keeps only a (chunk x vocab) float32 working set; backward writes
+    g * (onehot - softmax) chunk by chunk into ONE buffer shaped like the logits (the gradient itself).
+    Plain autograd (gather + logsumexp) would build a full float32 exp() in forward and a full softmax plus
+    a full zero-filled scatter in backward.
     """
-    ids = token_ids.long().clamp_min(0).unsqueeze(-1)
-    if logits.dtype in (torch.float32, torch.float64):
-        picked = logits.gather(-1, ids).squeeze(-1)
-        return (picked - torch.logsumexp(logits, dim=-1)).to(torch.float32)
-    rows = []
-    for row_logits, row_ids in zip(logits, ids, strict=True):
-        row_lp = torch.log_softmax(row_logits.float(), dim=-1)
-        rows.append(row_lp.gather(-1, row_ids).squeeze(-1))
-    return torch.stack(rows)
+
+    @staticmethod
+    def forward(ctx: Any, logits: Tensor, ids: Tensor) -> Tensor:  # type: ignore[override]
+        b, t, _ = logits.shape
+        lse = torch.empty(b, t, dtype=torch.float32, device=logits.device)
+        for i in range(b):
+            for t0 in range(0, t, _TOKEN_CHUNK):
+                lse[i, t0 : t0 + _TOKEN_CHUNK] = torch.logsumexp(
+                    logits[i, t0 : t0 + _TOKEN_CHUNK].float(), dim=-1
+                )
+        picked = logits.gather(-1, ids.unsqueeze(-1)).squeeze(-1).float()
+        ctx.save_for_backward(logits, ids, lse)
+        return picked - lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        logits, ids, lse = ctx.saved_tensors
+        b, t, _ = logits.shape
+        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        g = grad_out.float()
+        for i in range(b):
+            for t0 in range(0, t, _TOKEN_CHUNK):
+                t1 = min(t, t0 + _TOKEN_CHUNK)
+                sm = logits[i, t0:t1].float().sub(lse[i, t0:t1].unsqueeze(-1)).exp_()  # softmax
+                sm.mul_(-g[i, t0:t1].unsqueeze(-1))
+                sm.scatter_add_(-1, ids[i, t0:t1].unsqueeze(-1), g[i, t0:t1].unsqueeze(-1))
+                grad[i, t0:t1] = sm
+        return grad, None
+
+
+def token_logprobs(logits: Tensor, token_ids: Tensor) -> Tensor:
+    """log softmax(logits)[token] per position [B, T] (float32), chunked so no full float32 copy of the
+    logits' size exists besides the gradient. Negative ids (e.g. -100 padding) are read as 0; mask them.
+    """
+    if logits.dim() != 3:
+        raise ValueError(f"logits must be [B, T, V], got shape {tuple(logits.shape)}")
+    ids = token_ids.long().clamp_min(0)
+    return _TokenLogprobs.apply(logits, ids)
 
 
 @dataclass

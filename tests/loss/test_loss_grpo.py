@@ -120,3 +120,27 @@ def test_padding_with_garbage_old_logprobs_is_excluded() -> None:
     loss.backward()
     assert torch.isfinite(loss)
     assert logp.grad is not None and logp.grad[0, 1:].abs().sum() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_token_logprobs_matches_log_softmax_gather(dtype: torch.dtype) -> None:
+    from composer_mesh.loss.grpo import token_logprobs
+
+    g = torch.Generator().manual_seed(3)
+    full = (torch.randn(3, 150, 19, generator=g) * 3).to(dtype).requires_grad_()
+    view = full[:, 1:-1]  # shifted, non-contiguous, spans several internal chunks
+    ids = torch.randint(0, 19, (3, 148), generator=g)
+    ids[0, 0] = -100  # padding id is read as 0, not an error
+    weights = torch.randn(3, 148, generator=g)
+    ours = token_logprobs(view, ids)
+    ref_full = full.detach().clone().requires_grad_()
+    ref = (
+        torch.log_softmax(ref_full[:, 1:-1].float(), -1)
+        .gather(-1, ids.clamp_min(0).unsqueeze(-1))
+        .squeeze(-1)
+    )
+    torch.testing.assert_close(ours, ref, rtol=0, atol=2e-6)
+    (ours * weights).sum().backward()
+    (ref * weights).sum().backward()
+    assert full.grad is not None and full.grad.dtype == dtype
+    torch.testing.assert_close(full.grad.float(), ref_full.grad.float(), rtol=0.01, atol=2e-6)
