@@ -374,13 +374,15 @@ class WeightPublisher:
         )
 
     def close(self) -> None:
-        """Release the registered buffers (readers holding old manifests then fail cleanly)."""
+        """Release the registered buffers; readers holding old manifests then get WeightTransferError
+        (rdma) or WeightPlaneError "publisher is closed" (endpoint; the server actor stays, idle)."""
         for per_slot in self._handles:
             for h in per_slot:
-                h.drop()
+                h.drop()  # eager: Monarch starts the release without being awaited
         if self._header_handle is not None:
             self._header_handle.drop()
         self._handles, self._header_handle = (), None
+        self._cache = None
         _LOCAL_PUBLISHERS.pop(self.id, None)
 
     # ----- endpoint transport (runs in the server actor's thread, same process)

@@ -22,6 +22,7 @@ from composer_mesh.mesh.weights import (
     WeightPlaneConfig,
     WeightPublisher,
     WeightSubscriber,
+    WeightTransferError,
 )
 from weights.plane_actors import PlaneGenerator, PlaneTrainer, expected_tensor, model_spec
 
@@ -189,6 +190,18 @@ async def test_in_process_round_trip_and_apply_rules() -> None:
     with pytest.raises(ManifestMismatchError, match="'step'"):
         sub.apply_to({**dest, "step": torch.zeros(2, dtype=torch.int64)})
     pub.close()
+
+
+async def test_read_failure_names_chunk_tensors_and_size() -> None:
+    params = _params()
+    cfg = WeightPlaneConfig(read_timeout_s=10)
+    pub = WeightPublisher(params, cfg)
+    m = pub.publish(params)
+    pub.close()  # drops the registered buffers: the next read fails
+    with pytest.raises(WeightTransferError) as err:
+        await asyncio.wait_for(WeightSubscriber(cfg).pull(m), 30)
+    msg = str(err.value)
+    assert "v1 slot 1 chunk 0" in msg and "MiB" in msg and "embed.weight" in msg and "timeout 10s" in msg
 
 
 def test_config_rejects_unknown_fields_and_values() -> None:
