@@ -212,25 +212,30 @@ class RLLoop:
         self.gate = LagGate(self.cfg.max_policy_lag)
         self.trainer_version = 0
         self.teacher_usage: dict[str, float] = {}
-        spec = topology.meshes[topology.generators.mesh]
-        # One handle per generator actor, so each runs its own generation loop.
-        self.generators = [
-            mesh.generators.slice(hosts=h, procs=p) for h in range(spec.hosts) for p in range(spec.procs_per_host)
-        ]
+        # One handle per actor: each generator runs its own generation loop; each trainer proc is one
+        # DiLoCo replica fed its own batches (replica 0's weights go to the generators).
+        self.generators = self._actors(mesh.generators, topology.generators.mesh)
+        self.trainers = self._actors(mesh.trainer, topology.trainer.mesh)
+        self.teachers = mesh.actors.get("teachers")  # optional role
+
+    def _actors(self, handle: Any, mesh_name: str) -> list[Any]:
+        spec = self.topo.meshes[mesh_name]
+        return [handle.slice(hosts=h, procs=p) for h in range(spec.hosts) for p in range(spec.procs_per_host)]
 
     # ---- stages -------------------------------------------------------------------------------------
     async def setup(self) -> None:
         m = self.mesh
-        tasks = [m.trainer.setup.call_one(), m.generators.setup.call()]
-        if m.teachers is not None:
-            tasks.append(m.teachers.setup.call())
-        manifest, *_ = await asyncio.gather(*tasks)
+        tasks = [asyncio.gather(*(t.setup.call_one() for t in self.trainers)), m.generators.setup.call()]
+        if self.teachers is not None:
+            tasks.append(self.teachers.setup.call())
+        manifests, *_ = await asyncio.gather(*tasks)
+        manifest = manifests[0]
         self.trainer_version = manifest.version
         await m.generators.update_weights.call(manifest)
 
     async def _signals(self, groups: list[RolloutGroup]) -> TeacherSignals:
         rollouts = [r for g in groups for r in g.rollouts]
-        if self.mesh.teachers is None:
+        if self.teachers is None:
             return TeacherSignals(distributions=[None] * len(rollouts))
         loss = self.topo.loss
         request = TeacherRequest(
@@ -239,7 +244,7 @@ class RLLoop:
             top_k=self.cfg.teacher_top_k,
             max_new_tokens=self.cfg.max_new_tokens,
         )
-        answers = await self.mesh.teachers.signals.call(request)
+        answers = await self.teachers.signals.call(request)
         signals = merge_signals(list(answers.values()), len(rollouts))
         self.teacher_usage = signals.usage
         return signals
@@ -300,8 +305,9 @@ class RLLoop:
                 await asyncio.gather(*producers, return_exceptions=True)
             eval_after = await self.evaluate(cfg.eval_prompts, cfg.seed)
             writer.write_event("eval", when="after", reward=eval_after, weight_version=self.trainer_version)
-            checkpoint = await self.mesh.trainer.save_checkpoint.call_one(str((cfg.run_dir / "checkpoint").resolve()))
+            checkpoint = await self.trainers[0].save_checkpoint.call_one(str((cfg.run_dir / "checkpoint").resolve()))
             writer.write_event("checkpoint", path=checkpoint, weight_version=self.trainer_version)
+            await self.mesh.trainer.close.call()
         finally:
             writer.close()
         if writer.records:
@@ -314,31 +320,39 @@ class RLLoop:
             seconds=time.perf_counter() - t_start, teacher_usage=self.teacher_usage,
         )
 
-    async def _train(self, queue: asyncio.Queue[TrainBatch], writer: MetricsWriter, producers: list[asyncio.Task]) -> None:
-        cfg = self.cfg
-        step = 0
-        while step < cfg.steps:
+    async def _next_batch(self, queue: asyncio.Queue[TrainBatch], writer: MetricsWriter,
+                          producers: list[asyncio.Task]) -> tuple[TrainBatch, int]:
+        """The next batch within the lag bound (stale ones are dropped and logged) and its policy lag."""
+        while True:
             get = asyncio.ensure_future(queue.get())
             done, _ = await asyncio.wait([get, *producers], return_when=asyncio.FIRST_COMPLETED)
             if get not in done:  # a producer died: surface its error instead of waiting forever
                 get.cancel()
                 for p in producers:
-                    if p.done() and p.exception() is not None:
-                        raise p.exception()
+                    if p.done() and not p.cancelled() and p.exception() is not None:
+                        raise p.exception()  # type: ignore[misc]
                 continue
             batch = get.result()
             lag = self.gate.lag(batch, self.trainer_version)
-            if not self.gate.admit(batch, self.trainer_version):
-                writer.write_event("dropped", policy_lag=lag, rollouts=len(batch.rollouts()))
-                continue
+            if self.gate.admit(batch, self.trainer_version):
+                return batch, lag
+            writer.write_event("dropped", policy_lag=lag, rollouts=len(batch.rollouts()))
+
+    async def _train(self, queue: asyncio.Queue[TrainBatch], writer: MetricsWriter, producers: list[asyncio.Task]) -> None:
+        for step in range(1, self.cfg.steps + 1):
+            picked = [await self._next_batch(queue, writer, producers) for _ in self.trainers]
             t0 = time.perf_counter()
-            metrics, manifest = await self.mesh.trainer.train_step.call_one(batch)
+            results = await asyncio.gather(
+                *(t.train_step.call_one(batch) for t, (batch, _) in zip(self.trainers, picked))
+            )
+            metrics, manifest = results[0]
+            if len(results) > 1:
+                metrics.metrics["reward_mean_all_replicas"] = sum(m.metrics["reward_mean"] for m, _ in results) / len(results)
             t1 = time.perf_counter()
             await self.mesh.generators.update_weights.call(manifest)
             sync_s = time.perf_counter() - t1
             self.trainer_version = manifest.version
-            step += 1
-            record = self._record(step, metrics, lag, sync_s, time.perf_counter() - t0)
+            record = self._record(step, metrics, max(lag for _, lag in picked), sync_s, time.perf_counter() - t0)
             writer.write(record)
             if self.progress is not None:
                 self.progress(record)

@@ -13,11 +13,12 @@ import time
 from typing import Any
 
 import torch
-from monarch.actor import Actor, concurrent_endpoint, current_rank, endpoint
+from monarch.actor import Actor, concurrent_endpoint, endpoint
 
 from composer_mesh.actors.backends.base import GeneratorBackend
 from composer_mesh.actors.digest import weights_digest
 from composer_mesh.actors.messages import GenerationRequest, RolloutGroup, WeightVersion
+from composer_mesh.actors.position import actor_position
 from composer_mesh.mesh.launch import RoleConfig
 from composer_mesh.mesh.weights import WeightManifest, WeightPlaneConfig, WeightSubscriber
 
@@ -110,7 +111,7 @@ class GeneratorActor(Actor):
 
     @endpoint
     async def setup(self) -> str:
-        name = f"generator{current_rank().rank}"
+        name = f"generator{actor_position()[0]}"
         service = GeneratorService(self.topology.generators.build(), self.topology.weights, name=name)
         await asyncio.to_thread(service.start, self.topology.model)
         self.service = service

@@ -5,9 +5,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from monarch.actor import Actor, concurrent_endpoint, current_rank, current_size, endpoint
+from monarch.actor import Actor, concurrent_endpoint, endpoint
 
 from composer_mesh.actors.messages import TeacherRequest, TeacherSignals
+from composer_mesh.actors.position import actor_position
 from composer_mesh.actors.teacher_pool import PoolMember, TeacherPool
 from composer_mesh.mesh.launch import RoleConfig
 
@@ -34,10 +35,8 @@ class TeacherPoolActor(Actor):
 
     @endpoint
     async def setup(self) -> list[str]:
-        size = 1
-        for n in current_size().values():
-            size *= n
-        specs = members_for_rank(self.topology, current_rank().rank, size)
+        rank, size = actor_position()
+        specs = members_for_rank(self.topology, rank, size)
         pool = TeacherPool([PoolMember(s.name, frozenset(s.channels), s.build()) for s in specs])
         await asyncio.to_thread(pool.start, self.topology.model)
         self.pool = pool

@@ -15,6 +15,7 @@ from monarch.actor import Actor, endpoint
 
 from composer_mesh.actors.digest import weights_digest
 from composer_mesh.actors.messages import TrainBatch, TrainMetrics
+from composer_mesh.actors.position import actor_position
 from composer_mesh.mesh.launch import RoleConfig
 from composer_mesh.mesh.weights import WeightManifest, WeightPlaneConfig, WeightPublisher
 
@@ -28,8 +29,8 @@ class TrainerService:
         self.publisher: WeightPublisher | None = None
         self.last_publish_s = 0.0
 
-    def start(self, model: Any, loss: Any, temperature: float) -> None:
-        self.backend.start(model, loss, temperature=temperature)
+    def start(self, model: Any, loss: Any, temperature: float, diloco: Any = None, replica_id: int = 0) -> None:
+        self.backend.start(model, loss, temperature=temperature, diloco=diloco, replica_id=replica_id)
 
     def publish(self) -> WeightManifest:
         """Copy the current weights into the next slot of the plane (registered once, on first use)."""
@@ -53,6 +54,9 @@ class TrainerService:
         return metrics, manifest
 
     def close(self) -> None:
+        close = getattr(self.backend, "close", None)
+        if close is not None:
+            close()
         if self.publisher is not None:
             self.publisher.close()
 
@@ -79,9 +83,23 @@ class TrainerActor(Actor):
         """Build model, optimizer and loss; publish the initial policy as version 1."""
         topo = self.topology
         service = TrainerService(topo.trainer.build(), topo.weights)
-        await asyncio.to_thread(service.start, topo.model, topo.loss, topo.run.temperature)
+        await asyncio.to_thread(
+            service.start, topo.model, topo.loss, topo.run.temperature, topo.diloco, self.replica_id()
+        )
         self.service = service
         return service.publish()
+
+    def replica_id(self) -> int:
+        """This proc's DiLoCo replica: one trainer proc per replica (the binding trains on one proc)."""
+        rank, procs = actor_position()
+        replicas = self.topology.trainer.replicas
+        if procs != replicas:
+            raise ValueError(
+                f"trainer mesh {self.topology.trainer.mesh!r} has {procs} procs for {replicas} replica(s); "
+                f"binding {self.topology.trainer.binding!r} trains one replica per proc: set the mesh's "
+                f"hosts x procs_per_host to roles.trainer.replicas"
+            )
+        return rank
 
     @endpoint
     async def train_step(self, batch: TrainBatch) -> tuple[TrainMetrics, WeightManifest]:
@@ -96,6 +114,12 @@ class TrainerActor(Actor):
     async def save_checkpoint(self, directory: str) -> str:
         path = await asyncio.to_thread(self._svc().backend.save_checkpoint, Path(directory))
         return str(path)
+
+    @endpoint
+    async def close(self) -> None:
+        """Flush DiLoCo's store writes and release the weight plane's buffers."""
+        if self.service is not None:
+            await asyncio.to_thread(self.service.close)
 
     @endpoint
     async def weights_digest(self) -> tuple[int, str]:

@@ -75,7 +75,12 @@ class HFTrainer:
         self.loss_state: Any = None
 
     # ---- setup -----------------------------------------------------------------------------------
-    def start(self, model_config: Any, loss: LossConfig, temperature: float = 1.0) -> None:
+    def start(
+        self, model_config: Any, loss: LossConfig, temperature: float = 1.0,
+        diloco: Any = None, replica_id: int = 0,
+    ) -> None:
+        """Build model, reference, AdamW and the loss state; with `diloco` (a `DiLoCoConfig`), wrap the
+        optimizer in DiLoCo so every `sync_every` inner steps this replica syncs through the object store."""
         from composer_mesh.models.tiny import load_pretrained
 
         torch.set_num_threads(self.settings.torch_threads)
@@ -91,6 +96,12 @@ class HFTrainer:
             betas=self.settings.betas,
         )
         self.loss_state = new_loss_state(loss)
+        self.diloco = None
+        if diloco is not None:
+            from composer_mesh.mesh.objectstore.diloco import ObjectStoreDiLoCo
+
+            self.diloco = ObjectStoreDiLoCo(self.model, self.optimizer, diloco, replica_id)
+            self.diloco.__enter__()
 
     def named_weights(self) -> dict[str, torch.Tensor]:
         """The tensors generators need (parameters, tied ones once, and persistent buffers), by HF name."""
@@ -216,7 +227,10 @@ class HFTrainer:
         metrics = dict(result.metrics)
         if self.settings.grad_clip is not None:
             metrics["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.grad_clip))
-        self.optimizer.step()
+        self.optimizer.step()  # with DiLoCo: every sync_every steps, the outer step happens inside this call
+        if self.diloco is not None:
+            metrics["diloco/outer_step"] = float(self.diloco.outer_step)
+            metrics["diloco/round"] = float(self.diloco.round_id)
         self.step += 1
         self.version += 1
         rewards = torch.tensor([rw.score for g in batch.groups for rw in g.rewards])
@@ -226,6 +240,12 @@ class HFTrainer:
             step=self.step, weight_version=self.version, loss=float(result.total.detach()),
             channels={k: float(v.detach()) for k, v in result.parts.items()}, metrics=metrics,
         )
+
+    def close(self) -> None:
+        """Finish DiLoCo's pending store writes (no-op without DiLoCo)."""
+        if self.diloco is not None:
+            self.diloco.close()
+            self.diloco = None
 
     def save_checkpoint(self, directory: Path) -> Path:
         """Weights as safetensors + the tokenizer, loadable with `from_pretrained` (no pickles)."""
