@@ -48,8 +48,13 @@ class TeacherPool:
         return [m for m in self.members if "replay" in m.channels]
 
     def start(self, student_model: Any) -> None:
+        """Start every member; a `distill` member whose tokenizer is not the student's fails here, at setup
+        (its `check_distill`), instead of failing every later call while the run goes on without channel 2."""
         for m in self.members:
             m.backend.start(student_model, m.name)
+            check = getattr(m.backend, "check_distill", None)
+            if "distill" in m.channels and check is not None:
+                check()
 
     def _failed(self, member: PoolMember, what: str, error: BaseException) -> None:
         self.failures[member.name] = self.failures.get(member.name, 0) + 1
