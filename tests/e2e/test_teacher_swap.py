@@ -117,3 +117,27 @@ def test_run_vllm_teacher(tmp_path, model_cache) -> None:
     result = run_example(topo, tmp_path / "run", STEPS, model_cache)
     last = check_run(result, STEPS, {"teacher": ["distill_tokens", "trace_prompts", "trace_tokens", "requests"]})
     assert last["metrics"]["replay/teacher/pairs"] > 0
+
+
+def test_pool_start_rejects_distill_from_a_teacher_with_another_tokenizer(tmp_path) -> None:
+    """The channel-2 rule at runtime: the hf teacher's tokenizer check runs when the pool starts."""
+    from composer_mesh.actors.backends.hf_teacher import HFTeacher, TeacherTokenizerMismatch
+    from composer_mesh.actors.teacher_pool import PoolMember, TeacherPool
+    from composer_mesh.models.config import ModelConfig
+    from composer_mesh.models.tiny import build_tiny_model, build_tokenizer, stop_token_ids
+
+    # a student whose character tokenizer has another order: same characters, different ids
+    tok = build_tokenizer(";=+9876543210")
+    model = build_tiny_model(ModelConfig(), len(tok), stop_token_ids(tok, (";",)), tok.pad_token_id)
+    model.save_pretrained(str(tmp_path / "student"))
+    tok.save_pretrained(str(tmp_path / "student"))
+    student = ModelConfig(source=str(tmp_path / "student"))
+
+    def teacher() -> HFTeacher:
+        return HFTeacher(HFTeacher.Settings(model=ModelConfig(), cache_dir=str(tmp_path / "cache")))
+
+    with pytest.raises(TeacherTokenizerMismatch, match=r"teacher 'local'.*channels: \[replay\]"):
+        TeacherPool([PoolMember("local", frozenset({"distill", "replay"}), teacher())]).start(student)
+    replay_only = TeacherPool([PoolMember("local", frozenset({"replay"}), teacher())])
+    replay_only.start(student)  # the same teacher may still replay: its traces are re-tokenised
+    assert not replay_only.members[0].backend.shares_tokenizer
