@@ -332,7 +332,10 @@ class ObjectStoreManager:
         record = self._decide_members(base, q, numel)
         t_quorum = time.perf_counter()
         report.phases["quorum"] = t_quorum - t_pub
-        # 3 + 4. reduce my slices, gather all; a bad shard moves everyone to the next epoch
+        # 3 + 4. reduce my slices, gather all; a bad shard moves everyone to the next epoch. Whether epoch e
+        # completes or is amended is itself decided create-only (slot e+1 holds a seal or an amendment), so
+        # no replica can commit epoch e while another moves on to e+1.
+        sealed = False  # epoch `record` was sealed by someone else while this replica found a bad input
         while True:
             members = record["members"]
             report.members, report.rejected, report.epoch = (
@@ -348,20 +351,32 @@ class ObjectStoreManager:
             mine = [j for j in range(n) if members[j % k] == me]
             try:
                 t0 = time.perf_counter()
-                for j in mine:
-                    self._reduce_slice(base, q, record, j)
-                    report.reduced_slices.append(j)
+                if not sealed:
+                    for j in mine:
+                        self._reduce_slice(base, q, record, j)
+                        report.reduced_slices.append(j)
                 t1 = time.perf_counter()
                 out = self._gather(base, q, record, numel, report)
                 report.phases["reduce"] = report.phases.get("reduce", 0.0) + t1 - t0
                 report.phases["gather"] = report.phases.get("gather", 0.0) + time.perf_counter() - t1
+                if isinstance(out, dict):  # someone amended the membership
+                    record, sealed = out, False
+                    continue
+                if not sealed:
+                    amendment = self._seal(base, record)
+                    if amendment is not None:
+                        record = amendment
+                        continue
+                return out
             except ShardError as bad:
-                record = self._amend(base, record, bad)
-                continue
-            if isinstance(out, dict):  # someone amended the membership
-                record = out
-                continue
-            return out
+                nxt = self._amend(base, record, bad)
+                if nxt.get("sealed"):
+                    if sealed:  # the sealed result is unreadable here: fail locally, heal next round
+                        raise RuntimeError(f"round {q} epoch {record['epoch']} is sealed but unreadable here: "
+                                           f"{bad}") from bad
+                    sealed = True  # others completed this epoch: its reduced slices stand, just read them
+                    continue
+                record, sealed = nxt, False
 
     def _backoff(self, polls: int) -> float:
         """Poll quickly at first (most waits are short), then every poll_interval_s."""
@@ -460,6 +475,18 @@ class ObjectStoreManager:
             return json.loads(json.dumps(record, sort_keys=True))
         return self.store.get_json(key)
 
+    def _seal(self, base: str, record: dict[str, Any]) -> dict[str, Any] | None:
+        """Claim slot e+1 for "epoch e completed"; returns the amendment instead if one got there first."""
+        key = f"{base}/members/e{record['epoch'] + 1}.json"
+        existing = self.store.get_json_or_none(key)
+        if existing is None:
+            seal = {"epoch": record["epoch"] + 1, "sealed": True, "sealed_epoch": record["epoch"],
+                    "members": record["members"], "rejected": record["rejected"], "decided_by": self.replica_id}
+            if self.store.put_json_if_absent(key, seal):
+                return None
+            existing = self.store.get_json(key)
+        return None if existing.get("sealed") else existing
+
     def _amend(self, base: str, record: dict[str, Any], bad: ShardError) -> dict[str, Any]:
         """Drop the replica whose shard is bad; the next epoch record is create-only, so all agree."""
         culprit = int(bad.key.split("/shards/r", 1)[1][:3]) if "/shards/r" in bad.key else None
@@ -525,10 +552,9 @@ class ObjectStoreManager:
             acc = t.to(torch.float32, copy=True) if acc is None else acc.add_(t)
         assert acc is not None
         avg = acc.div_(len(members)).to(self._wire_dtype)
-        self.store.put(
-            out_key, encode_shard_parts({"data": avg}, self._meta(q, -1, j, kind="reduced", epoch=epoch))
-        )
-        self._own["reduced"][(epoch, j)] = avg
+        parts = encode_shard_parts({"data": avg}, self._meta(q, -1, j, kind="reduced", epoch=epoch))
+        if self.store.put_if_absent(out_key, parts):  # first writer wins; a fallback writes the same bytes
+            self._own["reduced"][(epoch, j)] = avg
 
     def _gather(
         self, base: str, q: int, record: dict[str, Any], numel: int, report: RoundReport
@@ -539,19 +565,24 @@ class ObjectStoreManager:
         deadline = time.monotonic() + cfg.quorum_deadline_s
         prefix = f"{base}/reduced/e{epoch}"
         polls = 0
+        sealed_next = False
         for (e, j), avg in self._own["reduced"].items():
             if e == epoch:
                 lo, hi = self._slice_bounds(numel, j)
                 out[lo:hi] = avg
                 pending.discard(j)
         while pending:
-            later = [
-                m
-                for m in self.store.list(f"{base}/members")
-                if m.startswith("e") and int(m[1:].split(".")[0]) > epoch
-            ]
-            if later:
-                return self.store.get_json(f"{base}/members/e{epoch + 1}.json")
+            if not sealed_next:
+                later = [
+                    m
+                    for m in self.store.list(f"{base}/members")
+                    if m.startswith("e") and int(m[1:].split(".")[0]) > epoch
+                ]
+                if later:
+                    nxt = self.store.get_json(f"{base}/members/e{epoch + 1}.json")
+                    if not nxt.get("sealed"):
+                        return nxt  # amended: this epoch will never complete
+                    sealed_next = True  # completed by someone: every reduced slice exists
             present = {int(name[1:4]) for name in self.store.list(prefix) if name.endswith(".safetensors")}
             ready = sorted(pending & present)
 

@@ -255,14 +255,17 @@ class Store:
             self.fs.pipe_file(p, parts[0] if len(parts) == 1 else b"".join(parts))
         self._count(written=size)
 
-    def put_if_absent(self, key: str, data: bytes) -> bool:
+    def put_if_absent(self, key: str, data: bytes | list[bytes | memoryview]) -> bool:
         """Create-only put; False if the key already exists (someone else won). Atomic on every backend."""
         p = self.path(key)
+        parts = data if isinstance(data, list) else [data]
+        size = sum(memoryview(b).nbytes for b in parts)
         if self.scheme == "file":
             os.makedirs(os.path.dirname(p), exist_ok=True)
             tmp = f"{p}.tmp-{uuid.uuid4().hex}"
             with open(tmp, "wb") as f:
-                f.write(data)
+                for b in parts:
+                    f.write(b)
             try:
                 os.link(tmp, p)
                 won = True
@@ -274,10 +277,10 @@ class Store:
             with _MEMORY_LOCK:
                 won = not self.fs.exists(p)
                 if won:
-                    self.fs.pipe_file(p, data)
+                    self.fs.pipe_file(p, b"".join(parts))
         else:
             try:
-                self.fs.pipe_file(p, data, mode="create")
+                self.fs.pipe_file(p, parts[0] if len(parts) == 1 else b"".join(parts), mode="create")
                 won = True
             except FileExistsError:
                 won = False
@@ -287,7 +290,7 @@ class Store:
                 else:
                     raise
         if won:
-            self._count(written=len(data))
+            self._count(written=size)
         return won
 
     def put_json(self, key: str, obj: Any) -> None:
