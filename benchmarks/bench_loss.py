@@ -27,6 +27,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GIB = 1024**3
 
+sys.path.insert(0, ROOT)
+from composer_mesh.loss.config import LossConfig  # noqa: E402  (cheap: no torch import)
+
 
 def _maxrss_bytes() -> int:
     import resource
@@ -150,7 +153,10 @@ def main() -> None:
     )
     parser.add_argument("--beta", type=float, default=0.5, help="sdpo_jsd_beta (0.5 = the general JSD path)")
     parser.add_argument(
-        "--chunk", type=int, default=128, help="sdpo_chunk_tokens of the chunked implementation"
+        "--chunk",
+        type=int,
+        default=LossConfig.model_fields["sdpo_chunk_tokens"].default,
+        help="sdpo_chunk_tokens of the chunked implementation (default: LossConfig's default)",
     )
     parser.add_argument(
         "--threads",
