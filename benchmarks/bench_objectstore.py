@@ -209,8 +209,6 @@ METHODS = {
 def environment() -> list[str]:
     import fsspec
     import safetensors
-    import torchft  # noqa: F401
-
     cpu = platform.processor() or "?"
     try:
         with open("/proc/cpuinfo") as f:
@@ -224,10 +222,12 @@ def environment() -> list[str]:
         "fsspec": fsspec.__version__,
         "safetensors": safetensors.__version__,
     }
+    from importlib.metadata import PackageNotFoundError, version
+
     for mod in ("s3fs", "moto", "torchft"):
         try:
-            vers[mod] = __import__(mod).__version__
-        except Exception:
+            vers[mod] = version(mod)
+        except PackageNotFoundError:
             vers[mod] = "?"
     return [
         f"host: {platform.node()} | {platform.platform()} | {cpu} | {os.cpu_count()} cpus | {mem:.1f} GiB RAM"
