@@ -21,8 +21,10 @@ wall time of the whole round (slowest replica), after a barrier. Targets (issue 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import platform
+import resource
 import shutil
 import socket
 import statistics
@@ -42,7 +44,7 @@ import torch  # noqa: E402
 
 from composer_mesh.mesh.objectstore import DiLoCoConfig  # noqa: E402
 from composer_mesh.mesh.objectstore.manager import ObjectStoreManager  # noqa: E402
-from composer_mesh.mesh.objectstore.store import Store, decode_shard, encode_shard  # noqa: E402
+from composer_mesh.mesh.objectstore.store import Store, decode_shard, encode_shard_parts  # noqa: E402
 
 MIB = 1024 * 1024
 
@@ -159,7 +161,7 @@ def bench_naive(cfg: DiLoCoConfig, vecs: list[torch.Tensor]) -> tuple[float, lis
         barrier.wait()
         r0, w0 = s.counters()
         meta = {"run_id": cfg.run_id, "quorum_id": 1, "replica": r, "kind": "naive"}
-        s.put(f"naive/r{r:03d}.safetensors", encode_shard({"data": vecs[r]}, meta))
+        s.put(f"naive/r{r:03d}.safetensors", encode_shard_parts({"data": vecs[r]}, meta))
         s.put_json(f"naive_arrived/r{r:03d}.json", {"replica": r})
         wait_for(s, "naive_arrived", n, cfg.poll_interval_s)
         acc = None
@@ -167,6 +169,7 @@ def bench_naive(cfg: DiLoCoConfig, vecs: list[torch.Tensor]) -> tuple[float, lis
             key = f"naive/r{m:03d}.safetensors"
             t = decode_shard(key, s.get(key), expect={**meta, "replica": m})[0]["data"]
             acc = t.clone() if acc is None else acc.add_(t)
+            del t
         assert acc is not None
         acc.div_(n)
         r1, w1 = s.counters()
@@ -248,7 +251,7 @@ def available_gib() -> float:
 def needed_gib(kind: str, size_mib: int, n: int) -> float:
     """Rough peak: inputs + per-replica result/accumulator + read buffer, plus moto's copy of the objects."""
     per = size_mib / 1024
-    return per * (3 * n + 1) + (per * n * 2.5 if kind == "s3" else 0.0)
+    return per * (4 * n + 1) + (per * n * 2.5 if kind == "s3" else 0.0)
 
 
 def main() -> None:
@@ -293,6 +296,7 @@ def main() -> None:
                                 **store_fields(kind, tmp, moto),
                             )
                             wall, counters = fn(cfg, vecs)
+                            gc.collect()
                             secs.append(wall)
                             reads.append(statistics.mean(c[0] for c in counters) / (numel * 4))
                             writes.append(statistics.mean(c[1] for c in counters) / (numel * 4))
@@ -307,10 +311,12 @@ def main() -> None:
                         rows.append((kind, size, n, method, rd, wr, sec, sec / raw))
                         print(
                             f"  {kind:4} {size:4d} MiB N={n} {method:16} read {rd:5.2f}xM write {wr:5.2f}xM "
-                            f"{sec:7.2f} s  {sec / raw:5.2f}x raw",
+                            f"{sec:7.2f} s  {sec / raw:5.2f}x raw   (peak RSS so far "
+                            f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.1f} GiB)",
                             flush=True,
                         )
                     del vecs
+                    gc.collect()
     finally:
         if moto is not None:
             moto.stop()

@@ -268,6 +268,11 @@ class ObjectStoreManager:
                     w.tensor.copy_(result[off : off + n].view_as(w.tensor).to(w.tensor.dtype))
                     off += n
         self._round_done = True
+        # Drop the round's buffers now (the result vector, own slices), not at the next round: with a large
+        # model they are about 1 + 1/N times its size.
+        self._round_future = None
+        del result
+        self._own = {"wire": None, "reduced": {}}
         for w in self._works:
             w._future.set_result([w.tensor])
 
