@@ -129,7 +129,11 @@ def wait_for(store: Store, prefix: str, count: int, poll: float) -> None:
         time.sleep(poll)
 
 
+PHASES: dict[str, list[float]] = {}  # reduce-scatter seconds per phase, mean over replicas, per timed round
+
+
 def bench_reduce_scatter(cfg: DiLoCoConfig, vecs: list[torch.Tensor]) -> tuple[float, list[tuple[int, int]]]:
+    """The real manager. (Its average lands in `vecs` in place; the later methods only move bytes.)"""
     n = len(vecs)
     managers = [ObjectStoreManager(cfg, r) for r in range(n)]
 
@@ -145,7 +149,10 @@ def bench_reduce_scatter(cfg: DiLoCoConfig, vecs: list[torch.Tensor]) -> tuple[f
         return rep.bytes_read, rep.bytes_written
 
     try:
-        return run_threads(n, one)
+        result = run_threads(n, one)
+        for phase in ("publish", "quorum", "reduce", "gather"):
+            PHASES.setdefault(phase, []).append(statistics.mean(m.reports[-1].phases.get(phase, 0.0) for m in managers))
+        return result
     finally:
         for m in managers:
             m.shutdown()
@@ -307,6 +314,8 @@ def main() -> None:
                             statistics.median(writes),
                         )
                     raw = cell["raw copy"][0]
+                    phases = ", ".join(f"{k} {statistics.median(v):.2f}" for k, v in PHASES.items())
+                    PHASES.clear()
                     for method, (sec, rd, wr) in cell.items():
                         rows.append((kind, size, n, method, rd, wr, sec, sec / raw))
                         print(
@@ -315,6 +324,7 @@ def main() -> None:
                             f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.1f} GiB)",
                             flush=True,
                         )
+                    print(f"      reduce-scatter phases (s, mean over replicas): {phases}", flush=True)
                     del vecs
                     gc.collect()
     finally:
