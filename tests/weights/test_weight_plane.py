@@ -192,6 +192,21 @@ async def test_in_process_round_trip_and_apply_rules() -> None:
     pub.close()
 
 
+def test_pull_blocking_for_sync_actors() -> None:
+    params = _params()
+    for transport in ("rdma", "endpoint"):
+        cfg = WeightPlaneConfig(transport=transport)
+        pub = WeightPublisher(params, cfg)
+        pub.publish(params)
+        pulled = WeightSubscriber(cfg, expected=params).pull_blocking(pub.publish(params))
+        assert pulled.version == 2 and pulled.transport == transport
+        assert all(
+            torch.equal(pulled.tensors[n].view(-1).view(torch.uint8), t.view(-1).view(torch.uint8))
+            for n, t in params.items()
+        )
+        pub.close()
+
+
 async def test_read_failure_names_chunk_tensors_and_size() -> None:
     params = _params()
     cfg = WeightPlaneConfig(read_timeout_s=10)
