@@ -17,18 +17,22 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from composer_mesh.actors.messages import GenerationRequest, Prompt, Rollout, RolloutGroup
+from composer_mesh.actors.backends.local_model import (
+    as_model_config,
+    check_device,
+    check_generation_request,
+    check_weights,
+    prompt_ids,
+    stop_ids_for,
+    task_stop_texts,
+)
+from composer_mesh.actors.messages import GenerationRequest, Rollout, RolloutGroup
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-    from composer_mesh.models.config import ModelConfig
-
-
-def _check_device(v: str) -> str:
-    if v == "cpu" or v == "cuda" or v.startswith("cuda:") or v == "mps":
-        return v
-    raise ValueError(f"device {v!r} is not one of 'cpu', 'cuda', 'cuda:<index>', 'mps'")
+# as_model_config, prompt_ids and task_stop_texts lived here first; other code may still import them from here.
+__all__ = ["HFGenerator", "HFGeneratorSettings", "as_model_config", "prompt_ids", "task_stop_texts"]
 
 
 class HFGeneratorSettings(BaseModel):
@@ -56,36 +60,7 @@ class HFGeneratorSettings(BaseModel):
     @field_validator("device")
     @classmethod
     def _device(cls, v: str) -> str:
-        return _check_device(v)
-
-
-def as_model_config(model: Any) -> ModelConfig:
-    from composer_mesh.models.config import ModelConfig
-
-    return model if isinstance(model, ModelConfig) else ModelConfig.model_validate(model)
-
-
-def prompt_ids(prompt: Prompt, tokenizer: PreTrainedTokenizerBase, vocab_size: int, who: str) -> list[int]:
-    """The prompt's token ids (encoded from its text when empty), checked against the model's vocabulary."""
-    from composer_mesh.models.tiny import encode_checked
-
-    ids = list(prompt.token_ids) or encode_checked(tokenizer, prompt.text)
-    if not ids:
-        raise ValueError(f"{who}: prompt {prompt.prompt_id!r} has no tokens (empty token_ids and text)")
-    bad = [i for i in ids if not 0 <= i < vocab_size]
-    if bad:
-        raise ValueError(
-            f"{who}: prompt {prompt.prompt_id!r} has token ids {bad[:5]} outside the model's vocabulary [0, {vocab_size})"
-        )
-    return ids
-
-
-def task_stop_texts(model_config: ModelConfig) -> tuple[str, ...]:
-    """The end marker of the model's task (e.g. ';'), if the task has one."""
-    from composer_mesh.tasks import get_task
-
-    eos = getattr(get_task(model_config.task), "eos", None)
-    return (eos,) if eos else ()
+        return check_device(v)
 
 
 class HFGenerator:
@@ -104,15 +79,14 @@ class HFGenerator:
 
     # -- lifecycle ---------------------------------------------------------------------------------------
     def start(self, model: Any) -> None:
-        from composer_mesh.models.tiny import load_pretrained, named_weights, stop_token_ids
+        from composer_mesh.models.tiny import load_pretrained, named_weights
 
         cfg = as_model_config(model)
         if self.settings.torch_threads is not None:
             torch.set_num_threads(self.settings.torch_threads)
         self.model, self.tokenizer = load_pretrained(cfg, self.settings.cache_dir, self.settings.device)
         self.model.requires_grad_(False)
-        extra = task_stop_texts(cfg) if self.settings.stop_at_task_eos else ()
-        self.stop_ids = stop_token_ids(self.tokenizer, extra)
+        self.stop_ids = stop_ids_for(self.tokenizer, cfg, self.settings.stop_at_task_eos)
         self._pad_id = int(self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stop_ids[0])
         self._vocab = int(self.model.get_output_embeddings().weight.shape[0])
         self._targets = named_weights(self.model)  # shares storage with the parameters
@@ -127,12 +101,7 @@ class HFGenerator:
         from composer_mesh.models.sampling import chunks, sample
 
         model, tokenizer = self._require_started()
-        if request.samples_per_prompt < 1:
-            raise ValueError(f"GenerationRequest.samples_per_prompt must be >= 1, got {request.samples_per_prompt}")
-        if request.max_new_tokens < 1:
-            raise ValueError(f"GenerationRequest.max_new_tokens must be >= 1, got {request.max_new_tokens}")
-        if request.temperature < 0:
-            raise ValueError(f"GenerationRequest.temperature must be >= 0, got {request.temperature}")
+        check_generation_request(request)
         ids = [prompt_ids(p, tokenizer, self._vocab, "hf generator") for p in request.prompts]
         flat = [(i, ids[i]) for i in range(len(ids)) for _ in range(request.samples_per_prompt)]
         seed = request.seed if request.seed is not None else self.settings.seed + self._calls
@@ -181,21 +150,7 @@ class HFGenerator:
     def load_weights(self, named: dict[str, torch.Tensor]) -> None:
         """Copy exactly the `weight_specs()` tensors into the model in place (tied aliases follow).
         Any name, shape or dtype mismatch raises before anything is copied."""
-        self._require_started()
-        unknown = sorted(set(named) - set(self._targets))
-        missing = sorted(set(self._targets) - set(named))
-        if unknown or missing:
-            raise ValueError(
-                f"hf generator load_weights: unknown names {unknown[:5]} ({len(unknown)}), "
-                f"missing names {missing[:5]} ({len(missing)})"
-            )
-        for name, t in named.items():
-            want = self._targets[name]
-            if tuple(t.shape) != tuple(want.shape) or t.dtype != want.dtype:
-                raise ValueError(
-                    f"hf generator load_weights: {name!r} is {tuple(t.shape)} {t.dtype}, "
-                    f"expected {tuple(want.shape)} {want.dtype}"
-                )
+        check_weights(named, self.weight_specs(), "hf generator")
         with self._lock, torch.no_grad():
             for name, t in named.items():
                 self._targets[name].copy_(t)

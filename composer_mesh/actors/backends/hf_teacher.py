@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from composer_mesh.actors.backends.hf_generator import (
-    _check_device,
+from composer_mesh.actors.backends.local_model import (
     as_model_config,
+    check_device,
     prompt_ids,
     task_stop_texts,
 )
@@ -78,7 +78,7 @@ class HFTeacherSettings(BaseModel):
     @field_validator("device")
     @classmethod
     def _device(cls, v: str) -> str:
-        return _check_device(v)
+        return check_device(v)
 
 
 def tokenizer_mismatch(teacher: PreTrainedTokenizerBase, student: PreTrainedTokenizerBase) -> str | None:

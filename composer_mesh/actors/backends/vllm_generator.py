@@ -21,10 +21,20 @@ from typing import Any, ClassVar
 import torch
 from pydantic import Field
 
+from composer_mesh.actors.backends.local_model import (
+    as_model_config,
+    check_generation_request,
+    check_weights,
+    prompt_ids,
+    stop_ids_for,
+)
 from composer_mesh.actors.backends.vllm_engine import VLLMEngine, VLLMEngineSettings
 from composer_mesh.actors.messages import GenerationRequest, Rollout, RolloutGroup
 
 log = logging.getLogger(__name__)
+
+# stop_ids_for lived here first; other code may still import it from here.
+__all__ = ["VLLMGenerator", "VLLMGeneratorSettings", "stop_ids_for"]
 
 
 class VLLMGeneratorSettings(VLLMEngineSettings):
@@ -38,14 +48,6 @@ class VLLMGeneratorSettings(VLLMEngineSettings):
         description="Where the policy model is materialized (null = $COMPOSER_MESH_CACHE or ~/.cache/composer_mesh).",
     )
     name: str = Field("vllm", description="Label written into Rollout.generator (e.g. to tell generators apart).")
-
-
-def stop_ids_for(tokenizer: Any, model_config: Any, stop_at_task_eos: bool) -> list[int]:
-    """EOS plus (optionally) the task's end marker when it is a single token: what the hf bindings stop on."""
-    from composer_mesh.actors.backends.hf_generator import task_stop_texts
-    from composer_mesh.models.tiny import stop_token_ids
-
-    return stop_token_ids(tokenizer, task_stop_texts(model_config) if stop_at_task_eos else ())
 
 
 class VLLMGenerator:
@@ -65,7 +67,6 @@ class VLLMGenerator:
 
     def start(self, model: Any) -> None:
         """Materialize the policy model (a ModelConfig) and start the engine on it."""
-        from composer_mesh.actors.backends.hf_generator import as_model_config
         from composer_mesh.models.tiny import materialize, torch_dtype
 
         cfg = as_model_config(model)
@@ -85,15 +86,8 @@ class VLLMGenerator:
         """One group per prompt with `samples_per_prompt` rollouts, each stamped with `weight_version`."""
         from vllm import SamplingParams
 
-        from composer_mesh.actors.backends.hf_generator import prompt_ids
-
         engine = self._engine()
-        if request.samples_per_prompt < 1:
-            raise ValueError(f"GenerationRequest.samples_per_prompt must be >= 1, got {request.samples_per_prompt}")
-        if request.max_new_tokens < 1:
-            raise ValueError(f"GenerationRequest.max_new_tokens must be >= 1, got {request.max_new_tokens}")
-        if request.temperature < 0:
-            raise ValueError(f"GenerationRequest.temperature must be >= 0, got {request.temperature}")
+        check_generation_request(request)
         ids = [prompt_ids(p, engine.tokenizer, self._vocab, "vllm generator") for p in request.prompts]
         seed = request.seed if request.seed is not None else self.settings.seed + self._calls
         self._calls += 1
@@ -148,20 +142,7 @@ class VLLMGenerator:
     def load_weights(self, named: dict[str, torch.Tensor]) -> None:
         """Push a complete state dict into the engine; any mismatch raises before anything is pushed."""
         engine = self._engine()
-        specs = self._specs
-        unknown = sorted(set(named) - set(specs))
-        missing = sorted(set(specs) - set(named))
-        if unknown or missing:
-            raise ValueError(
-                f"vllm generator load_weights: unknown names {unknown[:5]} ({len(unknown)}), "
-                f"missing names {missing[:5]} ({len(missing)})"
-            )
-        for name, t in named.items():
-            shape, dtype = specs[name]
-            if tuple(t.shape) != shape or t.dtype != dtype:
-                raise ValueError(
-                    f"vllm generator load_weights: {name!r} is {tuple(t.shape)} {t.dtype}, expected {shape} {dtype}"
-                )
+        check_weights(named, self._specs, "vllm generator")
         engine.load_weights(named)
 
     def close(self) -> None:

@@ -34,8 +34,8 @@ from composer_mesh.actors.backends.hf_teacher import (
     _student_vocab_size,
     tokenizer_mismatch,
 )
+from composer_mesh.actors.backends.local_model import as_model_config, prompt_ids, stop_ids_for
 from composer_mesh.actors.backends.vllm_engine import VLLMEngine, VLLMEngineSettings, topk_from_logprob_dicts
-from composer_mesh.actors.backends.vllm_generator import stop_ids_for
 from composer_mesh.actors.messages import Prompt, Rollout, TeacherTrace, TokenDistribution
 from composer_mesh.models.config import ModelConfig
 
@@ -107,7 +107,6 @@ class VLLMTeacher:
 
     def bind_student(self, student_model: Any) -> None:
         """Load the student's tokenizer (from its ModelConfig) and decide whether channel 2 is possible."""
-        from composer_mesh.actors.backends.hf_generator import as_model_config
         from composer_mesh.models.tiny import load_tokenizer
 
         engine = self._engine()
@@ -205,8 +204,6 @@ class VLLMTeacher:
 
     def _traces(self, prompts: list[Prompt], max_new_tokens: int) -> list[TeacherTrace]:
         from vllm import SamplingParams
-
-        from composer_mesh.actors.backends.hf_generator import prompt_ids
 
         engine = self._engine()
         tokenizer = engine.tokenizer

@@ -1,0 +1,86 @@
+"""Helpers shared by the bindings that run a local copy of a model: the `hf` and `vllm` generators and teachers.
+
+They live here, not in one binding's module, so the bindings agree on one definition of the model config
+they accept, the prompt ids they feed, the tokens they stop on, and the checks of requests and weight pushes.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedTokenizerBase
+
+    from composer_mesh.actors.messages import GenerationRequest, Prompt
+    from composer_mesh.models.config import ModelConfig
+
+
+def check_device(v: str) -> str:
+    """A torch device setting: 'cpu', 'cuda', 'cuda:<index>' or 'mps'."""
+    if v == "cpu" or v == "cuda" or v.startswith("cuda:") or v == "mps":
+        return v
+    raise ValueError(f"device {v!r} is not one of 'cpu', 'cuda', 'cuda:<index>', 'mps'")
+
+
+def as_model_config(model: Any) -> ModelConfig:
+    from composer_mesh.models.config import ModelConfig
+
+    return model if isinstance(model, ModelConfig) else ModelConfig.model_validate(model)
+
+
+def prompt_ids(prompt: Prompt, tokenizer: PreTrainedTokenizerBase, vocab_size: int, who: str) -> list[int]:
+    """The prompt's token ids (encoded from its text when empty), checked against the model's vocabulary."""
+    from composer_mesh.models.tiny import encode_checked
+
+    ids = list(prompt.token_ids) or encode_checked(tokenizer, prompt.text)
+    if not ids:
+        raise ValueError(f"{who}: prompt {prompt.prompt_id!r} has no tokens (empty token_ids and text)")
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise ValueError(
+            f"{who}: prompt {prompt.prompt_id!r} has token ids {bad[:5]} outside the model's vocabulary [0, {vocab_size})"
+        )
+    return ids
+
+
+def task_stop_texts(model_config: ModelConfig) -> tuple[str, ...]:
+    """The end marker of the model's task (e.g. ';'), if the task has one."""
+    from composer_mesh.tasks import get_task
+
+    eos = getattr(get_task(model_config.task), "eos", None)
+    return (eos,) if eos else ()
+
+
+def stop_ids_for(tokenizer: Any, model_config: Any, stop_at_task_eos: bool) -> list[int]:
+    """EOS plus (optionally) the task's end marker when it is a single token: what every binding stops on."""
+    from composer_mesh.models.tiny import stop_token_ids
+
+    return stop_token_ids(tokenizer, task_stop_texts(model_config) if stop_at_task_eos else ())
+
+
+def check_generation_request(request: GenerationRequest) -> None:
+    """Raise on a request no generator can serve (the fields' allowed ranges)."""
+    if request.samples_per_prompt < 1:
+        raise ValueError(f"GenerationRequest.samples_per_prompt must be >= 1, got {request.samples_per_prompt}")
+    if request.max_new_tokens < 1:
+        raise ValueError(f"GenerationRequest.max_new_tokens must be >= 1, got {request.max_new_tokens}")
+    if request.temperature < 0:
+        raise ValueError(f"GenerationRequest.temperature must be >= 0, got {request.temperature}")
+
+
+def check_weights(
+    named: dict[str, torch.Tensor], specs: dict[str, tuple[tuple[int, ...], torch.dtype]], who: str
+) -> None:
+    """Raise unless `named` has exactly the names of `specs`, each with its shape and dtype (`who` prefixes errors)."""
+    unknown = sorted(set(named) - set(specs))
+    missing = sorted(set(specs) - set(named))
+    if unknown or missing:
+        raise ValueError(
+            f"{who} load_weights: unknown names {unknown[:5]} ({len(unknown)}), "
+            f"missing names {missing[:5]} ({len(missing)})"
+        )
+    for name, t in named.items():
+        shape, dtype = specs[name]
+        if tuple(t.shape) != shape or t.dtype != dtype:
+            raise ValueError(f"{who} load_weights: {name!r} is {tuple(t.shape)} {t.dtype}, expected {shape} {dtype}")
