@@ -26,6 +26,7 @@ import os
 import platform
 import resource
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -272,6 +273,7 @@ def main() -> None:
     sizes = args.sizes_mib or ([4, 16] if args.quick else [64, 256])
     counts = args.replicas or ([2, 4] if args.quick else [2, 4, 8])
     torch.set_num_threads(1)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run `finally`: stop moto, remove temp files
 
     print("\n".join(environment()), flush=True)
     print("N replicas are threads of one process; moto runs as a separate process. M = model bytes (fp32).")
