@@ -34,7 +34,7 @@ import time
 import uuid
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -188,7 +188,6 @@ class PulledWeights:
     seconds: float
     retries: int
     transport: str
-    stats: dict[str, float] = field(default_factory=dict)
 
 
 # ------------------------------------------------------------------------------------------- helpers
@@ -443,6 +442,20 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+_SAFETENSORS_DTYPES = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+}
+
+
 def _parse_safetensors(data: bytes) -> tuple[dict[str, Any], dict[str, tuple[str, list[int], int, int]]]:
     """Header of a safetensors blob -> (metadata, name -> (dtype code, shape, start, end)); no unpickling."""
     (n,) = struct.unpack("<Q", data[:8])
@@ -651,10 +664,15 @@ class WeightSubscriber:
             entry = entries.get(s.name)
             if entry is None:
                 raise ManifestMismatchError(f"endpoint payload v{version} lacks tensor {s.name!r}")
-            _, shape, start, end = entry
-            if tuple(shape) != s.shape or end - start != s.nbytes:
+            code, shape, start, end = entry
+            if tuple(shape) != s.shape or end - start != s.nbytes or end > len(data):
                 raise ManifestMismatchError(
-                    f"endpoint payload v{version}: tensor {s.name!r} has shape {tuple(shape)}, expected {s.shape}"
+                    f"endpoint payload v{version}: tensor {s.name!r} has shape {tuple(shape)} "
+                    f"({end - start} bytes), expected {s.shape} ({s.nbytes} bytes)"
+                )
+            if _SAFETENSORS_DTYPES.get(code, code) != s.dtype:
+                raise ManifestMismatchError(
+                    f"endpoint payload v{version}: tensor {s.name!r} has dtype {code}, expected {s.dtype}"
                 )
             if s.nbytes:
                 with warnings.catch_warnings():  # read-only bytes: we only copy out of it
