@@ -116,3 +116,27 @@ def test_interoperates_with_the_safetensors_library():
     theirs = save(tensors, metadata={**meta, "format": SHARD_FORMAT, "sha256": tensor_digest(tensors)})
     got, _ = decode_shard("k", bytearray(theirs), expect=META)  # and we read what safetensors writes
     assert all(torch.equal(got[k], v) for k, v in tensors.items())
+
+
+@pytest.mark.parametrize("scheme", ["file", "memory"])
+def test_read_shard_into_validates_like_decode(tmp_path, scheme):
+    uri = f"file://{tmp_path}/r" if scheme == "file" else f"memory://into-{uuid.uuid4().hex[:8]}"
+    s = Store(uri)
+    data = torch.randn(1000)
+    good = encode_shard({"data": data}, META)
+    s.put("good", good)
+    out = torch.empty(1000)
+    s.read_shard_into("good", out, expect=META, expected_size=len(good))
+    assert torch.equal(out, data)
+    s.put("trunc", good[:-5])
+    with pytest.raises(ShardError, match=r"^trunc: truncated"):
+        s.read_shard_into("trunc", torch.empty(1000), expect=META)
+    bad = bytearray(good)
+    bad[-1] ^= 1
+    s.put("flip", bytes(bad))
+    with pytest.raises(ShardError, match=r"^flip: checksum mismatch"):
+        s.read_shard_into("flip", torch.empty(1000), expect=META)
+    with pytest.raises(ShardError, match=r"^good: a shard from another run"):
+        s.read_shard_into("good", torch.empty(1000), expect={**META, "run_id": "r2"})
+    with pytest.raises(ShardError, match=r"^good: unexpected payload"):
+        s.read_shard_into("good", torch.empty(999), expect=META)

@@ -137,6 +137,18 @@ def read_header(key: str, data: bytes | bytearray | memoryview) -> tuple[dict[st
     return header, 8 + n + end
 
 
+def _check_meta(key: str, header: dict[str, Any], expect: Mapping[str, Any]) -> dict[str, str]:
+    meta = header.get("__metadata__") or {}
+    if meta.get("format") != SHARD_FORMAT:
+        raise ShardError(key, f"not a composer-mesh shard (format={meta.get('format')!r})")
+    for field, want in expect.items():
+        got = meta.get(field)
+        if got != str(want):
+            what = "a shard from another run" if field == "run_id" else f"wrong {field}"
+            raise ShardError(key, f"{what}: metadata {field}={got!r}, expected {str(want)!r}")
+    return dict(meta)
+
+
 def decode_shard(
     key: str, data: bytes | bytearray, expect: Mapping[str, Any], expected_size: int | None = None
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -152,14 +164,7 @@ def decode_shard(
         raise ShardError(key, f"truncated: {len(data)} bytes, the safetensors header describes {total}")
     if expected_size is not None and len(data) != expected_size:
         raise ShardError(key, f"size mismatch: {len(data)} bytes, the writer announced {expected_size}")
-    meta = header.get("__metadata__") or {}
-    if meta.get("format") != SHARD_FORMAT:
-        raise ShardError(key, f"not a composer-mesh shard (format={meta.get('format')!r})")
-    for field, want in expect.items():
-        got = meta.get(field)
-        if got != str(want):
-            what = "a shard from another run" if field == "run_id" else f"wrong {field}"
-            raise ShardError(key, f"{what}: metadata {field}={got!r}, expected {str(want)!r}")
+    meta = _check_meta(key, header, expect)
     (n,) = struct.unpack("<Q", bytes(data[:8]))
     base = 8 + n
     mv = memoryview(data)
@@ -312,6 +317,57 @@ class Store:
             data = bytearray(self.fs.cat_file(p))
         self._count(read=len(data))
         return data
+
+    def read_shard_into(
+        self, key: str, out: torch.Tensor, expect: Mapping[str, Any], expected_size: int | None = None
+    ) -> dict[str, str]:
+        """Read a one-tensor ("data") shard straight into `out` (contiguous, 1-D), validated like decode_shard.
+
+        On file:// the payload is read into `out`'s memory directly: no intermediate buffer, no extra copy.
+        """
+        if not out.is_contiguous():
+            raise ValueError("read_shard_into needs a contiguous destination tensor")
+        if self.scheme != "file":
+            tensors, meta = decode_shard(key, self.get(key), expect, expected_size)
+            t = tensors.get("data")
+            if len(tensors) != 1 or t is None or t.dtype != out.dtype or t.numel() != out.numel():
+                raise ShardError(key, f"unexpected payload {[(k, v.dtype, v.numel()) for k, v in tensors.items()]}, "
+                                      f"expected one 'data' tensor of {out.numel()} x {out.dtype}")
+            out.copy_(t.reshape(out.shape))
+            return meta
+        with open(self.path(key), "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(8)
+            if len(head) == 8:
+                (n,) = struct.unpack("<Q", head)
+                head += f.read(min(n, max(0, size - 8)))
+            header, total = read_header(key, head)
+            if size < total:
+                raise ShardError(key, f"truncated: {size} bytes, the safetensors header describes {total}")
+            if expected_size is not None and size != expected_size:
+                raise ShardError(key, f"size mismatch: {size} bytes, the writer announced {expected_size}")
+            meta = _check_meta(key, header, expect)
+            info = header.get("data")
+            names = [k for k in header if k != "__metadata__"]
+            dtype = _TORCH_DTYPES[info["dtype"]] if info else None
+            start, stop = (int(x) for x in info["data_offsets"]) if info else (0, 0)
+            if names != ["data"] or dtype != out.dtype or (stop - start) != out.numel() * out.element_size():
+                raise ShardError(key, f"unexpected payload {names} ({info and info['dtype']}, {stop - start} bytes), "
+                                      f"expected one 'data' tensor of {out.numel()} x {out.dtype}")
+            mv = _raw(out)
+            f.seek(len(head) + start)
+            got = f.readinto(mv) if mv.nbytes else 0
+            if got != mv.nbytes:
+                raise ShardError(key, f"truncated while reading: {got} of {mv.nbytes} payload bytes")
+        self._count(read=size)
+        h = hashlib.sha256()
+        h.update(f"data|{info['dtype']}|{out.numel()};".encode())
+        h.update(mv)
+        digest = h.hexdigest()
+        if digest != meta.get("sha256"):
+            raise ShardError(key, f"checksum mismatch: payload sha256 {digest[:16]}…, metadata says "
+                                  f"{str(meta.get('sha256'))[:16]}…")
+        return meta
 
     def get_or_none(self, key: str) -> bytearray | None:
         try:
