@@ -161,88 +161,109 @@ def hardware() -> str:
     )
 
 
+async def run_block(
+    size: int,
+    block: list[str],
+    args: argparse.Namespace,
+    base: dict[str, Any],
+    trainer: Any,
+    gens: Any,
+    med: dict[tuple[str, int], float],
+    skipped: set[tuple[int, int]],
+    publish_s: list[float],
+    copy_s: list[float],
+    console: Console,
+) -> int:
+    """Time one block of methods for every generator count; medians go into `med`. Returns the bytes."""
+    cfg = {**base, "transport": "endpoint" if block == ["endpoint"] else "rdma"}
+    nbytes = await trainer.setup.call_one(size, cfg)
+    for n in args.generators:
+        sub = gens.slice(procs=slice(0, n))
+        await gens.reset.call(cfg)  # frees every generator's staging from the last round
+        need, have = (4 + 3 * n) * nbytes / 2**30, available_gib()
+        if need > have - 1.0:  # shared 24 GiB machine: skip rather than get OOM-killed
+            console.log(f"{size} MiB, {n} gen, {block}: SKIPPED, needs ~{need:.1f} GiB, {have:.1f} free")
+            skipped.add((size, n))
+            continue
+        times: dict[str, list[float]] = {m: [] for m in block}
+        for rep in range(args.reps + 1):  # rep 0 warms up (allocates staging)
+            for method in block:
+                if method == "state_dict":
+                    t0 = time.perf_counter()
+                    await sub.fetch_state_dict.call(trainer)
+                    dt = time.perf_counter() - t0
+                else:
+                    manifest, pub_s = await trainer.publish.call_one()
+                    t0 = time.perf_counter()
+                    versions = list((await sub.pull.call(manifest)).values())
+                    dt = time.perf_counter() - t0
+                    assert versions == [manifest.version] * n, versions
+                    if rep and method == "plane":
+                        publish_s.append(pub_s)
+                        copy_s.append(await trainer.local_copy.call_one())
+                if rep:
+                    times[method].append(dt)
+        for method in block:
+            med[(method, n)] = statistics.median(times[method])
+            console.log(f"{size} MiB, {n} gen, {method}: {med[(method, n)]:.3f} s")
+    return nbytes
+
+
 async def run(args: argparse.Namespace) -> None:
     console = Console(width=170)
     failures: list[Any] = []
     monarch.actor.unhandled_fault_hook = failures.append
     max_gens = max(args.generators)
-    t_procs = this_host().spawn_procs(per_host={"procs": 1}, name="bench_trainer", bootstrap=quiet)
-    g_procs = this_host().spawn_procs(per_host={"procs": max_gens}, name="bench_gens", bootstrap=quiet)
-    trainer = t_procs.spawn("trainer", BenchTrainer)
-    gens = g_procs.spawn("gens", BenchGenerator)
     base = {"bucket_mb": args.bucket_mb, "max_concurrent_reads": args.concurrency, "read_timeout_s": 3600}
     rows = []
-    try:
-        for size in args.sizes:
-            med: dict[tuple[str, int], float] = {}
-            skipped: set[tuple[int, int]] = set()
-            publish_s: list[float] = []
-            copy_s: list[float] = []
-            nbytes = 0
-            # plane, state_dict and the in-process copy alternate within each rep (robust to load drift);
-            # the safetensors endpoint needs a different publisher, so it runs as its own block.
-            blocks = [
-                [m for m in args.methods if m != "endpoint"],
-                ["endpoint"] if "endpoint" in args.methods else [],
-            ]
-            for block in filter(None, blocks):
-                cfg = {**base, "transport": "endpoint" if block == ["endpoint"] else "rdma"}
-                nbytes = await trainer.setup.call_one(size, cfg)
-                for n in args.generators:
-                    sub = gens.slice(procs=slice(0, n))
-                    await gens.reset.call(cfg)  # frees every generator's staging from the last round
-                    need, have = (4 + 3 * n) * nbytes / 2**30, available_gib()
-                    if need > have - 1.0:  # shared 24 GiB machine: skip rather than get OOM-killed
-                        console.log(
-                            f"{size} MiB, {n} gen, {block}: SKIPPED, needs ~{need:.1f} GiB, {have:.1f} free"
-                        )
-                        skipped.add((size, n))
-                        continue
-                    times: dict[str, list[float]] = {m: [] for m in block}
-                    for rep in range(args.reps + 1):  # rep 0 warms up (allocates staging)
-                        for method in block:
-                            if method == "state_dict":
-                                t0 = time.perf_counter()
-                                await sub.fetch_state_dict.call(trainer)
-                                dt = time.perf_counter() - t0
-                            else:
-                                manifest, pub_s = await trainer.publish.call_one()
-                                t0 = time.perf_counter()
-                                versions = list((await sub.pull.call(manifest)).values())
-                                dt = time.perf_counter() - t0
-                                assert versions == [manifest.version] * n, versions
-                                if rep and method == "plane":
-                                    publish_s.append(pub_s)
-                                    copy_s.append(await trainer.local_copy.call_one())
-                            if rep:
-                                times[method].append(dt)
-                    for method in block:
-                        med[(method, n)] = statistics.median(times[method])
-                        console.log(f"{size} MiB, {n} gen, {method}: {med[(method, n)]:.3f} s")
-            mb = nbytes / MIB
-            nan = float("nan")
-            copy = statistics.median(copy_s) if copy_s else nan
-            pub = statistics.median(publish_s) if publish_s else nan
-            for n in args.generators:
-                plane, ep, sd = (med.get((m, n), nan) for m in ("plane", "endpoint", "state_dict"))
-                rows.append(
-                    (
-                        f"{mb:.0f}",
-                        f"{n} (memory: skipped a block)" if (size, n) in skipped else str(n),
-                        f"{plane:.3f}",
-                        f"{n * mb / plane:.0f}",
-                        f"{n * mb / sd:.0f}",
-                        f"{n * mb / ep:.0f}",
-                        f"{mb / copy:.0f}",
-                        f"{sd / plane:.1f}x",
-                        f"{ep / plane:.1f}x",
-                        f"{n * copy / plane:.2f}",
-                        f"{1000 * pub:.0f}",
-                    )
+    for size in args.sizes:
+        med: dict[tuple[str, int], float] = {}
+        skipped: set[tuple[int, int]] = set()
+        publish_s: list[float] = []
+        copy_s: list[float] = []
+        nbytes = 0
+        # plane, state_dict and the in-process copy alternate within each rep (robust to load drift);
+        # the safetensors endpoint needs a different publisher, so it runs as its own block.
+        blocks = [[m for m in args.methods if m != "endpoint"], [m for m in args.methods if m == "endpoint"]]
+        for b, block in enumerate(filter(None, blocks)):
+            # Fresh procs per block, so memory held by the previous block is really returned.
+            tag = f"{size}_{b}"
+            t_procs = this_host().spawn_procs(
+                per_host={"procs": 1}, name=f"bench_trainer_{tag}", bootstrap=quiet
+            )
+            g_procs = this_host().spawn_procs(
+                per_host={"procs": max_gens}, name=f"bench_gens_{tag}", bootstrap=quiet
+            )
+            trainer = t_procs.spawn("trainer", BenchTrainer)
+            gens = g_procs.spawn("gens", BenchGenerator)
+            try:
+                nbytes = await run_block(
+                    size, block, args, base, trainer, gens, med, skipped, publish_s, copy_s, console
                 )
-    finally:
-        await g_procs.stop()
-        await t_procs.stop()
+            finally:
+                await g_procs.stop()
+                await t_procs.stop()
+        mb = nbytes / MIB
+        nan = float("nan")
+        copy = statistics.median(copy_s) if copy_s else nan
+        pub = statistics.median(publish_s) if publish_s else nan
+        for n in args.generators:
+            plane, ep, sd = (med.get((m, n), nan) for m in ("plane", "endpoint", "state_dict"))
+            rows.append(
+                (
+                    f"{mb:.0f}",
+                    f"{n} (memory: skipped a block)" if (size, n) in skipped else str(n),
+                    f"{plane:.3f}",
+                    f"{n * mb / plane:.0f}",
+                    f"{n * mb / sd:.0f}",
+                    f"{n * mb / ep:.0f}",
+                    f"{mb / copy:.0f}",
+                    f"{sd / plane:.1f}x",
+                    f"{ep / plane:.1f}x",
+                    f"{n * copy / plane:.2f}",
+                    f"{1000 * pub:.0f}",
+                )
+            )
     table = Table(title="Weight sync: plane (RDMA) vs state dict through an endpoint vs in-process copy")
     for col in (
         "MiB",
