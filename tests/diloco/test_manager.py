@@ -164,7 +164,7 @@ def test_late_replica_left_out_but_commits_the_same_result(tmp_path):
         ok, t, rep = res[r]
         assert ok and rep.members == [0]
         assert torch.equal(t, vecs[0])
-    assert res[1][2].contributed and 1 not in res[1][2].members
+    assert res[1][2].late and not res[1][2].contributed and 1 not in res[1][2].members
 
 
 def test_bf16_compression_halves_bytes_and_stays_identical(tmp_path):

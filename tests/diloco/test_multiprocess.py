@@ -86,6 +86,18 @@ def test_streaming_two_fragments_with_delay(tmp_path):
         assert torch.equal(res[0]["final"][model_name], g[f"f1/param/{name}"])
 
 
+def _decided_without(rounds_dir, replica: int) -> bool:
+    import json
+
+    for rec in rounds_dir.glob("q*/members/e0.json"):
+        try:
+            if replica not in json.loads(rec.read_text())["members"]:
+                return True
+        except (OSError, ValueError, KeyError):
+            continue
+    return False
+
+
 @pytest.mark.slow
 def test_replica_killed_mid_round_rejoins_identical(tmp_path):
     store_root = tmp_path / "store"
@@ -104,7 +116,11 @@ def test_replica_killed_mid_round_rejoins_identical(tmp_path):
         time.sleep(0.01)
     victim.kill()  # SIGKILL, mid-round: shards published, reduction under way
     victim.join()
-    time.sleep(4.0)  # the survivors go on without it for at least one deadline
+    # Restart only once the survivors have decided a round without it (they wait out the deadline first).
+    end = time.monotonic() + 90
+    while not _decided_without(store_root / "kill" / "rounds", 2):
+        assert time.monotonic() < end, "the survivors never decided a round without replica 2"
+        time.sleep(0.05)
     restarted = spawn(WorkerArgs(replica_id=2, **common))
     wait_all([procs[0], procs[1], restarted], out, timeout=150)
     res = results(out)

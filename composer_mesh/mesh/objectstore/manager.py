@@ -61,7 +61,8 @@ class RoundReport:
     replica: int
     committed: bool = False
     contributed: bool = False
-    abstained: bool = False
+    abstained: bool = False  # healed into this round: read the result only
+    late: bool = False  # the round was decided before this replica published: read the result only
     members: list[int] = field(default_factory=list)
     rejected: dict[str, str] = field(default_factory=dict)
     epoch: int = 0
@@ -306,7 +307,12 @@ class ObjectStoreManager:
         cfg, n, me = self.config, self.config.replicas, self.replica_id
         base = f"rounds/q{q:08d}"
         t_start = time.perf_counter()
-        # 1. publish
+        # 1. publish (unless the round was already decided without us: we are late, or restarted into it; then
+        # publishing could replace shards of an earlier incarnation that others may still be reading)
+        late = self.store.exists(f"{base}/members/e0.json")
+        if late:
+            flat = None
+            report.late = True
         marker: dict[str, Any] = {
             "run_id": cfg.run_id,
             "quorum_id": q,
@@ -330,7 +336,8 @@ class ObjectStoreManager:
 
             marker["sizes"] = list(self._io.map(put_slice, range(n)))
             report.contributed = True
-        self.store.put_json(f"{base}/arrived/r{me:03d}.json", marker)
+        if not late:
+            self.store.put_json(f"{base}/arrived/r{me:03d}.json", marker)
         t_pub = time.perf_counter()
         report.phases["publish"] = t_pub - t_start
         # 2. quorum
