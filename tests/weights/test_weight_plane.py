@@ -27,7 +27,6 @@ from composer_mesh.mesh.weights import (
 from weights.plane_actors import PlaneGenerator, PlaneTrainer, expected_tensor, model_spec
 
 FAULTS: list[Any] = []
-monarch.actor.unhandled_fault_hook = FAULTS.append  # a fault must fail a test, not exit the session
 
 SPEC = model_spec()
 N_GENERATORS = 3
@@ -46,6 +45,10 @@ def quiet() -> None:
 
 @pytest.fixture(scope="module")
 def meshes() -> Iterator[tuple[Any, Any]]:
+    # Installed here, not at import: a hook set during collection would collect other modules' faults.
+    previous_hook = monarch.actor.unhandled_fault_hook
+    monarch.actor.unhandled_fault_hook = FAULTS.append  # a fault must fail a test, not exit the session
+    FAULTS.clear()
     trainer_procs = this_host().spawn_procs(per_host={"procs": 1}, name="wp_trainer", bootstrap=quiet)
     gen_procs = this_host().spawn_procs(per_host={"procs": N_GENERATORS}, name="wp_gens", bootstrap=quiet)
     trainer_procs.initialized.get()
@@ -53,6 +56,7 @@ def meshes() -> Iterator[tuple[Any, Any]]:
     yield trainer_procs, gen_procs
     trainer_procs.stop().get()
     gen_procs.stop().get()
+    monarch.actor.unhandled_fault_hook = previous_hook
 
 
 def spawn(meshes: tuple[Any, Any], **config: Any) -> tuple[Any, Any]:
