@@ -59,6 +59,7 @@ def setup(tmp_path_factory):
     from composer_mesh.actors.generator import GeneratorActor
     from composer_mesh.mesh.launch import RoleConfig
 
+    previous_hook = monarch.actor.unhandled_fault_hook
     monarch.actor.unhandled_fault_hook = FAULTS.append  # a fault fails the test instead of exiting pytest
     cache = str(tmp_path_factory.mktemp("model_cache"))
     topo = _topology(cache)
@@ -66,6 +67,7 @@ def setup(tmp_path_factory):
     actor = procs.spawn("vllm_generator", GeneratorActor, RoleConfig(role="generators", mesh="generators", topology=topo))
     yield topo, cache, actor
     procs.stop().get()
+    monarch.actor.unhandled_fault_hook = previous_hook
 
 
 def _request(tok):
