@@ -76,7 +76,8 @@ SlurmJobName = Annotated[str, _matches(r"[A-Za-z0-9_.-]+", "Slurm job name (lett
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # hide_input_in_errors: a secret pasted into a topology must never be echoed by a validation error.
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
 
 class SlurmOptions(_Strict):
@@ -744,9 +745,14 @@ def _describe(err: dict[str, Any], root: type[BaseModel], data: Any) -> str:
         if msg.startswith(prefix):
             return msg[len(prefix) :]
     value = err.get("input")
-    if isinstance(value, (str, int, float, bool)) or value is None:
+    if isinstance(value, (int, float, bool)) or value is None or _echoable_choice(kind, value):
         return f"{msg} (got {_short(value)})"
-    return msg
+    return msg  # other strings are not echoed: a pasted secret must never appear in an error (line:col points at it)
+
+
+def _echoable_choice(kind: str, value: Any) -> bool:
+    """A short string given for a closed set (a typo like 'kubernetes' for a backend) is safe and useful to echo."""
+    return kind in ("literal_error", "enum") and isinstance(value, str) and len(value) <= 24
 
 
 def _issues_from(
