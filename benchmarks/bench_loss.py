@@ -28,6 +28,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GIB = 1024**3
 
 sys.path.insert(0, ROOT)
+from machine import cpu_model  # noqa: E402
+
 from composer_mesh.loss.config import LossConfig  # noqa: E402  (cheap: no torch import)
 
 
@@ -93,15 +95,7 @@ def _mem_available() -> int:
 
 
 def _hardware() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
+    cpu = cpu_model()
     total = 0
     try:
         with open("/proc/meminfo") as f:

@@ -42,6 +42,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
+from machine import cpu_model, package_versions, total_memory_gib  # noqa: E402
 
 from composer_mesh.mesh.objectstore import DiLoCoConfig  # noqa: E402
 from composer_mesh.mesh.objectstore.manager import ObjectStoreManager  # noqa: E402
@@ -220,26 +221,14 @@ METHODS = {
 def environment() -> list[str]:
     import fsspec
     import safetensors
-    cpu = platform.processor() or "?"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    cpu, mem = cpu_model(), total_memory_gib()
     vers = {
         "python": platform.python_version(),
         "torch": torch.__version__,
         "fsspec": fsspec.__version__,
         "safetensors": safetensors.__version__,
     }
-    from importlib.metadata import PackageNotFoundError, version
-
-    for mod in ("s3fs", "moto", "torchft"):
-        try:
-            vers[mod] = version(mod)
-        except PackageNotFoundError:
-            vers[mod] = "?"
+    vers.update(package_versions("s3fs", "moto", "torchft"))
     return [
         f"host: {platform.node()} | {platform.platform()} | {cpu} | {os.cpu_count()} cpus | {mem:.1f} GiB RAM"
         f" | load avg {os.getloadavg()[0]:.1f}",

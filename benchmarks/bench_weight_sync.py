@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import monarch
 import monarch.actor
 import torch
+from machine import cpu_model, total_memory_gib
 from monarch.actor import Actor, endpoint, this_host
 from rich.console import Console
 from rich.table import Table
@@ -140,13 +141,7 @@ def available_gib() -> float:
 
 
 def hardware() -> str:
-    cpu = "?"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    cpu, mem = cpu_model(), total_memory_gib()
     from monarch.rdma import get_rdma_backend
 
     knobs = {

@@ -798,14 +798,19 @@ def parse_yaml_model(text: str, model: type[M], source: str | None = None) -> M:
     return result
 
 
-def load_yaml_model(path: str | os.PathLike[str], model: type[M]) -> M:
-    """`parse_yaml_model` on a file; an unreadable file is a TopologyError too."""
+def _read_text(path: str | os.PathLike[str]) -> str:
+    """The file's text; an unreadable file is a TopologyError naming it."""
     try:
-        text = Path(path).read_text()
+        return Path(path).read_text()
     except OSError as e:
         raise TopologyError(
             [TopologyIssue("", None, None, f"cannot read file: {e.strerror or e}")], str(path)
         ) from None
+
+
+def load_yaml_model(path: str | os.PathLike[str], model: type[M]) -> M:
+    """`parse_yaml_model` on a file; an unreadable file is a TopologyError too."""
+    text = _read_text(path)
     return parse_yaml_model(text, model, str(path))
 
 
@@ -1023,12 +1028,7 @@ def parse_topology(text: str, source: str | None = None) -> Topology:
 
 def load_topology(path: str | os.PathLike[str]) -> Topology:
     """Load and validate a topology file. Raises TopologyError (all problems, with lines) if it is invalid."""
-    try:
-        text = Path(path).read_text()
-    except OSError as e:
-        raise TopologyError(
-            [TopologyIssue("", None, None, f"cannot read file: {e.strerror or e}")], str(path)
-        ) from None
+    text = _read_text(path)
     topology = parse_topology(text, str(path))
     topology._source = Path(path)
     return topology

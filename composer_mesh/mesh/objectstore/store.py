@@ -39,6 +39,16 @@ class ShardError(ValueError):
         self.problem = problem
 
 
+
+def _write_temp(path: str, parts: list[bytes | memoryview]) -> str:
+    """Write `parts` to a fresh temp file next to `path` (file://); the caller renames or links it into place."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+    with open(tmp, "wb") as f:
+        for b in parts:
+            f.write(b)
+    return tmp
+
 class StoreError(RuntimeError):
     """The store itself is unusable (bad URI, missing credentials variable, I/O failure)."""
 
@@ -250,12 +260,7 @@ class Store:
         parts = data if isinstance(data, list) else [data]
         size = sum(memoryview(b).nbytes for b in parts)
         if self.scheme == "file":
-            os.makedirs(os.path.dirname(p), exist_ok=True)
-            tmp = f"{p}.tmp-{uuid.uuid4().hex}"
-            with open(tmp, "wb") as f:
-                for b in parts:
-                    f.write(b)
-            os.replace(tmp, p)
+            os.replace(_write_temp(p, parts), p)
         else:
             self.fs.pipe_file(p, parts[0] if len(parts) == 1 else b"".join(parts))
         self._count(written=size)
@@ -266,11 +271,7 @@ class Store:
         parts = data if isinstance(data, list) else [data]
         size = sum(memoryview(b).nbytes for b in parts)
         if self.scheme == "file":
-            os.makedirs(os.path.dirname(p), exist_ok=True)
-            tmp = f"{p}.tmp-{uuid.uuid4().hex}"
-            with open(tmp, "wb") as f:
-                for b in parts:
-                    f.write(b)
+            tmp = _write_temp(p, parts)
             try:
                 os.link(tmp, p)
                 won = True

@@ -1,0 +1,34 @@
+"""What every benchmark prints about the machine it ran on (imported by the bench_*.py scripts)."""
+
+from __future__ import annotations
+
+import os
+import platform
+from importlib.metadata import PackageNotFoundError, version
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (platform's guess elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def total_memory_gib() -> float:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+
+
+def package_versions(*names: str) -> dict[str, str]:
+    """Installed distribution versions ('?' when absent)."""
+    out = {}
+    for name in names:
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = "?"
+    return out
