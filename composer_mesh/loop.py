@@ -216,11 +216,18 @@ class RLLoop:
         # DiLoCo replica fed its own batches (replica 0's weights go to the generators).
         self.generators = self._actors(mesh.generators, topology.generators.mesh)
         self.trainers = self._actors(mesh.trainer, topology.trainer.mesh)
+        self.rewarders = self._actors(mesh.rewarder, topology.rewarder.mesh)
+        self._next_rewarder = 0
         self.teachers = mesh.actors.get("teachers")  # optional role
 
     def _actors(self, handle: Any, mesh_name: str) -> list[Any]:
         spec = self.topo.meshes[mesh_name]
         return [handle.slice(hosts=h, procs=p) for h in range(spec.hosts) for p in range(spec.procs_per_host)]
+
+    def _rewarder(self) -> Any:
+        """Rewarder actors take batches round-robin."""
+        self._next_rewarder = (self._next_rewarder + 1) % len(self.rewarders)
+        return self.rewarders[self._next_rewarder]
 
     # ---- stages -------------------------------------------------------------------------------------
     async def setup(self) -> None:
@@ -259,7 +266,7 @@ class RLLoop:
             seed=self.prompts.count + self.cfg.seed,
         )
         groups: list[RolloutGroup] = await generator.generate.call_one(request)
-        scored, signals = await asyncio.gather(self.mesh.rewarder.score.call_one(groups), self._signals(groups))
+        scored, signals = await asyncio.gather(self._rewarder().score.call_one(groups), self._signals(groups))
         return TrainBatch(groups=scored, distributions=signals.distributions, traces=signals.traces)
 
     async def evaluate(self, n: int, seed: int) -> float:
@@ -274,7 +281,7 @@ class RLLoop:
         gen = self.generators[0]
         await gen.version.call_one()  # apply any pulled weights before evaluating
         groups = await gen.generate.call_one(request)
-        scored: list[ScoredGroup] = await self.mesh.rewarder.score.call_one(groups)
+        scored: list[ScoredGroup] = await self._rewarder().score.call_one(groups)
         scores = [rw.score for g in scored for rw in g.rewards]
         return sum(scores) / len(scores)
 
