@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from composer_mesh.actors.backends.local_model import check_device
 from composer_mesh.actors.messages import TeacherTrace, TrainBatch, TrainMetrics
 from composer_mesh.loss.compose import LossBatch, LossResult, ReplayPairs, compose_loss, new_loss_state
 from composer_mesh.loss.config import LossConfig
@@ -22,6 +23,7 @@ from composer_mesh.loss.config import LossConfig
 class HFTrainerSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
+    device: str = Field("cpu", description="torch device of the policy: 'cpu', 'cuda', 'cuda:<index>' or 'mps'.")
     lr: float = Field(1e-3, gt=0, description="AdamW learning rate of the inner optimizer.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW betas.")
@@ -33,27 +35,36 @@ class HFTrainerSettings(BaseModel):
         "Without it those terms are off.",
     )
 
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        return check_device(v)
 
-def _pad(rows: list[list[int]] | list[list[float]], value: float, dtype: torch.dtype) -> torch.Tensor:
+
+def _pad(
+    rows: list[list[int]] | list[list[float]], value: float, dtype: torch.dtype, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     width = max((len(r) for r in rows), default=0)
     out = torch.full((len(rows), max(width, 1)), value, dtype=dtype)
     for i, r in enumerate(rows):
         if r:
             out[i, : len(r)] = torch.tensor(r, dtype=dtype)
-    return out
+    return out.to(device)
 
 
 def completion_logits(model: torch.nn.Module, prompts: list[list[int]], completions: list[list[int]]) -> torch.Tensor:
     """Logits [B, T, V] where [b, t] scores completion token t of row b (T = longest completion)."""
+    device = next(model.parameters()).device
     seqs = [p + c for p, c in zip(prompts, completions)]
-    ids = _pad(seqs, 0, torch.long)
-    attn = _pad([[1] * len(s) for s in seqs], 0, torch.long)
+    ids = _pad(seqs, 0, torch.long, device)
+    attn = _pad([[1] * len(s) for s in seqs], 0, torch.long, device)
     logits = model(input_ids=ids, attention_mask=attn).logits  # [B, L, V]
     width = max(max((len(c) for c in completions), default=1), 1)
     index = torch.zeros(len(seqs), width, dtype=torch.long)
     for b, (p, c) in enumerate(zip(prompts, completions)):
         pos = torch.arange(width) + len(p) - 1
         index[b] = pos.clamp(max=len(p) + len(c) - 1)
+    index = index.to(device)
     return logits.gather(1, index.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
 
 
@@ -84,7 +95,8 @@ class HFTrainer:
         from composer_mesh.models.tiny import load_pretrained
 
         torch.set_num_threads(self.settings.torch_threads)
-        self.model, self.tokenizer = load_pretrained(model_config)
+        self.model, self.tokenizer = load_pretrained(model_config, device=self.settings.device)
+        self.device = torch.device(self.settings.device)
         self.model.train()
         self.loss = loss
         self.temperature = temperature
@@ -119,11 +131,14 @@ class HFTrainer:
         prompts = [r.prompt_ids for r in rollouts]
         completions = [r.completion_ids for r in rollouts]
         logits = completion_logits(self.model, prompts, completions) / self.temperature
-        token_ids = _pad(completions, 0, torch.long)
-        mask = _pad([[1] * len(c) for c in completions], 0, torch.long).bool()
-        old_logprobs = _pad([r.logprobs for r in rollouts], 0.0, torch.float32)
-        rewards = torch.tensor([rw.score for g in batch.groups for rw in g.rewards], dtype=torch.float32)
-        group_ids = torch.tensor([i for i, g in enumerate(batch.groups) for _ in g.group.rollouts], dtype=torch.long)
+        dev = self.device
+        token_ids = _pad(completions, 0, torch.long, dev)
+        mask = _pad([[1] * len(c) for c in completions], 0, torch.long, dev).bool()
+        old_logprobs = _pad([r.logprobs for r in rollouts], 0.0, torch.float32, dev)
+        rewards = torch.tensor([rw.score for g in batch.groups for rw in g.rewards], dtype=torch.float32, device=dev)
+        group_ids = torch.tensor(
+            [i for i, g in enumerate(batch.groups) for _ in g.group.rollouts], dtype=torch.long, device=dev
+        )
 
         ref_logprobs = None
         if self.reference is not None and self.loss.kl_beta > 0:
@@ -162,7 +177,7 @@ class HFTrainer:
                     if d.logits.shape[-1] != vocab:
                         raise ValueError(f"teacher {d.teacher!r} logits have vocab {d.logits.shape[-1]}, student has {vocab}")
                     out[b, : d.num_tokens] = d.logits.float()
-            return {"teacher_logits": out, "distill_mask": distill_mask}
+            return {"teacher_logits": out.to(self.device), "distill_mask": distill_mask.to(self.device)}
         k = max(d.topk_ids.shape[-1] for d in dists if d is not None and d.topk_ids is not None)
         ids = torch.zeros(len(rollouts), width, k, dtype=torch.long)
         lps = torch.full((len(rollouts), width, k), -math.inf)
@@ -171,7 +186,8 @@ class HFTrainer:
                 n, kk = d.topk_ids.shape
                 ids[b, :n, :kk] = d.topk_ids
                 lps[b, :n, :kk] = d.topk_logprobs.float()
-        return {"teacher_topk_ids": ids, "teacher_topk_logprobs": lps, "distill_mask": distill_mask}
+        return {k: v.to(self.device) for k, v in
+                {"teacher_topk_ids": ids, "teacher_topk_logprobs": lps, "distill_mask": distill_mask}.items()}
 
     def _replay_pairs(
         self, batch: TrainBatch, logits: torch.Tensor, token_ids: torch.Tensor, mask: torch.Tensor
@@ -193,8 +209,8 @@ class HFTrainer:
         rows = [row_of[t.prompt_id] for t in traces]
         chosen_prompts = [prompt_of[t.prompt_id] for t in traces]
         chosen_ids = [t.completion_ids for t in traces]
-        chosen_tok = _pad(chosen_ids, 0, torch.long)
-        chosen_mask = _pad([[1] * len(c) for c in chosen_ids], 0, torch.long).bool()
+        chosen_tok = _pad(chosen_ids, 0, torch.long, self.device)
+        chosen_mask = _pad([[1] * len(c) for c in chosen_ids], 0, torch.long, self.device).bool()
         chosen_logps = token_logprobs(completion_logits(self.model, chosen_prompts, chosen_ids) / self.temperature, chosen_tok)
         rejected_logps = token_logprobs(logits[rows], token_ids[rows])
         ref_chosen = ref_rejected = None
@@ -202,8 +218,8 @@ class HFTrainer:
             rollouts = batch.rollouts()
             rej_prompts = [rollouts[i].prompt_ids for i in rows]
             rej_ids = [rollouts[i].completion_ids for i in rows]
-            rej_tok = _pad(rej_ids, 0, torch.long)
-            rej_mask = _pad([[1] * len(c) for c in rej_ids], 0, torch.long).bool()
+            rej_tok = _pad(rej_ids, 0, torch.long, self.device)
+            rej_mask = _pad([[1] * len(c) for c in rej_ids], 0, torch.long, self.device).bool()
             with torch.no_grad():
                 rc = token_logprobs(completion_logits(self.reference, chosen_prompts, chosen_ids) / self.temperature, chosen_tok)
                 rr = token_logprobs(completion_logits(self.reference, rej_prompts, rej_ids) / self.temperature, rej_tok)
