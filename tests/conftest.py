@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
+
+import pytest
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(_HERE)
@@ -20,3 +23,20 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
+
+
+
+@pytest.fixture(scope="session", autouse=True)
+def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Every test builds (and warm-starts) tiny models into one session cache, never into ~/.cache.
+
+    Set in the environment so Monarch procs spawned by the tests inherit it.
+    """
+    path = str(tmp_path_factory.mktemp("model_cache"))
+    previous = os.environ.get("COMPOSER_MESH_CACHE")
+    os.environ["COMPOSER_MESH_CACHE"] = path
+    yield path
+    if previous is None:
+        os.environ.pop("COMPOSER_MESH_CACHE", None)
+    else:
+        os.environ["COMPOSER_MESH_CACHE"] = previous

@@ -24,15 +24,6 @@ from composer_mesh.actors.messages import (
 from composer_mesh.loss.config import LossConfig
 from composer_mesh.models.config import ModelConfig
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _cache(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("COMPOSER_MESH_CACHE", str(tmp_path_factory.mktemp("model_cache")))
-    yield
-    mp.undo()
-
-
 MODEL = ModelConfig(source="tiny", seed=3)
 
 

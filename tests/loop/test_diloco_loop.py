@@ -6,19 +6,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
-
 from composer_mesh.loop import RLLoop
 from composer_mesh.mesh.launch import launch
 from composer_mesh.mesh.topology import load_topology
 from composer_mesh.runner import apply_overrides
 
 TOPOLOGY = Path(__file__).with_name("diloco_run.yaml")
-
-
-@pytest.fixture(autouse=True)
-def _model_cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("COMPOSER_MESH_CACHE", str(tmp_path_factory.getbasetemp() / "models"))
 
 
 async def test_two_replicas_sync_through_the_store(tmp_path):

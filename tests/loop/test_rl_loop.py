@@ -6,22 +6,12 @@ import json
 import math
 from pathlib import Path
 
-import pytest
-
 from composer_mesh.loop import RLLoop
 from composer_mesh.mesh.launch import launch
 from composer_mesh.mesh.topology import load_topology
 from composer_mesh.runner import apply_overrides
 
 TOPOLOGY = Path(__file__).with_name("tiny_run.yaml")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _model_cache(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("COMPOSER_MESH_CACHE", str(tmp_path_factory.mktemp("models")))
-    yield
-    mp.undo()
 
 
 async def test_each_sync_leaves_every_generator_bitwise_equal_to_the_trainer(tmp_path):
