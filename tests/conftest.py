@@ -1,8 +1,8 @@
 """Test-session setup shared by every tier.
 
 Monarch reads its supervision settings at import, so they are set here before anything imports it.
-The default fault hook would `sys.exit` the whole pytest session on an actor failure; tests record
-failures instead and assert on what the caller sees.
+Monarch's default fault hook would `sys.exit` the whole pytest session on an actor failure: tests that use
+`launch()` get the launcher's hook, and tests that spawn proc meshes directly install one in their fixture.
 """
 
 from __future__ import annotations
