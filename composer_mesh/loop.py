@@ -39,7 +39,10 @@ class RunConfig(BaseModel):
     max_policy_lag: int = Field(
         1, ge=0, description="Rollouts produced by weights older than `trainer version - max_policy_lag` are dropped and counted."
     )
-    rollout_queue_size: int = Field(2, ge=1, description="Scored batches buffered between generation and training.")
+    rollout_queue_size: int = Field(
+        2, ge=1, description="Batches in flight between the start of their generation and the trainer taking them "
+        "(bounds staleness; generation never waits for scoring or teachers)."
+    )
     teacher_top_k: int = Field(0, ge=0, description="Top-k of teacher distributions for channel 2; 0 asks for dense logits.")
     seed: int = Field(0, description="Seed for prompt sampling and generation.")
     run_dir: Path = Field(Path("runs/local"), description="Where metrics.jsonl, checkpoints and plot.png are written.")
@@ -256,8 +259,8 @@ class RLLoop:
         self.teacher_usage = signals.usage
         return signals
 
-    async def make_batch(self, generator: Any) -> TrainBatch:
-        """Generate one batch on `generator`, then score it and ask the teachers, concurrently."""
+    async def generate_groups(self, generator: Any) -> list[RolloutGroup]:
+        """Sample the next `prompts_per_step` prompts on `generator`."""
         request = GenerationRequest(
             prompts=self.prompts.take(self.cfg.prompts_per_step),
             samples_per_prompt=self.cfg.samples_per_prompt,
@@ -265,9 +268,16 @@ class RLLoop:
             temperature=self.cfg.temperature,
             seed=self.prompts.count + self.cfg.seed,
         )
-        groups: list[RolloutGroup] = await generator.generate.call_one(request)
+        return await generator.generate.call_one(request)
+
+    async def complete_batch(self, groups: list[RolloutGroup]) -> TrainBatch:
+        """Score the groups and ask the teachers, concurrently."""
         scored, signals = await asyncio.gather(self._rewarder().score.call_one(groups), self._signals(groups))
         return TrainBatch(groups=scored, distributions=signals.distributions, traces=signals.traces)
+
+    async def make_batch(self, generator: Any) -> TrainBatch:
+        """One whole batch, step by step (for scripts and tests; `run` overlaps the two stages)."""
+        return await self.complete_batch(await self.generate_groups(generator))
 
     async def evaluate(self, n: int, seed: int) -> float:
         """Mean reward of greedy completions on `n` held-out prompts (fixed seed: same prompts each time)."""
@@ -290,13 +300,26 @@ class RLLoop:
         t_start = time.perf_counter()
         cfg = self.cfg
         writer = MetricsWriter(cfg.run_dir)
-        queue: asyncio.Queue[TrainBatch] = asyncio.Queue(maxsize=cfg.rollout_queue_size)
-        stop = asyncio.Event()
+        # Generation never waits for scoring or teachers: each generated batch is completed in its own task,
+        # and a generator goes straight on to its next batch. `slots` bounds the batches between the start of
+        # their generation and the trainer taking them, which bounds staleness; `done` holds completed (or
+        # failed) tasks in completion order.
+        slots = asyncio.Semaphore(cfg.rollout_queue_size)
+        done: asyncio.Queue[asyncio.Task[TrainBatch]] = asyncio.Queue()
+        completing: set[asyncio.Task[TrainBatch]] = set()
+
+        def completed(task: asyncio.Task[TrainBatch]) -> None:
+            completing.discard(task)
+            if not task.cancelled():
+                done.put_nowait(task)
 
         async def produce(generator: Any) -> None:
-            while not stop.is_set():
-                batch = await self.make_batch(generator)
-                await queue.put(batch)
+            while True:
+                await slots.acquire()
+                groups = await self.generate_groups(generator)
+                task = asyncio.create_task(self.complete_batch(groups))
+                completing.add(task)
+                task.add_done_callback(completed)
 
         try:
             await self.setup()
@@ -304,12 +327,12 @@ class RLLoop:
             writer.write_event("eval", when="before", reward=eval_before, weight_version=self.trainer_version)
             producers = [asyncio.create_task(produce(g)) for g in self.generators]
             try:
-                await self._train(queue, writer, producers)
+                await self._train(done, slots, writer, producers)
             finally:
-                stop.set()
-                for p in producers:
-                    p.cancel()
-                await asyncio.gather(*producers, return_exceptions=True)
+                pending = [*producers, *completing]
+                for t in pending:
+                    t.cancel()
+                await asyncio.gather(*pending, return_exceptions=True)
             eval_after = await self.evaluate(cfg.eval_prompts, cfg.seed)
             writer.write_event("eval", when="after", reward=eval_after, weight_version=self.trainer_version)
             checkpoint = await self.trainers[0].save_checkpoint.call_one(str((cfg.run_dir / "checkpoint").resolve()))
@@ -327,27 +350,31 @@ class RLLoop:
             seconds=time.perf_counter() - t_start, teacher_usage=self.teacher_usage,
         )
 
-    async def _next_batch(self, queue: asyncio.Queue[TrainBatch], writer: MetricsWriter,
-                          producers: list[asyncio.Task]) -> tuple[TrainBatch, int]:
-        """The next batch within the lag bound (stale ones are dropped and logged) and its policy lag."""
+    async def _next_batch(self, done: asyncio.Queue[asyncio.Task[TrainBatch]], slots: asyncio.Semaphore,
+                          writer: MetricsWriter, producers: list[asyncio.Task]) -> tuple[TrainBatch, int]:
+        """The next batch within the lag bound (stale ones are dropped and logged) and its policy lag.
+
+        A failed scoring or teacher stage raises here; so does a generator that died."""
         while True:
-            get = asyncio.ensure_future(queue.get())
-            done, _ = await asyncio.wait([get, *producers], return_when=asyncio.FIRST_COMPLETED)
-            if get not in done:  # a producer died: surface its error instead of waiting forever
+            get = asyncio.ensure_future(done.get())
+            finished, _ = await asyncio.wait([get, *producers], return_when=asyncio.FIRST_COMPLETED)
+            if get not in finished:  # a producer died: surface its error instead of waiting forever
                 get.cancel()
                 for p in producers:
                     if p.done() and not p.cancelled() and p.exception() is not None:
                         raise p.exception()  # type: ignore[misc]
                 continue
-            batch = get.result()
+            slots.release()  # the trainer has taken it (or drops it): a generator may start another batch
+            batch = get.result().result()
             lag = self.gate.lag(batch, self.trainer_version)
             if self.gate.admit(batch, self.trainer_version):
                 return batch, lag
             writer.write_event("dropped", policy_lag=lag, rollouts=len(batch.rollouts()))
 
-    async def _train(self, queue: asyncio.Queue[TrainBatch], writer: MetricsWriter, producers: list[asyncio.Task]) -> None:
+    async def _train(self, done: asyncio.Queue[asyncio.Task[TrainBatch]], slots: asyncio.Semaphore,
+                     writer: MetricsWriter, producers: list[asyncio.Task]) -> None:
         for step in range(1, self.cfg.steps + 1):
-            picked = [await self._next_batch(queue, writer, producers) for _ in self.trainers]
+            picked = [await self._next_batch(done, slots, writer, producers) for _ in self.trainers]
             t0 = time.perf_counter()
             results = await asyncio.gather(
                 *(t.train_step.call_one(batch) for t, (batch, _) in zip(self.trainers, picked))
