@@ -136,7 +136,9 @@ async def test_success_with_logprobs_and_request_shape(fake: FakeOpenRouter) -> 
         assert tr.teacher == "t0"
         assert tr.text == teacher_text(f"question {i}")
         assert tr.completion_ids == ByteTokenizer().encode(tr.text)  # re-tokenised into student ids
-    req = fake.requests[0]
+    # The two requests run concurrently: the server may see them in either order.
+    assert sorted(r["messages"][0]["content"] for r in fake.requests) == ["question 0", "question 1"]
+    req = next(r for r in fake.requests if r["messages"][0]["content"] == "question 0")
     assert req["model"] == MODEL and "models" not in req  # one model: no routing list
     assert req["messages"] == [{"role": "user", "content": "question 0"}]
     assert req["logprobs"] is True and req["top_logprobs"] == 3
