@@ -1,69 +1,26 @@
-"""One registry for the implementations a topology can bind a role to.
+"""How a name in a topology becomes a class: built-in names and import paths, resolved the same way.
 
 A binding is a plain Python class (no Monarch) with two class attributes:
 
     Settings: type[pydantic.BaseModel]   # its typed settings, validated with the topology
     capabilities: frozenset[str]         # what it can supply, checked across sections (e.g. teachers)
 
-Built-in bindings are short names (`hf`, `vllm`, `openrouter`, ...); anything else is an import path
-`package.module:Class`. Both resolve through `resolve_binding`. Adding a built-in is one line in `BUILTIN`.
+This module is generic: it knows no role. `composer_mesh.roles` owns the table of built-in names per role.
 Binding modules keep heavy imports (transformers, vllm) inside functions so validation stays cheap.
 """
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel
-
-Role = Literal["trainer", "generator", "rewarder", "teacher"]
-ROLES: tuple[Role, ...] = ("trainer", "generator", "rewarder", "teacher")
-
-# Teacher capabilities: "distill" = per-token distributions over the student's tokens (channel 2, needs the
-# student's tokenizer); "replay" = full traces (channel 3).
-BUILTIN: dict[Role, dict[str, str]] = {
-    "trainer": {"hf": "composer_mesh.actors.backends.hf_trainer:HFTrainer"},
-    "generator": {
-        "hf": "composer_mesh.actors.backends.hf_generator:HFGenerator",
-        "vllm": "composer_mesh.actors.backends.vllm_generator:VLLMGenerator",
-    },
-    "rewarder": {"python": "composer_mesh.actors.backends.rewards:PythonRewarder"},
-    "teacher": {
-        "hf": "composer_mesh.actors.backends.hf_teacher:HFTeacher",
-        "vllm": "composer_mesh.actors.backends.vllm_teacher:VLLMTeacher",
-        "openrouter": "composer_mesh.actors.backends.openrouter:OpenRouterTeacher",
-    },
-}
 
 
 class BindingError(ValueError):
     """A binding name or import path that cannot be resolved to a usable class."""
-
-
-@dataclass(frozen=True)
-class Binding:
-    role: Role
-    name: str  # as written in the topology
-    import_path: str
-    cls: type
-
-    @property
-    def settings_model(self) -> type[BaseModel]:
-        return self.cls.Settings  # type: ignore[attr-defined, no-any-return]
-
-    @property
-    def capabilities(self) -> frozenset[str]:
-        return frozenset(getattr(self.cls, "capabilities", frozenset()))
-
-    def parse_settings(self, raw: dict[str, Any] | None) -> BaseModel:
-        return self.settings_model.model_validate(raw or {})
-
-    def build(self, settings: BaseModel | dict[str, Any] | None) -> Any:
-        if not isinstance(settings, BaseModel):
-            settings = self.parse_settings(settings)
-        return self.cls(settings)
 
 
 def import_object(path: str) -> Any:
@@ -84,24 +41,57 @@ def import_object(path: str) -> Any:
         raise BindingError(f"module {module_name!r} has no attribute {attr!r} (from {path!r})") from None
 
 
-def resolve_binding(role: Role, name: str) -> Binding:
-    """Resolve a built-in name or an import path to a binding class that has `Settings`."""
-    if role not in BUILTIN:
-        raise BindingError(f"unknown role {role!r}; roles are {', '.join(ROLES)}")
-    builtin = BUILTIN[role]
-    if name in builtin:
-        path = builtin[name]
+@dataclass(frozen=True)
+class Binding:
+    """A resolved binding class. `kind` says what it is for (a role name) in error messages."""
+
+    kind: str
+    name: str  # as written in the topology
+    import_path: str
+    cls: type
+
+    @property
+    def settings_model(self) -> type[BaseModel]:
+        return self.cls.Settings  # type: ignore[attr-defined, no-any-return]
+
+    @property
+    def capabilities(self) -> frozenset[str]:
+        return frozenset(getattr(self.cls, "capabilities", frozenset()))
+
+    def parse_settings(self, raw: dict[str, Any] | None) -> BaseModel:
+        return self.settings_model.model_validate(raw or {})
+
+
+@dataclass(frozen=True)
+class BoundBinding:
+    """A binding with its validated settings, as an actor receives it: built on the actor's proc with `build()`.
+
+    It carries the import path, not the class, so only the proc that builds it imports the binding module.
+    """
+
+    name: str  # as written in the topology (for messages)
+    import_path: str
+    settings: BaseModel
+
+    def build(self) -> Any:
+        return import_object(self.import_path)(self.settings)
+
+
+def resolve_binding(kind: str, name: str, builtins: Mapping[str, str]) -> Binding:
+    """Resolve a built-in name (a key of `builtins`) or an import path to a class that has `Settings`."""
+    if name in builtins:
+        path = builtins[name]
     elif ":" in name or "." in name:
         path = name
     else:
         raise BindingError(
-            f"unknown {role} binding {name!r}; built-ins are {', '.join(sorted(builtin))}, "
+            f"unknown {kind} binding {name!r}; built-ins are {', '.join(sorted(builtins))}, "
             "or give an import path 'package.module:Class'"
         )
     cls = import_object(path)
     if not isinstance(cls, type):
-        raise BindingError(f"{role} binding {path!r} is not a class")
+        raise BindingError(f"{kind} binding {path!r} is not a class")
     settings = getattr(cls, "Settings", None)
     if not (isinstance(settings, type) and issubclass(settings, BaseModel)):
-        raise BindingError(f"{role} binding {path!r} has no `Settings` pydantic model class attribute")
-    return Binding(role=role, name=name, import_path=path, cls=cls)
+        raise BindingError(f"{kind} binding {path!r} has no `Settings` pydantic model class attribute")
+    return Binding(kind=kind, name=name, import_path=path, cls=cls)

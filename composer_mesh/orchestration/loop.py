@@ -1,16 +1,13 @@
-"""The ready-made async RL loop (`composer-mesh run`) and its `run:` section config."""
+"""The ready-made async RL loop (`composer-mesh run`): overlapping generation, scoring, teacher signals and
+training over the launched role actors, under a policy-lag bound."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
-
-from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from composer_mesh.actors.messages import (
     GenerationRequest,
@@ -23,38 +20,9 @@ from composer_mesh.actors.messages import (
     TrainBatch,
     TrainMetrics,
 )
-
-
-class RunConfig(BaseModel):
-    """Steps, batch shape and policy-lag bound of the built-in async RL loop."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    task: str = Field("addition", description="Built-in task name or import path 'pkg.mod:Task' giving prompts and answers.")
-    steps: int = Field(40, ge=1, description="Optimizer steps (trainer `train_step` calls) in the run.")
-    prompts_per_step: int = Field(8, ge=1, description="Prompts in one training batch (GRPO groups per step).")
-    samples_per_prompt: int = Field(4, ge=2, description="Completions sampled per prompt (GRPO group size).")
-    max_new_tokens: int = Field(4, ge=1, description="Completion length cap for generators and teacher traces.")
-    temperature: float = Field(1.0, gt=0, description="Sampling temperature of the generators.")
-    max_policy_lag: int = Field(
-        1, ge=0, description="Rollouts produced by weights older than `trainer version - max_policy_lag` are dropped and counted."
-    )
-    rollout_queue_size: int = Field(
-        2, ge=1, description="Batches in flight between the start of their generation and the trainer taking them "
-        "(bounds staleness; generation never waits for scoring or teachers)."
-    )
-    teacher_top_k: int = Field(0, ge=0, description="Top-k of teacher distributions for channel 2; 0 asks for dense logits.")
-    seed: int = Field(0, description="Seed for prompt sampling and generation.")
-    run_dir: Path = Field(Path("runs/local"), description="Where metrics.jsonl, checkpoints and plot.png are written.")
-    checkpoint_every: int = Field(0, ge=0, description="Save a checkpoint every N steps (0: only at the end).")
-    eval_prompts: int = Field(64, ge=0, description="Held-out prompts scored greedily at start and end (0: skip).")
-
-    @field_validator("task")
-    @classmethod
-    def _task_named(cls, v: str) -> str:
-        if not v.strip():
-            raise ValueError("task must name a built-in task (e.g. 'addition') or an import path 'pkg.mod:Task'")
-        return v
+from composer_mesh.orchestration.config import RunConfig
+from composer_mesh.orchestration.metrics import MetricsWriter, RunSummary, StepRecord, window_mean
+from composer_mesh.orchestration.plotting import plot_run
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -100,75 +68,6 @@ class LagGate:
         return False
 
 
-@dataclass
-class StepRecord:
-    """One line of metrics.jsonl."""
-
-    step: int
-    weight_version: int
-    reward: float
-    loss: float
-    channels: dict[str, float]
-    policy_lag: int
-    weight_sync_s: float
-    step_s: float
-    dropped_batches: int
-    metrics: dict[str, float] = field(default_factory=dict)
-
-    def to_json(self) -> str:
-        return json.dumps(self.__dict__, sort_keys=True)
-
-
-class MetricsWriter:
-    """Appends one JSON object per step to `run_dir/metrics.jsonl` (flushed each line)."""
-
-    def __init__(self, run_dir: Path) -> None:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        self.path = run_dir / "metrics.jsonl"
-        self._f = self.path.open("w")
-        self.records: list[StepRecord] = []
-
-    def write(self, record: StepRecord) -> None:
-        self.records.append(record)
-        self._f.write(record.to_json() + "\n")
-        self._f.flush()
-
-    def write_event(self, kind: str, **values: Any) -> None:
-        self._f.write(json.dumps({"event": kind, **values}, sort_keys=True) + "\n")
-        self._f.flush()
-
-    def close(self) -> None:
-        self._f.close()
-
-
-def plot_run(records: list[StepRecord], path: Path) -> Path:
-    """PNG with the reward curve and one curve per loss channel."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    steps = [r.step for r in records]
-    fig, (ax_r, ax_l) = plt.subplots(1, 2, figsize=(10, 3.8))
-    ax_r.plot(steps, [r.reward for r in records], marker=".", label="train reward (mean)")
-    ax_r.set_xlabel("step")
-    ax_r.set_ylabel("reward")
-    ax_r.grid(alpha=0.3)
-    ax_r.legend()
-    channels = sorted({k for r in records for k in r.channels})
-    for ch in channels:
-        ax_l.plot(steps, [r.channels.get(ch, float("nan")) for r in records], label=ch)
-    ax_l.plot(steps, [r.loss for r in records], color="black", linewidth=1, label="total")
-    ax_l.set_xlabel("step")
-    ax_l.set_ylabel("loss")
-    ax_l.grid(alpha=0.3)
-    ax_l.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
 def merge_signals(parts: list[TeacherSignals], num_rollouts: int) -> TeacherSignals:
     """Combine the answers of the teacher-pool procs (each hosts some members)."""
     dists: list[TokenDistribution | None] = [None] * num_rollouts
@@ -180,26 +79,6 @@ def merge_signals(parts: list[TeacherSignals], num_rollouts: int) -> TeacherSign
         traces.extend(part.traces)
         usage.update(part.usage)
     return TeacherSignals(distributions=dists, traces=traces, usage=usage)
-
-
-@dataclass
-class RunSummary:
-    steps: int
-    run_dir: Path
-    reward_first: float  # mean train reward over the first 20% of steps
-    reward_last: float  # ... and over the last 20%
-    eval_before: float | None
-    eval_after: float | None
-    dropped_batches: int
-    dropped_rollouts: int
-    seconds: float
-    teacher_usage: dict[str, float] = field(default_factory=dict)
-
-
-def _window_mean(values: list[float], first: bool) -> float:
-    n = max(1, len(values) // 5)
-    chunk = values[:n] if first else values[-n:]
-    return sum(chunk) / len(chunk) if chunk else float("nan")
 
 
 class RLLoop:
@@ -344,8 +223,8 @@ class RLLoop:
             plot_run(writer.records, cfg.run_dir / "plot.png")
         rewards = [r.reward for r in writer.records]
         return RunSummary(
-            steps=len(writer.records), run_dir=cfg.run_dir, reward_first=_window_mean(rewards, True),
-            reward_last=_window_mean(rewards, False), eval_before=eval_before, eval_after=eval_after,
+            steps=len(writer.records), run_dir=cfg.run_dir, reward_first=window_mean(rewards, True),
+            reward_last=window_mean(rewards, False), eval_before=eval_before, eval_after=eval_after,
             dropped_batches=self.gate.dropped_batches, dropped_rollouts=self.gate.dropped_rollouts,
             seconds=time.perf_counter() - t_start, teacher_usage=self.teacher_usage,
         )

@@ -38,72 +38,11 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
-Transport = Literal["auto", "rdma", "endpoint"]
+from composer_mesh.mesh.weights.config import WeightPlaneConfig
 
 _ALIGN = 64  # byte alignment of every tensor inside a slot (any dtype view of the flat buffer is legal)
 _MIB = 1 << 20
-
-
-class WeightPlaneConfig(BaseModel):
-    """Settings of the trainer -> generator weight plane (the topology's `weights:` section)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    transport: Transport = Field(
-        "auto",
-        description=(
-            "How generators fetch weights. 'rdma': one-sided reads of Monarch RDMABuffers (ibverbs when "
-            "available, otherwise Monarch's TCP fallback). 'endpoint': the state dict as safetensors bytes "
-            "through an actor endpoint (slower; a fallback and the benchmark baseline). 'auto' = 'rdma'."
-        ),
-    )
-    read_timeout_s: int = Field(
-        600,
-        ge=1,
-        description=(
-            "Timeout in seconds for one read of one bucket (or one endpoint fetch). Monarch's default "
-            "(60 s) is too short for big models over the TCP fallback."
-        ),
-    )
-    double_buffer: bool = Field(
-        True,
-        description=(
-            "Keep two staging slots on the trainer so a publish never overwrites the version generators "
-            "are reading. With False there is one slot: a read overlapping a publish is detected and retried."
-        ),
-    )
-    bucket_mb: int = Field(
-        16,
-        ge=1,
-        description=(
-            "Each slot is registered in chunks of this many MiB; one chunk is one buffer and one read, "
-            "and a generator reads up to max_concurrent_reads chunks at once."
-        ),
-    )
-    max_concurrent_reads: int = Field(
-        4, ge=1, description="How many chunk reads one generator keeps in flight at once."
-    )
-    max_retries: int = Field(
-        5,
-        ge=0,
-        description=(
-            "How many times a pull is retried when the slot it read was overwritten or being written "
-            "(torn or stale read) before it fails; waits grow 50 ms, 100 ms, ... up to 1 s between tries."
-        ),
-    )
-    allow_newer: bool = Field(
-        True,
-        description=(
-            "When the manifest's version was overwritten before a generator read it, take the newest "
-            "complete version instead (True) or fail with StaleVersionError (False)."
-        ),
-    )
-
-    def resolved_transport(self) -> Literal["rdma", "endpoint"]:
-        """The concrete transport ('auto' resolves to 'rdma', which falls back to TCP by itself)."""
-        return "endpoint" if self.transport == "endpoint" else "rdma"
 
 
 # --------------------------------------------------------------------------------------------- errors

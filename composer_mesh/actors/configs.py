@@ -1,0 +1,69 @@
+"""What each role actor is constructed with: exactly the sections it needs, never the whole topology.
+
+Import-cheap (pydantic configs and dataclasses only): the topology builds these in the controller and the
+launcher hands one to every actor of the role (`ActorClass(config)`); Monarch pickles it to the procs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from composer_mesh.bindings import BoundBinding
+from composer_mesh.loss.config import LossConfig
+from composer_mesh.mesh.objectstore.config import DiLoCoConfig
+from composer_mesh.mesh.weights.config import WeightPlaneConfig
+from composer_mesh.models.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class RoleConfig:
+    """What every role actor gets: which role it plays (a name of `composer_mesh.roles.ROLES`) and on which mesh."""
+
+    role: str
+    mesh: str
+
+
+@dataclass(frozen=True)
+class TrainerConfig(RoleConfig):
+    """The trainer: its binding, the policy model, the loss, the weight plane and (with replicas) DiLoCo."""
+
+    binding: BoundBinding
+    replicas: int
+    model: ModelConfig
+    loss: LossConfig
+    weights: WeightPlaneConfig
+    temperature: float  # the sampling temperature the generators' log-probs are taken at
+    diloco: DiLoCoConfig | None = None
+
+
+@dataclass(frozen=True)
+class GeneratorConfig(RoleConfig):
+    """A generator: its binding, the policy model and the weight plane it pulls from."""
+
+    binding: BoundBinding
+    model: ModelConfig
+    weights: WeightPlaneConfig
+
+
+@dataclass(frozen=True)
+class RewarderConfig(RoleConfig):
+    """A rewarder: its binding only."""
+
+    binding: BoundBinding
+
+
+@dataclass(frozen=True)
+class TeacherMemberConfig:
+    """One teacher of the pool: its name, the loss channels it feeds and its binding."""
+
+    name: str
+    channels: tuple[str, ...]
+    binding: BoundBinding
+
+
+@dataclass(frozen=True)
+class TeachersConfig(RoleConfig):
+    """The teacher pool: every member (each proc hosts its round-robin share) and the student model."""
+
+    members: tuple[TeacherMemberConfig, ...]
+    student: ModelConfig

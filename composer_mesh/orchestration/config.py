@@ -1,0 +1,42 @@
+"""The topology's `run:` section: steps, batch shape, sampling and the policy-lag bound of a run.
+
+Import-cheap (pydantic only): topology validation imports it without torch or Monarch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class RunConfig(BaseModel):
+    """Steps, batch shape and policy-lag bound of the built-in async RL loop."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    task: str = Field("addition", description="Built-in task name or import path 'pkg.mod:Task' giving prompts and answers.")
+    steps: int = Field(40, ge=1, description="Optimizer steps (trainer `train_step` calls) in the run.")
+    prompts_per_step: int = Field(8, ge=1, description="Prompts in one training batch (GRPO groups per step).")
+    samples_per_prompt: int = Field(4, ge=2, description="Completions sampled per prompt (GRPO group size).")
+    max_new_tokens: int = Field(4, ge=1, description="Completion length cap for generators and teacher traces.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature of the generators.")
+    max_policy_lag: int = Field(
+        1, ge=0, description="Rollouts produced by weights older than `trainer version - max_policy_lag` are dropped and counted."
+    )
+    rollout_queue_size: int = Field(
+        2, ge=1, description="Batches in flight between the start of their generation and the trainer taking them "
+        "(bounds staleness; generation never waits for scoring or teachers)."
+    )
+    teacher_top_k: int = Field(0, ge=0, description="Top-k of teacher distributions for channel 2; 0 asks for dense logits.")
+    seed: int = Field(0, description="Seed for prompt sampling and generation.")
+    run_dir: Path = Field(Path("runs/local"), description="Where metrics.jsonl, checkpoints and plot.png are written.")
+    checkpoint_every: int = Field(0, ge=0, description="Save a checkpoint every N steps (0: only at the end).")
+    eval_prompts: int = Field(64, ge=0, description="Held-out prompts scored greedily at start and end (0: skip).")
+
+    @field_validator("task")
+    @classmethod
+    def _task_named(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("task must name a built-in task (e.g. 'addition') or an import path 'pkg.mod:Task'")
+        return v

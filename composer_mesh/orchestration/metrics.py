@@ -1,0 +1,69 @@
+"""What a run records: one `StepRecord` per step in `metrics.jsonl`, events between them, and the summary."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class StepRecord:
+    """One line of metrics.jsonl."""
+
+    step: int
+    weight_version: int
+    reward: float
+    loss: float
+    channels: dict[str, float]
+    policy_lag: int
+    weight_sync_s: float
+    step_s: float
+    dropped_batches: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps(self.__dict__, sort_keys=True)
+
+
+class MetricsWriter:
+    """Appends one JSON object per step to `run_dir/metrics.jsonl` (flushed each line)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = run_dir / "metrics.jsonl"
+        self._f = self.path.open("w")
+        self.records: list[StepRecord] = []
+
+    def write(self, record: StepRecord) -> None:
+        self.records.append(record)
+        self._f.write(record.to_json() + "\n")
+        self._f.flush()
+
+    def write_event(self, kind: str, **values: Any) -> None:
+        self._f.write(json.dumps({"event": kind, **values}, sort_keys=True) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+@dataclass
+class RunSummary:
+    steps: int
+    run_dir: Path
+    reward_first: float  # mean train reward over the first 20% of steps
+    reward_last: float  # ... and over the last 20%
+    eval_before: float | None
+    eval_after: float | None
+    dropped_batches: int
+    dropped_rollouts: int
+    seconds: float
+    teacher_usage: dict[str, float] = field(default_factory=dict)
+
+
+def window_mean(values: list[float], first: bool) -> float:
+    n = max(1, len(values) // 5)
+    chunk = values[:n] if first else values[-n:]
+    return sum(chunk) / len(chunk) if chunk else float("nan")

@@ -1,0 +1,153 @@
+"""The four roles of a run, in one place: their names, the actor each spawns, the config it takes and the
+built-in bindings it can be bound to; and `RoleMesh`, the typed handles a launched topology yields.
+
+Adding a built-in binding is one line in `ROLE_TABLE`; a binding outside the package is named in the topology
+by import path and needs no line here. Actor classes are named by import path so that validating a topology
+imports neither Monarch nor torch; they are imported when a topology is launched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from composer_mesh.actors.configs import (
+    GeneratorConfig,
+    RewarderConfig,
+    RoleConfig,
+    TeachersConfig,
+    TrainerConfig,
+)
+from composer_mesh.bindings import Binding, import_object
+from composer_mesh.bindings import resolve_binding as _resolve
+
+if TYPE_CHECKING:
+    from composer_mesh.actors.generator import GeneratorActor
+    from composer_mesh.actors.rewarder import RewarderActor
+    from composer_mesh.actors.teachers import TeacherPoolActor
+    from composer_mesh.actors.trainer import TrainerActor
+    from composer_mesh.mesh.launch import LaunchedMeshes, PlacedActor
+
+Role = Literal["trainer", "generators", "rewarder", "teachers"]
+ROLES: tuple[Role, ...] = ("trainer", "generators", "rewarder", "teachers")
+
+
+@dataclass(frozen=True)
+class RoleEntry:
+    """One role: the actor class spawned on every proc of its mesh, the config it is built with, and the
+    built-in binding names (teachers: of each pool member) with the classes they stand for."""
+
+    actor: str  # "module:Class"
+    config: type[RoleConfig]
+    bindings: Mapping[str, str]
+    placement: str  # how the role uses its mesh's procs (for docs and `plan`)
+
+
+# Teacher capabilities: "distill" = per-token distributions over the student's tokens (channel 2, needs the
+# student's tokenizer); "replay" = full traces (channel 3).
+ROLE_TABLE: dict[Role, RoleEntry] = {
+    "trainer": RoleEntry(
+        actor="composer_mesh.actors.trainer:TrainerActor",
+        config=TrainerConfig,
+        bindings={"hf": "composer_mesh.actors.backends.hf_trainer:HFTrainer"},
+        placement="one DiLoCo replica per proc",
+    ),
+    "generators": RoleEntry(
+        actor="composer_mesh.actors.generator:GeneratorActor",
+        config=GeneratorConfig,
+        bindings={
+            "hf": "composer_mesh.actors.backends.hf_generator:HFGenerator",
+            "vllm": "composer_mesh.actors.backends.vllm_generator:VLLMGenerator",
+        },
+        placement="one generator per proc",
+    ),
+    "rewarder": RoleEntry(
+        actor="composer_mesh.actors.rewarder:RewarderActor",
+        config=RewarderConfig,
+        bindings={"python": "composer_mesh.actors.backends.rewards:PythonRewarder"},
+        placement="one rewarder per proc",
+    ),
+    "teachers": RoleEntry(
+        actor="composer_mesh.actors.teachers:TeacherPoolActor",
+        config=TeachersConfig,
+        bindings={
+            "hf": "composer_mesh.actors.backends.hf_teacher:HFTeacher",
+            "vllm": "composer_mesh.actors.backends.vllm_teacher:VLLMTeacher",
+            "openrouter": "composer_mesh.actors.backends.openrouter:OpenRouterTeacher",
+        },
+        placement="pool members round-robin over the procs",
+    ),
+}
+
+
+def resolve_binding(role: Role, name: str) -> Binding:
+    """The binding class a role's `binding:` names (a built-in of `ROLE_TABLE` or an import path)."""
+    return _resolve(role, name, ROLE_TABLE[role].bindings)
+
+
+def actor_class(role: Role) -> type:
+    """The actor class of `role` (imports it, and with it Monarch)."""
+    return import_object(ROLE_TABLE[role].actor)  # type: ignore[no-any-return]
+
+
+class RoleMesh:
+    """What `launch(topology)` yields: the role actor meshes by role, typed, over the launched meshes.
+
+    `trainer`, `generators`, `rewarder`, `teachers` span all procs of their role's mesh; call endpoints on
+    them as usual (`await h.ep.call(...)`, `.call_one` on one proc). `procs(role)` gives one handle per proc,
+    for loops that address actors one by one.
+    """
+
+    def __init__(self, launched: LaunchedMeshes, run_name: str) -> None:
+        self.launched = launched
+        self.run_name = run_name
+
+    def _role(self, role: Role) -> Any:
+        try:
+            return self.launched.actors[role]
+        except KeyError:
+            raise LookupError(
+                f"topology {self.run_name!r} declares no {role!r} role "
+                f"(it has: {', '.join(self.launched.actors) or 'none'})"
+            ) from None
+
+    @property
+    def trainer(self) -> TrainerActor:
+        return self._role("trainer")  # type: ignore[no-any-return]
+
+    @property
+    def generators(self) -> GeneratorActor:
+        return self._role("generators")  # type: ignore[no-any-return]
+
+    @property
+    def rewarder(self) -> RewarderActor:
+        return self._role("rewarder")  # type: ignore[no-any-return]
+
+    @property
+    def teachers(self) -> TeacherPoolActor:
+        return self._role("teachers")  # type: ignore[no-any-return]
+
+    def has(self, role: Role) -> bool:
+        return role in self.launched.actors
+
+    @property
+    def roles(self) -> dict[str, PlacedActor]:
+        """Where each launched role runs (mesh, backend, shape, actor class)."""
+        return dict(self.launched.placements)
+
+    def procs(self, role: Role) -> list[Any]:
+        """One handle per actor of `role`, in (host, proc) order."""
+        self._role(role)
+        return self.launched.per_proc(role)
+
+    def mesh_of(self, role: Role) -> str:
+        return self.launched.placements[role].mesh
+
+    def check(self) -> None:
+        """Raise `MeshFailureError` if any actor or proc has failed."""
+        self.launched.check()
+
+    def __repr__(self) -> str:
+        placed = ", ".join(f"{r}@{p.mesh}" for r, p in self.launched.placements.items())
+        return f"RoleMesh({self.run_name!r}: {placed})"
