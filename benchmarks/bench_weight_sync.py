@@ -33,7 +33,8 @@ from monarch.actor import Actor, endpoint, this_host
 from rich.console import Console
 from rich.table import Table
 
-from composer_mesh.mesh.weights import WeightPlaneConfig, WeightPublisher, WeightSubscriber
+from composer_mesh.mesh.weights.config import WeightPlaneConfig
+from composer_mesh.mesh.weights.plane import WeightPublisher, WeightSubscriber
 
 MIB = 1 << 20
 

@@ -36,7 +36,7 @@ def _validate_args(p: argparse.ArgumentParser) -> None:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    from composer_mesh.mesh.topology import TopologyError, load_topology
+    from composer_mesh.topology import TopologyError, load_topology
 
     try:
         topology = load_topology(args.file)
@@ -59,8 +59,8 @@ def _plan_args(p: argparse.ArgumentParser) -> None:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from composer_mesh.mesh.plan import load_prices, make_plan, render_plan
-    from composer_mesh.mesh.topology import TopologyError, load_topology
+    from composer_mesh.topology.plan import load_prices, make_plan, render_plan
+    from composer_mesh.topology import TopologyError, load_topology
 
     errors: list[TopologyError] = []
     topology = prices = None
@@ -102,10 +102,10 @@ def _positive_int(text: str) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from composer_mesh.mesh.topology import TopologyError
+    from composer_mesh.topology import TopologyError
 
     try:
-        from composer_mesh.runner import main as run_main
+        from composer_mesh.app.runner import main as run_main
 
         return run_main(args.file, steps=args.steps, run_dir=args.run_dir)
     except TopologyError as e:

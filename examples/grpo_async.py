@@ -14,9 +14,9 @@ import asyncio
 import time
 
 from composer_mesh.actors.messages import GenerationRequest, TeacherRequest, TrainBatch
-from composer_mesh.loop import LagGate, PromptSource, merge_signals
+from composer_mesh.orchestration.loop import LagGate, PromptSource, merge_signals
 from composer_mesh.mesh.launch import launch  # before anything imports monarch: it sets its environment
-from composer_mesh.mesh.topology import load_topology
+from composer_mesh.topology import load_topology
 
 
 async def main(path: str, steps: int) -> None:

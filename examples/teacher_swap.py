@@ -6,7 +6,7 @@
 
 The three topology files differ only in `roles.teachers` (see docs/bindings.md, "Swapping teachers"). The
 script validates the file, shows which teacher feeds which loss channel, runs the built-in async loop
-(`composer_mesh.runner.run_topology`: launch every mesh, train, write metrics.jsonl, plot.png and
+(`composer_mesh.app.runner.run_topology`: launch every mesh, train, write metrics.jsonl, plot.png and
 checkpoint/ to the run dir, tear down) and prints each teacher's usage counters (requests, tokens, cost).
 """
 
@@ -20,8 +20,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from composer_mesh.mesh.topology import TopologyError, load_topology
-from composer_mesh.runner import apply_overrides, print_summary, run_topology
+from composer_mesh.topology import TopologyError, load_topology
+from composer_mesh.app.runner import apply_overrides, print_summary, run_topology
 
 
 def teachers_table(topology) -> Table:

@@ -20,7 +20,8 @@ from composer_mesh.actors.digest import weights_digest
 from composer_mesh.actors.messages import GenerationRequest, RolloutGroup, WeightVersion
 from composer_mesh.actors.position import actor_position
 from composer_mesh.mesh.launch import RoleConfig
-from composer_mesh.mesh.weights import WeightManifest, WeightPlaneConfig, WeightSubscriber
+from composer_mesh.mesh.weights.config import WeightPlaneConfig
+from composer_mesh.mesh.weights.plane import WeightManifest, WeightSubscriber
 
 
 class GeneratorService:

@@ -17,7 +17,8 @@ from composer_mesh.actors.digest import weights_digest
 from composer_mesh.actors.messages import TrainBatch, TrainMetrics
 from composer_mesh.actors.position import actor_position
 from composer_mesh.mesh.launch import RoleConfig
-from composer_mesh.mesh.weights import WeightManifest, WeightPlaneConfig, WeightPublisher
+from composer_mesh.mesh.weights.config import WeightPlaneConfig
+from composer_mesh.mesh.weights.plane import WeightManifest, WeightPublisher
 
 
 class TrainerService:

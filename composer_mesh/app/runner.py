@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from composer_mesh.loop import RLLoop, RunSummary, StepRecord
+from composer_mesh.orchestration.loop import RLLoop, RunSummary, StepRecord
 
 
 def _fmt(x: float) -> str:
@@ -71,7 +71,7 @@ def print_summary(summary: RunSummary, console: Console) -> None:
 
 
 def main(path: str, steps: int | None = None, run_dir: str | None = None) -> int:
-    from composer_mesh.mesh.topology import load_topology
+    from composer_mesh.topology import load_topology
 
     console = Console()
     topology = apply_overrides(load_topology(path), steps, Path(run_dir) if run_dir else None)

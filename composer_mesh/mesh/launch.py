@@ -64,7 +64,7 @@ if TYPE_CHECKING:
     from composer_mesh.actors.rewarder import RewarderActor
     from composer_mesh.actors.teachers import TeacherPoolActor
     from composer_mesh.actors.trainer import TrainerActor
-    from composer_mesh.mesh.topology import MeshSpec
+    from composer_mesh.topology import MeshSpec
 
 log = logging.getLogger("composer_mesh.mesh.launch")
 
@@ -138,7 +138,7 @@ class RoleConfig(BaseModel):
         description="Which role this actor plays: trainer, generators, rewarder or teachers."
     )
     mesh: str = Field(description="Name of the topology mesh the role's actors run on.")
-    topology: Any = Field(description="The validated `composer_mesh.mesh.topology.Topology` of the run.")
+    topology: Any = Field(description="The validated `composer_mesh.topology.Topology` of the run.")
 
     @property
     def section(self) -> Any:
@@ -235,7 +235,7 @@ def _class_path(cls: type) -> str:
 
 def _load_topology(topology: Any) -> Any:
     if isinstance(topology, (str, os.PathLike)):
-        from composer_mesh.mesh.topology import load_topology
+        from composer_mesh.topology import load_topology
 
         return load_topology(Path(topology))
     if not hasattr(topology, "meshes"):

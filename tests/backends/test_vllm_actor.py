@@ -23,7 +23,7 @@ FAULTS: list[Any] = []
 
 
 def _topology(cache: str) -> Any:
-    from composer_mesh.mesh.topology import parse_topology
+    from composer_mesh.topology import parse_topology
 
     text = textwrap.dedent(
         f"""
@@ -90,7 +90,7 @@ def _max_diff(model, groups) -> float:
 
 
 async def test_vllm_generator_actor_generates_and_takes_weight_pushes(setup):
-    from composer_mesh.mesh.weights import WeightPublisher
+    from composer_mesh.mesh.weights.plane import WeightPublisher
     from composer_mesh.models.tiny import load_pretrained
 
     topo, cache, actor = setup

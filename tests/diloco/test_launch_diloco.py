@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from composer_mesh.mesh.launch import launch
-from composer_mesh.mesh.topology import load_topology
+from composer_mesh.topology import load_topology
 from diloco.mesh_actor import DiLoCoTrainerProbe
 
 TOPOLOGY = """

@@ -15,7 +15,7 @@ import yaml
 from openrouter.fake_openrouter import FakeOpenRouter, addition_answer
 from services import require_module
 
-from composer_mesh.mesh.topology import load_topology
+from composer_mesh.topology import load_topology
 from e2e.swap_run import TOPOLOGIES, check_run, load_yaml, run_example, small_copy
 
 STEPS = 3

@@ -18,7 +18,7 @@ import pytest
 from monarch.actor import ActorError
 
 from composer_mesh.mesh.launch import ROLE_NAMES, MeshFailureError, launch
-from composer_mesh.mesh.topology import load_topology
+from composer_mesh.topology import load_topology
 from tests.launch.probe_actors import ProbeActor
 from tests.launch.proc_utils import alive, descendants, new_descendants_after_exit, wait_gone
 

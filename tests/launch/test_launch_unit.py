@@ -21,7 +21,7 @@ from composer_mesh.mesh.launch import (
     select_squeue_job,
 )
 from composer_mesh.mesh.runtime import visible_devices
-from composer_mesh.mesh.topology import load_topology
+from composer_mesh.topology import load_topology
 
 HERE = Path(__file__).parent
 

@@ -20,9 +20,9 @@ from composer_mesh.actors.messages import (
     TeacherSignals,
     TrainMetrics,
 )
-from composer_mesh.loop import RLLoop
-from composer_mesh.mesh.topology import load_topology
-from composer_mesh.runner import apply_overrides
+from composer_mesh.orchestration.loop import RLLoop
+from composer_mesh.topology import load_topology
+from composer_mesh.app.runner import apply_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
 

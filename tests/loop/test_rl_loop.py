@@ -6,10 +6,10 @@ import json
 import math
 from pathlib import Path
 
-from composer_mesh.loop import RLLoop
+from composer_mesh.orchestration.loop import RLLoop
 from composer_mesh.mesh.launch import launch
-from composer_mesh.mesh.topology import load_topology
-from composer_mesh.runner import apply_overrides
+from composer_mesh.topology import load_topology
+from composer_mesh.app.runner import apply_overrides
 
 TOPOLOGY = Path(__file__).with_name("tiny_run.yaml")
 

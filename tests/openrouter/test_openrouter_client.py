@@ -652,7 +652,7 @@ loss: {alpha_sdpo: 0, beta_replay: 0.2}
 )
 def test_topology_validation_of_an_openrouter_teacher(channels: str, settings_yaml: str, expected: str | None) -> None:
     """The validator rejects channel 2 for this binding (capability) and never echoes a pasted key."""
-    from composer_mesh.mesh.topology import TopologyError, parse_topology
+    from composer_mesh.topology import TopologyError, parse_topology
 
     text = TOPOLOGY.replace("CHANNELS", channels).replace("SETTINGS", settings_yaml.replace("KEY", KEY))
     if expected is None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from composer_mesh.mesh.topology import render_docs
+from composer_mesh.topology import render_docs
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "topology.md"
 
@@ -12,7 +12,7 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "topology.md"
 def test_committed_doc_is_up_to_date() -> None:
     generated = render_docs()
     assert DOC.read_text() == generated, (
-        "docs/topology.md is stale: run `python -m composer_mesh.mesh.topology --docs > docs/topology.md`"
+        "docs/topology.md is stale: run `python -m composer_mesh.topology --docs > docs/topology.md`"
     )
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from composer_mesh.mesh.topology import TopologyError, TopologyIssue, load_topology, parse_topology
+from composer_mesh.topology import TopologyError, TopologyIssue, load_topology, parse_topology
 
 BROKEN = Path(__file__).parent / "broken"
 EXPECT = re.compile(r"^# expect: (\S+) line (\d+): (.+)$")

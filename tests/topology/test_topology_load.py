@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from composer_mesh.mesh.topology import (
+from composer_mesh.topology import (
     MeshSpec,
     SlurmOptions,
     TopologyError,
@@ -24,10 +24,10 @@ TOPOLOGIES = ROOT / "topologies"
 
 
 def test_fake_mixed_loads_typed_sections() -> None:
-    from composer_mesh.loop import RunConfig
+    from composer_mesh.orchestration.config import RunConfig
     from composer_mesh.loss.config import LossConfig
     from composer_mesh.mesh.objectstore import DiLoCoConfig
-    from composer_mesh.mesh.weights import WeightPlaneConfig
+    from composer_mesh.mesh.weights.config import WeightPlaneConfig
     from composer_mesh.models.config import ModelConfig
 
     t = load_topology(VALID / "fake_mixed.yaml")
@@ -209,7 +209,7 @@ def test_topology_pickles_and_round_trips_through_a_dump() -> None:
     """The launcher ships the Topology to actors: it must pickle, and a JSON dump must re-validate."""
     import pickle
 
-    from composer_mesh.mesh.topology import Topology
+    from composer_mesh.topology import Topology
 
     t = load_topology(VALID / "fake_mixed.yaml")
     u = pickle.loads(pickle.dumps(t))

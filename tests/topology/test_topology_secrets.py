@@ -6,7 +6,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from composer_mesh.mesh.topology import Topology, TopologyError, parse_topology
+from composer_mesh.topology import Topology, TopologyError, parse_topology
 
 SECRET = "SUPERSECRET-9f8e7d"
 TEXT = f"""

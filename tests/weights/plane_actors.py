@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from monarch.actor import Actor, endpoint
 
-from composer_mesh.mesh.weights import WeightPlaneConfig, WeightPublisher, WeightSubscriber
+from composer_mesh.mesh.weights.config import WeightPlaneConfig
+from composer_mesh.mesh.weights.plane import WeightPublisher, WeightSubscriber
 
 Spec = dict[str, tuple[tuple[int, ...], str]]  # name -> (shape, dtype name)
 

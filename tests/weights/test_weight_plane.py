@@ -16,10 +16,10 @@ import pytest
 import torch
 from monarch.actor import ActorError, this_host
 
-from composer_mesh.mesh.weights import (
+from composer_mesh.mesh.weights.config import WeightPlaneConfig
+from composer_mesh.mesh.weights.plane import (
     ManifestMismatchError,
     StaleVersionError,
-    WeightPlaneConfig,
     WeightPublisher,
     WeightSubscriber,
     WeightTransferError,
