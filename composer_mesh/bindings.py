@@ -61,6 +61,12 @@ class Binding:
     def parse_settings(self, raw: dict[str, Any] | None) -> BaseModel:
         return self.settings_model.model_validate(raw or {})
 
+    def build(self, settings: BaseModel | dict[str, Any] | None) -> Any:
+        """An instance of the binding with `settings` (validated first when given as a mapping)."""
+        if not isinstance(settings, BaseModel):
+            settings = self.parse_settings(settings)
+        return self.cls(settings)
+
 
 @dataclass(frozen=True)
 class BoundBinding:

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from composer_mesh.actors.rewarder import RewarderActor
     from composer_mesh.actors.teachers import TeacherPoolActor
     from composer_mesh.actors.trainer import TrainerActor
-    from composer_mesh.mesh.launch import LaunchedMeshes, PlacedActor
+    from composer_mesh.mesh.launch import ActorFailure, LaunchedMeshes, PlacedActor
 
 Role = Literal["trainer", "generators", "rewarder", "teachers"]
 ROLES: tuple[Role, ...] = ("trainer", "generators", "rewarder", "teachers")
@@ -143,6 +143,11 @@ class RoleMesh:
 
     def mesh_of(self, role: Role) -> str:
         return self.launched.placements[role].mesh
+
+    @property
+    def failures(self) -> list[ActorFailure]:
+        """Failures recorded so far; each names its role (`actor`) and mesh."""
+        return self.launched.failures
 
     def check(self) -> None:
         """Raise `MeshFailureError` if any actor or proc has failed."""

@@ -13,10 +13,16 @@ import argparse
 import asyncio
 import time
 
-from composer_mesh.actors.messages import GenerationRequest, TeacherRequest, TrainBatch
-from composer_mesh.orchestration.loop import LagGate, PromptSource, merge_signals
-from composer_mesh.mesh.launch import launch  # before anything imports monarch: it sets its environment
-from composer_mesh.topology import load_topology
+from composer_mesh.api import (
+    GenerationRequest,
+    LagGate,
+    PromptSource,
+    TeacherRequest,
+    TrainBatch,
+    launch,
+    load_topology,
+    merge_signals,
+)
 
 
 async def main(path: str, steps: int) -> None:
@@ -33,9 +39,7 @@ async def main(path: str, steps: int) -> None:
         )
         await mesh.generators.update_weights.call(manifest)
         version = manifest.version
-        gen_mesh = topo.meshes[topo.generators.mesh]
-        generators = [mesh.generators.slice(hosts=h, procs=p)
-                      for h in range(gen_mesh.hosts) for p in range(gen_mesh.procs_per_host)]
+        generators = mesh.procs("generators")  # one handle per generator proc
 
         async def rollouts(generator) -> None:
             while True:

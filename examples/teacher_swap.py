@@ -20,8 +20,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from composer_mesh.topology import TopologyError, load_topology
-from composer_mesh.app.runner import apply_overrides, print_summary, run_topology
+from composer_mesh.api import TopologyError, apply_overrides, load_topology, print_summary, run_topology
 
 
 def teachers_table(topology) -> Table:

@@ -13,13 +13,14 @@ import time
 from typing import Any
 
 import torch
-from monarch.actor import Actor, concurrent_endpoint, endpoint
+from monarch.actor import concurrent_endpoint, endpoint
 
 from composer_mesh.actors.backends.base import GeneratorBackend
+from composer_mesh.actors.configs import GeneratorConfig
 from composer_mesh.actors.digest import weights_digest
 from composer_mesh.actors.messages import GenerationRequest, RolloutGroup, WeightVersion
 from composer_mesh.actors.position import actor_position
-from composer_mesh.mesh.launch import RoleConfig
+from composer_mesh.actors.role_actor import RoleActor
 from composer_mesh.mesh.weights.config import WeightPlaneConfig
 from composer_mesh.mesh.weights.plane import WeightManifest, WeightSubscriber
 
@@ -93,47 +94,37 @@ class GeneratorService:
             return self.version
 
 
-class GeneratorActor(Actor):
+class GeneratorActor(RoleActor[GeneratorService]):
     """One generator per proc of the generators mesh. `generate` and `update_weights` overlap."""
 
-    def __init__(self, config: RoleConfig) -> None:
-        self.topology = config.topology
-        self.service: GeneratorService | None = None
-
-    def _svc(self) -> GeneratorService:
-        if self.service is None:
-            raise RuntimeError("GeneratorActor.setup() was not called")
-        return self.service
-
-    @endpoint
-    async def ready(self) -> bool:
-        """Answered once `__init__` succeeded: the launcher waits for it on every actor."""
-        return True
+    def __init__(self, config: GeneratorConfig) -> None:
+        super().__init__()
+        self.config = config
 
     @endpoint
     async def setup(self) -> str:
         name = f"generator{actor_position()[0]}"
-        service = GeneratorService(self.topology.generators.build(), self.topology.weights, name=name)
-        await asyncio.to_thread(service.start, self.topology.model)
-        self.service = service
+        service = GeneratorService(self.config.binding.build(), self.config.weights, name=name)
+        await asyncio.to_thread(service.start, self.config.model)
+        self._service = service
         return name
 
     @concurrent_endpoint
     async def generate(self, request: GenerationRequest) -> list[RolloutGroup]:
-        return await asyncio.to_thread(self._svc().generate, request)
+        return await asyncio.to_thread(self.service.generate, request)
 
     @concurrent_endpoint
     async def update_weights(self, manifest: WeightManifest) -> WeightVersion:
-        return await self._svc().update(manifest)
+        return await self.service.update(manifest)
 
     @endpoint
     async def version(self) -> int:
-        return self._svc().apply_pending_now()
+        return self.service.apply_pending_now()
 
     @endpoint
     async def weights_digest(self) -> tuple[int, str]:
         """(version, digest) of the active weights, after applying any pulled version."""
-        svc = self._svc()
+        svc = self.service
         version = svc.apply_pending_now()
         named = getattr(svc.backend, "named_weights", None)
         if named is None:
@@ -142,5 +133,5 @@ class GeneratorActor(Actor):
 
     @endpoint
     async def stats(self) -> dict[str, float]:
-        svc = self._svc()
+        svc = self.service
         return {"version": float(svc.version), "requests": float(svc.requests), "last_sync_s": svc.last_sync_s}

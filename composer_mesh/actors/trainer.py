@@ -1,7 +1,8 @@
 """TrainerActor: hosts `compose_loss` through its binding and publishes weights on the weight plane.
 
 `TrainerService` (plain Python) does the work: binding (e.g. `HFTrainer`) + `WeightPublisher` + version.
-The weight version is the publisher's: version 1 is the initial policy, each `train_step` publishes the next.
+The weight version is the publisher's and nobody else's: version 1 is the initial policy, each `train_step`
+publishes the next, and metrics and checkpoints are stamped with it.
 """
 
 from __future__ import annotations
@@ -11,12 +12,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from monarch.actor import Actor, endpoint
+from monarch.actor import endpoint
 
+from composer_mesh.actors.configs import TrainerConfig
 from composer_mesh.actors.digest import weights_digest
 from composer_mesh.actors.messages import TrainBatch, TrainMetrics
 from composer_mesh.actors.position import actor_position
-from composer_mesh.mesh.launch import RoleConfig
+from composer_mesh.actors.role_actor import RoleActor
 from composer_mesh.mesh.weights.config import WeightPlaneConfig
 from composer_mesh.mesh.weights.plane import WeightManifest, WeightPublisher
 
@@ -48,11 +50,16 @@ class TrainerService:
         return self.publisher.version if self.publisher is not None else 0
 
     def train_step(self, batch: TrainBatch) -> tuple[TrainMetrics, WeightManifest]:
+        """One optimizer step, then publish: the plane's version is the one weight-version counter."""
         metrics = self.backend.train_step(batch)
         manifest = self.publish()
         metrics.weight_version = manifest.version
         metrics.metrics["publish_s"] = self.last_publish_s
         return metrics, manifest
+
+    def save_checkpoint(self, directory: Path) -> Path:
+        """The binding's checkpoint, stamped with the published weight version."""
+        return Path(self.backend.save_checkpoint(directory, self.version))
 
     def close(self) -> None:
         close = getattr(self.backend, "close", None)
@@ -62,42 +69,30 @@ class TrainerService:
             self.publisher.close()
 
 
-class TrainerActor(Actor):
+class TrainerActor(RoleActor[TrainerService]):
     """The policy trainer (one per proc of the trainer mesh; replicas > 1 sync through DiLoCo)."""
 
-    def __init__(self, config: RoleConfig) -> None:
-        self.topology = config.topology
-        self.service: TrainerService | None = None
-
-    def _svc(self) -> TrainerService:
-        if self.service is None:
-            raise RuntimeError("TrainerActor.setup() was not called")
-        return self.service
-
-    @endpoint
-    async def ready(self) -> bool:
-        """Answered once `__init__` succeeded: the launcher waits for it on every actor."""
-        return True
+    def __init__(self, config: TrainerConfig) -> None:
+        super().__init__()
+        self.config = config
 
     @endpoint
     async def setup(self) -> WeightManifest:
         """Build model, optimizer and loss; publish the initial policy as version 1."""
-        topo = self.topology
-        service = TrainerService(topo.trainer.build(), topo.weights)
-        await asyncio.to_thread(
-            service.start, topo.model, topo.loss, topo.run.temperature, topo.diloco, self.replica_id()
-        )
-        self.service = service
+        cfg = self.config
+        service = TrainerService(cfg.binding.build(), cfg.weights)
+        await asyncio.to_thread(service.start, cfg.model, cfg.loss, cfg.temperature, cfg.diloco, self.replica_id())
+        self._service = service
         return service.publish()
 
     def replica_id(self) -> int:
         """This proc's DiLoCo replica: one trainer proc per replica (the binding trains on one proc)."""
         rank, procs = actor_position()
-        replicas = self.topology.trainer.replicas
-        if procs != replicas:
+        cfg = self.config
+        if procs != cfg.replicas:
             raise ValueError(
-                f"trainer mesh {self.topology.trainer.mesh!r} has {procs} procs for {replicas} replica(s); "
-                f"binding {self.topology.trainer.binding!r} trains one replica per proc: set the mesh's "
+                f"trainer mesh {cfg.mesh!r} has {procs} procs for {cfg.replicas} replica(s); "
+                f"binding {cfg.binding.name!r} trains one replica per proc: set the mesh's "
                 f"hosts x procs_per_host to roles.trainer.replicas"
             )
         return rank
@@ -105,25 +100,24 @@ class TrainerActor(Actor):
     @endpoint
     async def train_step(self, batch: TrainBatch) -> tuple[TrainMetrics, WeightManifest]:
         """One optimizer step on `batch`; returns metrics and the manifest of the new version."""
-        return await asyncio.to_thread(self._svc().train_step, batch)
+        return await asyncio.to_thread(self.service.train_step, batch)
 
     @endpoint
     async def version(self) -> int:
-        return self._svc().version
+        return self.service.version
 
     @endpoint
     async def save_checkpoint(self, directory: str) -> str:
-        path = await asyncio.to_thread(self._svc().backend.save_checkpoint, Path(directory))
-        return str(path)
+        return str(await asyncio.to_thread(self.service.save_checkpoint, Path(directory)))
 
     @endpoint
     async def close(self) -> None:
         """Flush DiLoCo's store writes and release the weight plane's buffers."""
-        if self.service is not None:
-            await asyncio.to_thread(self.service.close)
+        if self._service is not None:
+            await asyncio.to_thread(self._service.close)
 
     @endpoint
     async def weights_digest(self) -> tuple[int, str]:
         """(version, digest) of the current weights: compare with `GeneratorActor.weights_digest`."""
-        svc = self._svc()
+        svc = self.service
         return svc.version, weights_digest(svc.backend.named_weights())

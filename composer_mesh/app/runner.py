@@ -11,14 +11,17 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from composer_mesh.orchestration.loop import RLLoop, RunSummary, StepRecord
+from composer_mesh.app.launch import launch
+from composer_mesh.orchestration.loop import RLLoop
+from composer_mesh.orchestration.metrics import RunSummary, StepRecord
+from composer_mesh.topology import Topology, load_topology
 
 
 def _fmt(x: float) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.3f}"
 
 
-def apply_overrides(topology: Any, steps: int | None, run_dir: Path | None) -> Any:
+def apply_overrides(topology: Topology, steps: int | None, run_dir: Path | None) -> Topology:
     """A copy of `topology` with `run.steps` / `run.run_dir` replaced (validated like the file)."""
     update: dict[str, Any] = {}
     if steps is not None:
@@ -33,10 +36,8 @@ def apply_overrides(topology: Any, steps: int | None, run_dir: Path | None) -> A
     return new
 
 
-async def run_topology(topology: Any, console: Console | None = None) -> RunSummary:
+async def run_topology(topology: Topology, console: Console | None = None) -> RunSummary:
     """Launch every mesh of `topology`, run the loop, tear everything down (also on errors)."""
-    from composer_mesh.mesh.launch import launch
-
     console = console or Console(stderr=True)
     progress = Progress(
         TextColumn("[bold]train[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -55,7 +56,7 @@ async def run_topology(topology: Any, console: Console | None = None) -> RunSumm
 
         async with launch(topology) as mesh:
             progress.update(task, status="setting up actors (building models)…")
-            loop = RLLoop(mesh, topology, progress=on_step)
+            loop = RLLoop(mesh, topology.run, topology.loss, progress=on_step)
             summary = await loop.run()
     return summary
 
@@ -71,8 +72,6 @@ def print_summary(summary: RunSummary, console: Console) -> None:
 
 
 def main(path: str, steps: int | None = None, run_dir: str | None = None) -> int:
-    from composer_mesh.topology import load_topology
-
     console = Console()
     topology = apply_overrides(load_topology(path), steps, Path(run_dir) if run_dir else None)
     summary = asyncio.run(run_topology(topology))

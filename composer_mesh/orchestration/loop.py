@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,10 +21,12 @@ from composer_mesh.actors.messages import (
     TrainBatch,
     TrainMetrics,
 )
+from composer_mesh.loss.config import LossConfig
 from composer_mesh.orchestration.config import RunConfig
 from composer_mesh.orchestration.metrics import MetricsWriter, RunSummary, StepRecord, window_mean
 from composer_mesh.orchestration.plotting import plot_run
-
+from composer_mesh.roles import RoleMesh
+from composer_mesh.tasks import get_task
 
 # ---------------------------------------------------------------------------------------------------
 # The loop. Everything below moves small typed messages; model-sized tensors never pass through here.
@@ -34,8 +37,6 @@ class PromptSource:
     """Deterministic stream of task prompts (token ids are filled in by the generators' tokenizer)."""
 
     def __init__(self, task_name: str, seed: int) -> None:
-        from composer_mesh.tasks import get_task
-
         self.task = get_task(task_name)
         self.rng = random.Random(seed)
         self.count = 0
@@ -82,29 +83,35 @@ def merge_signals(parts: list[TeacherSignals], num_rollouts: int) -> TeacherSign
 
 
 class RLLoop:
-    """The built-in async loop over a launched mesh: overlapping generation, scoring, teacher signals and
-    training, with a policy-lag bound. `mesh` is what `composer_mesh.mesh.launch.launch` yields."""
+    """The built-in async loop over launched role actors: overlapping generation, scoring, teacher signals
+    and training, with a policy-lag bound.
 
-    def __init__(self, mesh: Any, topology: Any, progress: Any = None) -> None:
+    `mesh` is what `launch(topology)` yields; `run` and `loss` are the topology's `run:` and `loss:`
+    sections (the loss only decides which teacher signals to ask for: none for a channel weighted 0).
+    """
+
+    def __init__(
+        self,
+        mesh: RoleMesh,
+        run: RunConfig,
+        loss: LossConfig,
+        progress: Callable[[StepRecord], None] | None = None,
+    ) -> None:
         self.mesh = mesh
-        self.topo = topology
-        self.cfg: RunConfig = topology.run
+        self.cfg = run
+        self.loss = loss
         self.progress = progress
-        self.prompts = PromptSource(self.cfg.task, self.cfg.seed)
-        self.gate = LagGate(self.cfg.max_policy_lag)
+        self.prompts = PromptSource(run.task, run.seed)
+        self.gate = LagGate(run.max_policy_lag)
         self.trainer_version = 0
         self.teacher_usage: dict[str, float] = {}
         # One handle per actor: each generator runs its own generation loop; each trainer proc is one
         # DiLoCo replica fed its own batches (replica 0's weights go to the generators).
-        self.generators = self._actors(mesh.generators, topology.generators.mesh)
-        self.trainers = self._actors(mesh.trainer, topology.trainer.mesh)
-        self.rewarders = self._actors(mesh.rewarder, topology.rewarder.mesh)
+        self.generators = mesh.procs("generators")
+        self.trainers = mesh.procs("trainer")
+        self.rewarders = mesh.procs("rewarder")
         self._next_rewarder = 0
-        self.teachers = mesh.actors.get("teachers")  # optional role
-
-    def _actors(self, handle: Any, mesh_name: str) -> list[Any]:
-        spec = self.topo.meshes[mesh_name]
-        return [handle.slice(hosts=h, procs=p) for h in range(spec.hosts) for p in range(spec.procs_per_host)]
+        self.teachers = mesh.teachers if mesh.has("teachers") else None  # optional role
 
     def _rewarder(self) -> Any:
         """Rewarder actors take batches round-robin."""
@@ -126,7 +133,7 @@ class RLLoop:
         rollouts = [r for g in groups for r in g.rollouts]
         if self.teachers is None:
             return TeacherSignals(distributions=[None] * len(rollouts))
-        loss = self.topo.loss
+        loss = self.loss
         request = TeacherRequest(
             rollouts=rollouts if loss.alpha_sdpo > 0 else [],
             prompts=[g.prompt for g in groups] if loss.beta_replay > 0 else [],

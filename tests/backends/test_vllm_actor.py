@@ -57,14 +57,13 @@ def setup(tmp_path_factory):
     from monarch.actor import this_host
 
     from composer_mesh.actors.generator import GeneratorActor
-    from composer_mesh.mesh.launch import RoleConfig
 
     previous_hook = monarch.actor.unhandled_fault_hook
     monarch.actor.unhandled_fault_hook = FAULTS.append  # a fault fails the test instead of exiting pytest
     cache = str(tmp_path_factory.mktemp("model_cache"))
     topo = _topology(cache)
     procs = this_host().spawn_procs(per_host={"procs": 1}, name="vllm_gen")
-    actor = procs.spawn("vllm_generator", GeneratorActor, RoleConfig(role="generators", mesh="generators", topology=topo))
+    actor = procs.spawn("vllm_generator", GeneratorActor, topo.role_configs()["generators"])
     yield topo, cache, actor
     procs.stop().get()
     monarch.actor.unhandled_fault_hook = previous_hook

@@ -1,7 +1,7 @@
 """A trainer-role actor that hosts ObjectStoreDiLoCo, for the launcher test (importable: procs load it).
 
 It stands in for TrainerActor (which does not host DiLoCo yet): constructed by `launch` like any role actor
-(`Actor(role_config)`), it derives its replica id from its rank the way the topology places replicas (the
+(`Actor(trainer_config)`), it derives its replica id from its rank the way the topology places replicas (the
 trainer mesh's procs split evenly between `roles.trainer.replicas`), then trains the tiny worker model.
 """
 
@@ -13,13 +13,13 @@ from typing import Any
 
 from monarch.actor import Actor, current_rank, current_size, endpoint
 
-from composer_mesh.mesh.launch import RoleConfig
+from composer_mesh.actors.configs import TrainerConfig
 
 
 class DiLoCoTrainerProbe(Actor):
-    def __init__(self, config: RoleConfig) -> None:
+    def __init__(self, config: TrainerConfig) -> None:
         self.config = config
-        replicas = config.section.replicas
+        replicas = config.replicas
         size = current_size()
         procs = 1
         for v in size.values():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from composer_mesh.mesh.launch import launch
+from composer_mesh.app.launch import launch
 from composer_mesh.topology import load_topology
 from diloco.mesh_actor import DiLoCoTrainerProbe
 

@@ -6,13 +6,14 @@ import asyncio
 import os
 import sys
 
-from composer_mesh.mesh.launch import ROLE_NAMES, launch
+from composer_mesh.app.launch import launch
+from composer_mesh.roles import ROLES
 
 
 async def main(path: str) -> None:
     from tests.launch.probe_actors import ProbeActor
 
-    async with launch(path, actors=dict.fromkeys(ROLE_NAMES, ProbeActor)) as mesh:
+    async with launch(path, actors=dict.fromkeys(ROLES, ProbeActor)) as mesh:
         pids: set[int] = set()
         for role in mesh.roles:
             for w in (await getattr(mesh, role).where.call()).values():

@@ -15,7 +15,7 @@ from typing import Any
 from monarch.actor import Actor, context, endpoint
 from pydantic import BaseModel, ConfigDict, Field
 
-from composer_mesh.mesh.launch import RoleConfig
+from composer_mesh.actors.configs import RoleConfig
 
 
 class ProbeSettings(BaseModel):
@@ -36,11 +36,12 @@ class ProbeBinding:
 
 
 class ProbeActor(Actor):
-    """Stands in for any role actor: constructed like one (`ProbeActor(role_config)`)."""
+    """Stands in for any role actor: constructed like one, with the role's config (a `RoleConfig`)."""
 
     def __init__(self, config: RoleConfig) -> None:
         if not isinstance(config, RoleConfig):
             raise TypeError(f"role actors get a RoleConfig, got {type(config).__name__}")
+        self.config_type = type(config).__name__
         self.config = config
         failing = {r.strip() for r in os.environ.get("PROBE_FAIL_INIT", "").split(",") if r.strip()}
         if config.role in failing:
@@ -64,7 +65,7 @@ class ProbeActor(Actor):
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
             "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
             "probe_env": {k: v for k, v in os.environ.items() if k.startswith("PROBE_")},
-            "topology": getattr(self.config.topology, "name", None),
+            "config": self.config_type,
         }
 
     @endpoint

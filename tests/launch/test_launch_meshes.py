@@ -17,14 +17,22 @@ from pathlib import Path
 import pytest
 from monarch.actor import ActorError
 
-from composer_mesh.mesh.launch import ROLE_NAMES, MeshFailureError, launch
+from composer_mesh.app.launch import launch
+from composer_mesh.mesh.launch import MeshFailureError
+from composer_mesh.roles import ROLES
 from composer_mesh.topology import load_topology
 from tests.launch.probe_actors import ProbeActor
 from tests.launch.proc_utils import alive, descendants, new_descendants_after_exit, wait_gone
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent.parent
-PROBES = dict.fromkeys(ROLE_NAMES, ProbeActor)
+PROBES = dict.fromkeys(ROLES, ProbeActor)
+ROLE_CONFIGS = {
+    "trainer": "TrainerConfig",
+    "generators": "GeneratorConfig",
+    "rewarder": "RewarderConfig",
+    "teachers": "TeachersConfig",
+}
 
 
 async def _where(handle) -> list[dict]:
@@ -40,7 +48,7 @@ async def test_local_topology_roles_reach_their_meshes_and_clean_up() -> None:
             "rewarder": "learner",
             "teachers": "learner",
         }
-        assert set(mesh.proc_meshes) == {"learner", "rollout"}
+        assert set(mesh.launched.proc_meshes) == {"learner", "rollout"}
         trainer, gens, rewarder, teachers = (
             await _where(mesh.trainer),
             await _where(mesh.generators),
@@ -55,7 +63,8 @@ async def test_local_topology_roles_reach_their_meshes_and_clean_up() -> None:
             ("teachers", teachers, "learner"),
         ]:
             assert {(w["role"], w["mesh"], w["env_mesh"]) for w in got} == {(role, mesh_name, mesh_name)}
-            assert all(w["topology"] == "probe_local" for w in got)
+            # ... each built with exactly its role's config.
+            assert {w["config"] for w in got} == {ROLE_CONFIGS[role]}
         # Shape {hosts, procs} on local too; one actor per proc; local procs are our children.
         assert sorted((w["rank"]["hosts"], w["rank"]["procs"]) for w in gens) == [(0, 0), (0, 1)]
         assert len({w["pid"] for w in gens}) == 2 and all(w["ppid"] == os.getpid() for w in gens)
@@ -111,8 +120,8 @@ async def test_actor_init_failure_is_a_mesh_failure_naming_role_and_mesh() -> No
         async with launch(topo, actors=PROBES):
             pytest.fail("launch must not yield when a role's __init__ fails")
     # Only the rewarder failed; the trainer and generators on the same proc did not.
-    assert err.value.roles == ["rewarder"]
-    assert "role 'rewarder' on mesh 'solo'" in str(err.value)
+    assert err.value.actors == ["rewarder"]
+    assert "'rewarder' on mesh 'solo'" in str(err.value)
     assert "RuntimeError: probe rewarder fails in __init__ on purpose" in str(err.value)
     assert not new_descendants_after_exit(before)
 
@@ -129,16 +138,16 @@ async def test_dead_proc_inside_block_surfaces_as_mesh_failure() -> None:
                 if mesh.failures:
                     break
                 await asyncio.sleep(0.1)
-            with pytest.raises(MeshFailureError, match="role 'generators' on mesh 'rollout'"):
+            with pytest.raises(MeshFailureError, match="'generators' on mesh 'rollout'"):
                 mesh.check()
             # The controller survived; the other meshes still answer.
             assert (await mesh.trainer.where.call_one())["mesh"] == "learner"
             # A call that fails on the dead proc and leaves the block becomes a MeshFailureError.
             await mesh.generators.where.call()
     # The dead proc belonged to the generators; nothing else was on it.
-    assert err.value.roles == ["generators"]
+    assert err.value.actors == ["generators"]
     assert {f.mesh for f in err.value.failures} == {"rollout"}
-    assert "role 'generators' on mesh 'rollout'" in str(err.value)
+    assert "'generators' on mesh 'rollout'" in str(err.value)
     assert type(err.value.__cause__).__name__ == "SupervisionError"
     assert not new_descendants_after_exit(before)
 

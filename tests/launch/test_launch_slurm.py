@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from composer_mesh.mesh.launch import ROLE_NAMES, launch
+from composer_mesh.app.launch import launch
+from composer_mesh.roles import ROLES
 from tests.launch.probe_actors import ProbeActor
 from tests.launch.proc_utils import descendants, new_descendants_after_exit, wait_gone
 from tests.services import require
@@ -25,7 +26,7 @@ pytestmark = pytest.mark.slurm
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent.parent
-PROBES = dict.fromkeys(ROLE_NAMES, ProbeActor)
+PROBES = dict.fromkeys(ROLES, ProbeActor)
 
 
 def _script(name: str, timeout: float) -> subprocess.CompletedProcess[str]:
@@ -80,7 +81,7 @@ async def test_trainer_mesh_runs_in_a_slurm_job_and_everything_is_cleaned_up(
     pids: set[int] = set()
     with pytest.raises(KeyError, match="leave the block with an error"):
         async with launch(HERE / "slurm_probe.yaml", actors=PROBES, log_dir=tmp_path / "slurm") as mesh:
-            job_id = mesh.slurm_job_ids["learner"]
+            job_id = mesh.launched.slurm_job_ids["learner"]
             trainer = list((await mesh.trainer.where.call()).values())
             gens = list((await mesh.generators.where.call()).values())
             # The trainer's procs run inside the Slurm job (they inherit SLURM_JOB_ID from the srun'd

@@ -2,26 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
+import pickle
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from composer_mesh.mesh.launch import (
-    DEFAULT_ACTORS,
-    LaunchError,
-    MeshFailureError,
-    RoleConfig,
-    RoleFailure,
-    _FailureSink,
-    hostname_is_loopback_only,
-    normalize_squeue_job,
-    resolve_role_actors,
-    role_sections,
-    select_squeue_job,
-)
+from composer_mesh.actors.configs import GeneratorConfig, TrainerConfig
+from composer_mesh.app.launch import role_placements
+from composer_mesh.mesh.launch import ActorFailure, LaunchError, MeshFailureError, _FailureSink
 from composer_mesh.mesh.runtime import visible_devices
-from composer_mesh.topology import load_topology
+from composer_mesh.mesh.slurm import hostname_is_loopback_only, normalize_squeue_job, select_squeue_job
+from composer_mesh.roles import ROLE_TABLE, ROLES
+from composer_mesh.topology import Topology, load_topology
 
 HERE = Path(__file__).parent
 
@@ -77,44 +71,45 @@ def test_loopback_detection() -> None:
     assert not hostname_is_loopback_only("192.0.2.7")
 
 
-def _local() -> object:
+def _local() -> Topology:
     return load_topology(HERE / "local_probe.yaml")
 
 
 def test_default_role_actors_resolve_lazily_with_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    from composer_mesh.mesh import launch
-
-    monkeypatch.setitem(
-        launch.DEFAULT_ACTORS, "rewarder", "composer_mesh.actors.no_such_module:RewarderActor"
-    )
+    broken = dataclasses.replace(ROLE_TABLE["rewarder"], actor="composer_mesh.actors.no_such_module:RewarderActor")
+    monkeypatch.setitem(ROLE_TABLE, "rewarder", broken)
     with pytest.raises(LaunchError, match=r"role 'rewarder' \(the default; pass actors=.*no_such_module"):
-        resolve_role_actors(_local(), {"trainer": "tests.launch.probe_actors:ProbeActor"})
+        role_placements(_local(), {"trainer": "tests.launch.probe_actors:ProbeActor"})
 
 
 def test_actor_overrides_are_checked() -> None:
     topo = _local()
     with pytest.raises(LaunchError, match="unknown role"):
-        resolve_role_actors(topo, {"critic": "tests.launch.probe_actors:ProbeActor"})
+        role_placements(topo, {"critic": "tests.launch.probe_actors:ProbeActor"})
     with pytest.raises(LaunchError, match=r"must be a monarch\.actor\.Actor subclass"):
-        resolve_role_actors(topo, dict.fromkeys(DEFAULT_ACTORS, "tests.launch.probe_actors:ProbeBinding"))
+        role_placements(topo, dict.fromkeys(ROLES, "tests.launch.probe_actors:ProbeBinding"))
     with pytest.raises(LaunchError, match="no attribute 'Nope'"):
-        resolve_role_actors(topo, dict.fromkeys(DEFAULT_ACTORS, "tests.launch.probe_actors:Nope"))
-    classes = resolve_role_actors(topo, dict.fromkeys(DEFAULT_ACTORS, "tests.launch.probe_actors:ProbeActor"))
-    assert sorted(classes) == sorted(role_sections(topo))
+        role_placements(topo, dict.fromkeys(ROLES, "tests.launch.probe_actors:Nope"))
+    placements = role_placements(topo, dict.fromkeys(ROLES, "tests.launch.probe_actors:ProbeActor"))
+    assert sorted(p.name for p in placements) == sorted(ROLES)
 
 
-def test_role_config_exposes_section_and_shared_sections() -> None:
+def test_each_role_actor_gets_only_its_config() -> None:
     topo = _local()
-    cfg = RoleConfig(role="generators", mesh="rollout", topology=topo)
-    assert cfg.section is topo.roles.generators
-    assert cfg.mesh_spec.procs_per_host == 2
-    assert cfg.loss is topo.loss and cfg.run is topo.run and cfg.model is topo.model
-    import pickle
+    by_role = {p.name: p for p in role_placements(topo)}
+    generators = by_role["generators"]
+    assert generators.mesh == "rollout" and generators.actor_class.__name__ == "GeneratorActor"
+    (config,) = generators.args
+    assert isinstance(config, GeneratorConfig)
+    assert config.model == topo.model and config.weights == topo.weights
+    assert config.binding.import_path == "tests.launch.probe_actors:ProbeBinding"
+    assert config.binding.settings == topo.generators.settings
+    (trainer,) = by_role["trainer"].args
+    assert isinstance(trainer, TrainerConfig) and trainer.temperature == topo.run.temperature
+    assert pickle.loads(pickle.dumps(config)) == config  # Monarch pickles it to the procs
 
-    assert pickle.loads(pickle.dumps(cfg)).section.binding == "tests.launch.probe_actors:ProbeBinding"
 
-
-def test_failure_sink_maps_monarch_names_to_role_and_mesh() -> None:
+def test_failure_sink_maps_monarch_names_to_actor_and_mesh() -> None:
     sink = _FailureSink()
     sink.names["rewarder_ab12cd34"] = ("rewarder", "pool")
     sink.names["mesh_pool_ab12cd34"] = (None, "pool")
@@ -122,21 +117,21 @@ def test_failure_sink_maps_monarch_names_to_role_and_mesh() -> None:
     assert sink(SimpleNamespace(mesh_name="rewarder_ab12cd34-XyZ", **vars(report)))
     assert sink(SimpleNamespace(mesh_name="mesh_pool_ab12cd34-Q", **vars(report)))
     assert not sink(SimpleNamespace(mesh_name="logger-abc", **vars(report)))
-    assert [(f.role, f.mesh) for f in sink.failures] == [("rewarder", "pool"), (None, "pool")]
+    assert [(f.actor, f.mesh) for f in sink.failures] == [("rewarder", "pool"), (None, "pool")]
     sink.stopping = True
     assert sink(SimpleNamespace(mesh_name="rewarder_ab12cd34-XyZ", **vars(report)))
     assert len(sink.failures) == 2  # failures while stopping are expected and not recorded
     err = MeshFailureError(sink.failures, during="while running")
-    assert "role 'rewarder' on mesh 'pool'" in str(err) and "code 3" in str(err)
-    assert err.roles == ["rewarder"]
+    assert "'rewarder' on mesh 'pool'" in str(err) and "code 3" in str(err)
+    assert err.actors == ["rewarder"]
 
 
-def test_mesh_failure_error_names_every_role() -> None:
+def test_mesh_failure_error_names_every_actor_mesh() -> None:
     err = MeshFailureError(
         [
-            RoleFailure("trainer", "learner", "trainer_x-1", "died"),
-            RoleFailure("rewarder", "learner", "r-2", "d"),
+            ActorFailure("trainer", "learner", "trainer_x-1", "died"),
+            ActorFailure("rewarder", "learner", "r-2", "d"),
         ],
         during="inside the launch block",
     )
-    assert "role 'rewarder' on mesh 'learner', role 'trainer' on mesh 'learner'" in str(err)
+    assert "'rewarder' on mesh 'learner', 'trainer' on mesh 'learner'" in str(err)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from composer_mesh.orchestration.loop import RLLoop
-from composer_mesh.mesh.launch import launch
-from composer_mesh.topology import load_topology
+from composer_mesh.app.launch import launch
 from composer_mesh.app.runner import apply_overrides
+from composer_mesh.orchestration.loop import RLLoop
+from composer_mesh.topology import load_topology
 
 TOPOLOGY = Path(__file__).with_name("diloco_run.yaml")
 
@@ -19,7 +19,7 @@ async def test_two_replicas_sync_through_the_store(tmp_path):
     diloco = topo.diloco.model_copy(update={"store_uri": f"file://{tmp_path / 'store'}"})
     topo = topo.model_copy(update={"diloco": diloco})
     async with launch(topo) as mesh:
-        loop = RLLoop(mesh, topo)
+        loop = RLLoop(mesh, topo.run, topo.loss)
         assert len(loop.trainers) == 2
         summary = await loop.run()
         digests = [await t.weights_digest.call_one() for t in loop.trainers]

@@ -20,9 +20,9 @@ from composer_mesh.actors.messages import (
     TeacherSignals,
     TrainMetrics,
 )
+from composer_mesh.app.runner import apply_overrides
 from composer_mesh.orchestration.loop import RLLoop
 from composer_mesh.topology import load_topology
-from composer_mesh.app.runner import apply_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -47,8 +47,17 @@ class _Values:
 
 
 class Handle(SimpleNamespace):
-    def slice(self, **_: int) -> Handle:
-        return self
+    """One actor mesh of one proc: the whole mesh and its only proc are the same handle."""
+
+
+class FakeRoleMesh(SimpleNamespace):
+    """The part of `RoleMesh` the loop uses: role handles, `has` and `procs`."""
+
+    def has(self, role: str) -> bool:
+        return getattr(self, role, None) is not None
+
+    def procs(self, role: str) -> list[Handle]:
+        return [getattr(self, role)]
 
 
 class Log:
@@ -56,7 +65,7 @@ class Log:
         self.events: list[str] = []
 
 
-def fake_mesh(log: Log, teacher_delay: float) -> SimpleNamespace:
+def fake_mesh(log: Log, teacher_delay: float) -> FakeRoleMesh:
     version = {"v": 1}
 
     async def generate(req: GenerationRequest) -> list[RolloutGroup]:
@@ -91,12 +100,12 @@ def fake_mesh(log: Log, teacher_delay: float) -> SimpleNamespace:
 
     gens = Handle(generate=Endpoint(generate), update_weights=Endpoint(noop), setup=Endpoint(noop),
                   version=Endpoint(noop))
-    return SimpleNamespace(
+    return FakeRoleMesh(
         generators=gens,
         trainer=Handle(setup=Endpoint(setup), train_step=Endpoint(train_step), close=Endpoint(noop),
                        save_checkpoint=Endpoint(noop)),
         rewarder=Handle(score=Endpoint(score), stats=Endpoint(stats)),
-        actors={"teachers": Handle(signals=Endpoint(signals), setup=Endpoint(noop))},
+        teachers=Handle(signals=Endpoint(signals), setup=Endpoint(noop)),
     )
 
 
@@ -104,7 +113,8 @@ async def test_generation_continues_while_a_slow_teacher_answers(tmp_path):
     topo = apply_overrides(load_topology(ROOT / "topologies" / "local.yaml"), 2, tmp_path / "run")
     topo = topo.model_copy(update={"run": topo.run.model_copy(update={"eval_prompts": 0, "rollout_queue_size": 3})})
     log = Log()
-    summary = await RLLoop(fake_mesh(log, teacher_delay=0.3), topo).run()
+    loop = RLLoop(fake_mesh(log, teacher_delay=0.3), topo.run, topo.loss)  # type: ignore[arg-type]
+    summary = await loop.run()
     assert summary.steps == 2
     first_end = log.events.index("teacher-end")
     # While the first teacher call was in flight, the generator produced the other batches its slots allow.

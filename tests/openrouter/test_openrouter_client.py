@@ -38,7 +38,7 @@ from composer_mesh.actors.backends.openrouter_client import (
     parse_retry_after,
 )
 from composer_mesh.actors.messages import Prompt, Rollout
-from composer_mesh.bindings import resolve_binding
+from composer_mesh.roles import resolve_binding
 
 KEY = "sk-or-v1-TEST-c0ffee-DISTINCTIVE-5f3a9e"
 ENV = "COMPOSER_MESH_TEST_OR_KEY"
@@ -556,7 +556,7 @@ async def test_usage_and_cost_accumulate(fake: FakeOpenRouter) -> None:
 
 # ------------------------------------------------------------------------------------------ binding
 async def test_binding_is_replay_only_and_distributions_raise(fake: FakeOpenRouter) -> None:
-    b = resolve_binding("teacher", "openrouter")
+    b = resolve_binding("teachers", "openrouter")
     assert b.cls is OpenRouterTeacher and b.capabilities == frozenset({"replay"})
     assert "distill" not in OpenRouterTeacher.capabilities
     t = b.build({"models": [MODEL], "base_url": fake.base_url, "api_key_env": ENV})

@@ -1,0 +1,68 @@
+"""The stable import surface for scripts and notebooks: what `examples/` and the README import.
+
+    from composer_mesh.api import launch, load_topology, RLLoop, GenerationRequest
+
+Everything here keeps its name across releases; deeper module paths may move. Importing this module
+imports torch (the messages carry tensors) but not Monarch until a topology is launched.
+"""
+
+from __future__ import annotations
+
+from composer_mesh.actors.messages import (
+    GenerationRequest,
+    Prompt,
+    RewardResult,
+    Rollout,
+    RolloutGroup,
+    ScoredGroup,
+    TeacherRequest,
+    TeacherSignals,
+    TeacherTrace,
+    TokenDistribution,
+    TrainBatch,
+    TrainMetrics,
+)
+from composer_mesh.app.launch import launch
+from composer_mesh.app.runner import apply_overrides, print_summary, run_topology
+from composer_mesh.loss.config import LossConfig
+from composer_mesh.mesh.launch import LaunchError, MeshFailureError
+from composer_mesh.orchestration.config import RunConfig
+from composer_mesh.orchestration.loop import LagGate, PromptSource, RLLoop, merge_signals
+from composer_mesh.orchestration.metrics import RunSummary, StepRecord
+from composer_mesh.roles import ROLES, Role, RoleMesh
+from composer_mesh.topology import Topology, TopologyError, load_topology
+
+__all__ = [
+    "ROLES",
+    "GenerationRequest",
+    "LagGate",
+    "LaunchError",
+    "LossConfig",
+    "MeshFailureError",
+    "Prompt",
+    "PromptSource",
+    "RLLoop",
+    "RewardResult",
+    "Role",
+    "RoleMesh",
+    "Rollout",
+    "RolloutGroup",
+    "RunConfig",
+    "RunSummary",
+    "ScoredGroup",
+    "StepRecord",
+    "TeacherRequest",
+    "TeacherSignals",
+    "TeacherTrace",
+    "TokenDistribution",
+    "Topology",
+    "TopologyError",
+    "TrainBatch",
+    "TrainMetrics",
+    "apply_overrides",
+    "launch",
+    "load_topology",
+    "merge_signals",
+    "print_summary",
+    "run_topology",
+]
