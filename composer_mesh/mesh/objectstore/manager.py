@@ -304,11 +304,22 @@ class ObjectStoreManager:
         return j * numel // n, (j + 1) * numel // n
 
     def _round(self, q: int, flat: torch.Tensor | None, numel: int, report: RoundReport) -> torch.Tensor:
-        cfg, n, me = self.config, self.config.replicas, self.replica_id
         base = f"rounds/q{q:08d}"
         t_start = time.perf_counter()
-        # 1. publish (unless the round was already decided without us: we are late, or restarted into it; then
-        # publishing could replace shards of an earlier incarnation that others may still be reading)
+        self._publish(base, q, flat, numel, report)
+        t_pub = time.perf_counter()
+        report.phases["publish"] = t_pub - t_start
+        # 2. quorum
+        record = self._decide_members(base, q, numel)
+        report.phases["quorum"] = time.perf_counter() - t_pub
+        return self._reduce_and_gather(base, q, record, numel, report)
+
+    def _publish(self, base: str, q: int, flat: torch.Tensor | None, numel: int, report: RoundReport) -> None:
+        """1. Publish this replica's shards and arrival marker.
+
+        Not when the round was already decided without us (we are late, or restarted into it): publishing
+        could replace shards of an earlier incarnation that others may still be reading."""
+        cfg, n, me = self.config, self.config.replicas, self.replica_id
         late = self.store.exists(f"{base}/members/e0.json")
         if late:
             flat = None
@@ -338,15 +349,15 @@ class ObjectStoreManager:
             report.contributed = True
         if not late:
             self.store.put_json(f"{base}/arrived/r{me:03d}.json", marker)
-        t_pub = time.perf_counter()
-        report.phases["publish"] = t_pub - t_start
-        # 2. quorum
-        record = self._decide_members(base, q, numel)
-        t_quorum = time.perf_counter()
-        report.phases["quorum"] = t_quorum - t_pub
-        # 3 + 4. reduce my slices, gather all; a bad shard moves everyone to the next epoch. Whether epoch e
-        # completes or is amended is itself decided create-only (slot e+1 holds a seal or an amendment), so
-        # no replica can commit epoch e while another moves on to e+1.
+
+    def _reduce_and_gather(
+        self, base: str, q: int, record: dict[str, Any], numel: int, report: RoundReport
+    ) -> torch.Tensor:
+        """3 + 4. Reduce my slices, gather all; a bad shard moves everyone to the next epoch.
+
+        Whether epoch e completes or is amended is itself decided create-only (slot e+1 holds a seal or an
+        amendment), so no replica can commit epoch e while another moves on to e+1."""
+        n, me = self.config.replicas, self.replica_id
         sealed = False  # epoch `record` was sealed by someone else while this replica found a bad input
         while True:
             members = record["members"]
