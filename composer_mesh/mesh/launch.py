@@ -1,7 +1,7 @@
 """Launch meshes on Monarch and spawn named actor meshes on them, with guaranteed cleanup.
 
 This module knows meshes, not roles: it is given mesh specs and a list of `ActorPlacement`s (a name, a
-mesh, an actor class and its constructor arguments). `composer_mesh.app.launch` builds those from a
+mesh, an actor class and its constructor arguments). The layer above builds those from a
 topology's roles.
 
 What `launch_meshes` does, in order:

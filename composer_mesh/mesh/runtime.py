@@ -8,7 +8,7 @@ A user's explicit environment always wins (`os.environ.setdefault`).
 It also owns:
 - the controller's fault hook: Monarch's default hook `sys.exit`s the controller on any actor
   failure; ours hands each failure to the launched meshes that own it (they turn it into a
-  `MeshFailureError` naming role and mesh) and only logs failures nobody claims;
+  `MeshFailureError` naming the actor mesh and mesh) and only logs failures nobody claims;
 - `proc_setup`, the `bootstrap=` function every spawned proc runs before any actor: GPU visibility
   per proc, the RDMA TCP-fallback warning filter, and a quiet logging default;
 - quieting Monarch's job loggers, which print INFO lines to the user's terminal.
