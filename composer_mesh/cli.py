@@ -59,8 +59,8 @@ def _plan_args(p: argparse.ArgumentParser) -> None:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from composer_mesh.topology.plan import load_prices, make_plan, render_plan
     from composer_mesh.topology import TopologyError, load_topology
+    from composer_mesh.topology.plan import load_prices, make_plan, render_plan
 
     errors: list[TopologyError] = []
     topology = prices = None

@@ -20,7 +20,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from rich.console import Console
 from rich.table import Table
 
-from composer_mesh.topology import MeshSpec, TeachersSpec, Topology, load_yaml_model
+from composer_mesh.mesh.spec import MeshSpec
+from composer_mesh.topology.schema import TeachersSpec, Topology
+from composer_mesh.topology.yaml_errors import load_yaml_model
 
 
 class BackendPrice(BaseModel):

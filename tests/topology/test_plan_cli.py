@@ -12,8 +12,8 @@ import pytest
 from rich.console import Console
 
 from composer_mesh.cli import COMMANDS, main
-from composer_mesh.topology.plan import PriceTable, load_prices, make_plan, render_plan
 from composer_mesh.topology import TopologyError, load_topology
+from composer_mesh.topology.plan import PriceTable, load_prices, make_plan, render_plan
 
 HERE = Path(__file__).parent
 VALID = HERE / "valid"

@@ -24,11 +24,11 @@ TOPOLOGIES = ROOT / "topologies"
 
 
 def test_fake_mixed_loads_typed_sections() -> None:
-    from composer_mesh.orchestration.config import RunConfig
     from composer_mesh.loss.config import LossConfig
-    from composer_mesh.mesh.objectstore import DiLoCoConfig
+    from composer_mesh.mesh.objectstore.config import DiLoCoConfig
     from composer_mesh.mesh.weights.config import WeightPlaneConfig
     from composer_mesh.models.config import ModelConfig
+    from composer_mesh.orchestration.config import RunConfig
 
     t = load_topology(VALID / "fake_mixed.yaml")
     assert t.source == VALID / "fake_mixed.yaml"
@@ -49,7 +49,7 @@ def test_fake_mixed_loads_typed_sections() -> None:
 
     assert t.trainer.mesh == "train" and t.trainer.replicas == 2
     assert isinstance(t.trainer.settings, TrainerSettings) and t.trainer.settings.lr == 0.01
-    trainer = t.trainer.build()
+    trainer = t.trainer.bound().build()
     assert isinstance(trainer, Trainer) and trainer.settings is t.trainer.settings
     assert t.generators.settings.max_batch == 16  # type: ignore[attr-defined]
     assert t.rewarder.settings.reward == "exact"  # type: ignore[attr-defined]  (defaults filled in)

@@ -1,0 +1,277 @@
+"""Checks across the sections of a topology file, run on whatever parts of it are valid.
+
+Each section is validated on its own (`parts_of`), so a file with errors in some sections still gets the
+checks between the others: one run reports everything. Each check is one function of `CHECKS`, returning
+(field loc, message) pairs; `CROSS_CHECKS` says the same in words for docs/topology.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, TypeAdapter
+
+from composer_mesh.mesh.spec import MeshSpec
+from composer_mesh.topology.schema import (
+    BoundSpec,
+    GeneratorsSpec,
+    RewarderSpec,
+    RolesSpec,
+    TeachersSpec,
+    Topology,
+    TrainerSpec,
+)
+from composer_mesh.topology.yaml_errors import Loc, field_type
+
+# A binding whose class lists this capability always needs a GPU (checked against the mesh's gpus_per_proc).
+GPU_CAPABILITY = "gpu"
+# The sections owned by the components (validated on their own for the checks).
+SECTIONS: tuple[str, ...] = ("model", "loss", "weights", "diloco", "run")
+
+CROSS_CHECKS: tuple[str, ...] = (
+    "every role's `mesh` is a key of `meshes`, and every mesh is used by some role",
+    "a role that needs GPUs (its binding lists capability `gpu`, or its settings have `device: cuda...` or "
+    "`gpus > 0`) is not on a mesh with `gpus_per_proc: 0`",
+    "a teacher's channel `distill` / `replay` needs the binding capability of the same name "
+    "(e.g. `openrouter` gives no per-token distributions, so it cannot feed `distill`)",
+    "`loss.alpha_sdpo > 0` needs a teacher with channel `distill`; `loss.beta_replay > 0` needs a teacher with "
+    "channel `replay` (both default to 1.0, so set them to 0 to run without teachers)",
+    "`diloco` is given exactly when `roles.trainer.replicas > 1`, and `diloco.replicas` equals it",
+    "the trainer mesh's procs (hosts × procs_per_host) split evenly into `roles.trainer.replicas`",
+    "Slurm meshes that may share a node (`exclusive: false`, same partition) use different `monarch_port`s",
+    "binding names and import paths resolve to a class with a `Settings` model, and `settings` validate with it",
+    "duplicate keys anywhere in the file are errors (YAML would silently keep the last one)",
+)
+
+Problem = tuple[Loc, str]
+RoleSpec = TrainerSpec | GeneratorsSpec | RewarderSpec | TeachersSpec
+_INVALID = object()  # a part that is present but does not validate
+
+
+@dataclass
+class Parts:
+    """The valid parts of a possibly invalid file (a missing key means that part is invalid)."""
+
+    mesh_names: list[str] = field(default_factory=list)
+    meshes: dict[str, MeshSpec] = field(default_factory=dict)
+    mesh_refs: dict[str, Loc] = field(default_factory=dict)  # raw `mesh:` values -> where they are
+    # role -> its valid spec, section -> its valid model (None: absent; not there: invalid)
+    roles: dict[str, RoleSpec | None] = field(default_factory=dict)
+    sections: dict[str, BaseModel | None] = field(default_factory=dict)
+
+
+def _valid(adapter: TypeAdapter[Any], raw: Any) -> Any:
+    """`raw` validated, or `_INVALID`: any failure only means "this part is not valid" (the full validation
+    reports why)."""
+    try:
+        return adapter.validate_python(raw)
+    except Exception:
+        return _INVALID
+
+
+def _add_meshes(parts: Parts, meshes: Any) -> None:
+    if not isinstance(meshes, dict):
+        return
+    parts.mesh_names = [str(k) for k in meshes]
+    adapter = TypeAdapter(MeshSpec)
+    for name, raw in meshes.items():
+        spec = _valid(adapter, raw)
+        if spec is not _INVALID:
+            parts.meshes[str(name)] = spec
+
+
+def _add_roles(parts: Parts, roles: Any) -> None:
+    if not isinstance(roles, dict):
+        return
+    for role, raw in roles.items():
+        if isinstance(raw, dict) and isinstance(raw.get("mesh"), str):
+            parts.mesh_refs.setdefault(raw["mesh"], ("roles", role, "mesh"))
+    for role in RolesSpec.model_fields:
+        spec = _valid(TypeAdapter(field_type(RolesSpec, role)), roles.get(role))
+        if spec is not _INVALID:
+            parts.roles[role] = spec
+
+
+def _add_sections(parts: Parts, data: dict[Any, Any]) -> None:
+    for name in SECTIONS:
+        if name not in data and Topology.model_fields[name].is_required():
+            continue
+        raw = data.get(name, None if name == "diloco" else {})
+        value = _valid(TypeAdapter(field_type(Topology, name)), raw)
+        if value is not _INVALID:
+            parts.sections[name] = value
+
+
+def parts_of(data: Any) -> Parts:
+    """The parts of a file's data that validate on their own."""
+    parts = Parts()
+    if isinstance(data, dict):
+        _add_meshes(parts, data.get("meshes"))
+        _add_roles(parts, data.get("roles"))
+        _add_sections(parts, data)
+    return parts
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The checks
+# ---------------------------------------------------------------------------------------------------------
+
+
+def check_meshes_used(parts: Parts) -> Iterator[Problem]:
+    """Every role's mesh exists; every mesh is used."""
+    names = parts.mesh_names
+    known = ", ".join(names) or "(none)"
+    for mesh, loc in parts.mesh_refs.items():
+        if names and mesh not in names:
+            yield loc, f"unknown mesh {mesh!r}; meshes are: {known}"
+    if parts.mesh_refs or parts.roles:
+        for name in names:
+            if name not in parts.mesh_refs:
+                yield (
+                    ("meshes", name),
+                    f"mesh {name!r} is not used by any role (remove it or place a role on it)",
+                )
+
+
+def gpu_need(spec: BoundSpec) -> str | None:
+    """Why a bound role needs GPUs, or None: a `gpu` capability, `settings.device: cuda...` or `settings.gpus > 0`."""
+    try:
+        binding = spec.resolved
+    except Exception:
+        return None
+    if GPU_CAPABILITY in binding.capabilities:
+        return f"binding {spec.binding!r} needs a GPU"
+    device = getattr(spec.settings, "device", None)
+    if isinstance(device, str) and device.startswith("cuda"):
+        return f"settings.device is {device!r}"
+    gpus = getattr(spec.settings, "gpus", None)
+    if isinstance(gpus, int) and gpus > 0:
+        return f"settings.gpus is {gpus}"
+    return None
+
+
+def _bound_specs(parts: Parts) -> Iterator[tuple[Loc, BoundSpec, str]]:
+    """(where to report, bound spec, its mesh) of every role and every teacher of the pool."""
+    for role, spec in parts.roles.items():
+        if isinstance(spec, TeachersSpec):
+            for i, member in enumerate(spec.members):
+                yield ("roles", role, "members", i, "binding"), member, spec.mesh
+        elif spec is not None:
+            yield ("roles", role, "mesh"), spec, spec.mesh
+
+
+def check_gpu_meshes(parts: Parts) -> Iterator[Problem]:
+    """Roles that need GPUs are not on CPU-only meshes."""
+    for loc, spec, mesh in _bound_specs(parts):
+        need = gpu_need(spec)
+        mesh_spec = parts.meshes.get(mesh)
+        if need and mesh_spec is not None and mesh_spec.gpus_per_proc == 0:
+            yield loc, f"needs GPUs ({need}) but mesh {mesh!r} is CPU-only (gpus_per_proc: 0)"
+
+
+def check_teacher_channels(parts: Parts) -> Iterator[Problem]:
+    """A teacher's channels need the binding capability of the same name."""
+    teachers = parts.roles.get("teachers")
+    if not isinstance(teachers, TeachersSpec):
+        return
+    for i, member in enumerate(teachers.members):
+        caps = member.resolved.capabilities
+        for j, channel in enumerate(member.channels):
+            if channel not in caps:
+                yield (
+                    ("roles", "teachers", "members", i, "channels", j),
+                    f"teacher {member.name!r} (binding {member.binding!r}) cannot feed channel {channel!r}: "
+                    f"its capabilities are {sorted(caps) or 'none'}, and {channel!r} needs capability {channel!r}",
+                )
+
+
+def check_loss_channels_fed(parts: Parts) -> Iterator[Problem]:
+    """A loss channel with weight > 0 needs a teacher feeding it."""
+    loss = parts.sections.get("loss")
+    if loss is None or "teachers" not in parts.roles:  # an invalid pool: that is reported, nothing to check
+        return
+    teachers = parts.roles["teachers"]
+    members = teachers.members if isinstance(teachers, TeachersSpec) else []  # None: no pool
+    feeding = {c for m in members for c in m.channels}
+    for weight, channel in (("alpha_sdpo", "distill"), ("beta_replay", "replay")):
+        value = getattr(loss, weight, 0) or 0
+        if value > 0 and channel not in feeding:
+            yield (
+                ("loss", weight),
+                f"loss.{weight} = {value} but no teacher has channel {channel!r}; set loss.{weight}: 0 "
+                f"or add a teacher with channels: [{channel}]",
+            )
+
+
+def check_slurm_ports(parts: Parts) -> Iterator[Problem]:
+    """Slurm meshes that may share a node (not exclusive, same partition) need different worker ports."""
+    ports: dict[tuple[str | None, int], str] = {}
+    for name, spec in parts.meshes.items():
+        if spec.backend != "slurm" or spec.slurm is None or spec.slurm.exclusive:
+            continue
+        slot = (spec.slurm.partition, spec.slurm.monarch_port)
+        if slot in ports:
+            yield (
+                ("meshes", name, "slurm", "monarch_port"),
+                f"meshes {ports[slot]!r} and {name!r} may share a node (exclusive: false, same partition) and "
+                f"would both bind port {slot[1]}; give one of them another slurm.monarch_port",
+            )
+        else:
+            ports[slot] = name
+
+
+def check_diloco_replicas(parts: Parts) -> Iterator[Problem]:
+    """DiLoCo exactly when the trainer has replicas, with the same number of them."""
+    trainer = parts.roles.get("trainer")
+    if not isinstance(trainer, TrainerSpec) or "diloco" not in parts.sections:
+        return
+    diloco = parts.sections["diloco"]
+    if diloco is not None and trainer.replicas == 1:
+        yield (
+            ("diloco",),
+            "diloco is configured but roles.trainer.replicas is 1; set replicas > 1 or remove the diloco section",
+        )
+    if diloco is None and trainer.replicas > 1:
+        yield (
+            ("roles", "trainer", "replicas"),
+            f"replicas = {trainer.replicas} needs a diloco section (replicas synchronise through the object store)",
+        )
+    dr = getattr(diloco, "replicas", None)
+    if diloco is not None and trainer.replicas > 1 and dr is not None and dr != trainer.replicas:
+        yield (
+            ("diloco", "replicas"),
+            f"diloco.replicas = {dr} but roles.trainer.replicas = {trainer.replicas}; they must match",
+        )
+
+
+def check_replicas_fit_mesh(parts: Parts) -> Iterator[Problem]:
+    """The trainer mesh's procs split evenly into the trainer replicas."""
+    trainer = parts.roles.get("trainer")
+    if not isinstance(trainer, TrainerSpec):
+        return
+    mesh = parts.meshes.get(trainer.mesh)
+    if mesh is not None and (trainer.replicas > mesh.procs or mesh.procs % trainer.replicas):
+        yield (
+            ("roles", "trainer", "replicas"),
+            f"replicas = {trainer.replicas} cannot be split evenly "
+            f"over the {mesh.procs} procs of mesh {trainer.mesh!r} (hosts × procs_per_host)",
+        )
+
+
+CHECKS: tuple[Callable[[Parts], Iterator[Problem]], ...] = (
+    check_meshes_used,
+    check_gpu_meshes,
+    check_teacher_channels,
+    check_loss_channels_fed,
+    check_slurm_ports,
+    check_diloco_replicas,
+    check_replicas_fit_mesh,
+)
+
+
+def cross_check(data: Any) -> list[Problem]:
+    """Problems between the sections of a file's data: (field loc, message), in the order of `CHECKS`."""
+    parts = parts_of(data)
+    return [problem for check in CHECKS for problem in check(parts)]

@@ -1,0 +1,360 @@
+"""YAML files validated by pydantic models, with every error at its field path, line and column.
+
+Generic: it knows no topology section. `parse_yaml_model` / `load_yaml_model` validate any model (the price
+table of `plan` uses them); `composer_mesh.topology.load` adds the checks across sections.
+
+A model whose field is typed only after validation (a role's `settings`, typed by its binding) can name the
+model of that field for error messages with a classmethod `field_model(name, raw) -> type[BaseModel] | None`
+(`raw` is the mapping the model was given): unknown keys then list the allowed ones.
+
+Strings from the file are never echoed in messages (a pasted secret must not appear in an error; the line and
+column point at it), except short values given for a closed set of choices.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import types
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal, NoReturn, TypeVar, Union, get_args, get_origin
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+Loc = tuple[str | int, ...]
+M = TypeVar("M", bound=BaseModel)
+
+
+@dataclass(frozen=True)
+class TopologyIssue:
+    """One problem in a file: dotted field path, 1-based line and column (None when unknown), message."""
+
+    path: str
+    line: int | None
+    column: int | None
+    message: str
+
+    def format(self, source: str | None = None) -> str:
+        where = f"{source}:" if source else ""
+        if self.line is not None:
+            where += f"{self.line}:{self.column}:"
+        return f"{where} {self.path or '(file)'}: {self.message}".lstrip()
+
+
+class TopologyError(ValueError):
+    """A topology (or price table) file is invalid; `.errors` lists every problem found."""
+
+    def __init__(self, errors: list[TopologyIssue], source: str | None = None) -> None:
+        self.errors = errors
+        self.source = source
+        super().__init__(str(self))
+
+    def __str__(self) -> str:
+        n = len(self.errors)
+        head = f"{self.source or 'topology'}: {n} error{'s' if n != 1 else ''}"
+        return "\n".join([head, *("  " + e.format(self.source) for e in self.errors)])
+
+
+def _path_str(parts: Sequence[str | int]) -> str:
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The YAML document: plain data plus the node tree, to turn a field path into a line and column
+# ---------------------------------------------------------------------------------------------------------
+
+
+class YamlDoc:
+    """A parsed YAML file: `data` (plain Python), `root` (the node tree) and the `issues` found so far
+    (syntax errors, duplicate keys)."""
+
+    def __init__(self, text: str) -> None:
+        self.issues: list[TopologyIssue] = []
+        self.root: yaml.Node | None = None
+        self.data: Any = None
+        loader = yaml.SafeLoader(text)
+        try:
+            self.root = loader.get_single_node()
+            if self.root is not None:
+                self._find_duplicates(self.root, ())
+                self.data = loader.construct_document(self.root)
+        except yaml.MarkedYAMLError as e:
+            mark = e.problem_mark or e.context_mark
+            msg = " ".join(filter(None, [e.context, e.problem]))
+            line, column = (mark.line + 1, mark.column + 1) if mark else (None, None)
+            self.issues.append(TopologyIssue("", line, column, f"YAML syntax error: {msg}"))
+        except yaml.YAMLError as e:
+            self.issues.append(TopologyIssue("", None, None, f"YAML error: {e}"))
+        finally:
+            loader.dispose()
+
+    def _find_duplicates(self, node: yaml.Node, parts: Loc) -> None:
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[str, yaml.Node] = {}
+            for key, value in node.value:
+                k = str(key.value) if isinstance(key, yaml.ScalarNode) else repr(key.value)
+                if k in seen:
+                    first = seen[k].start_mark.line + 1
+                    self.issues.append(
+                        TopologyIssue(
+                            _path_str((*parts, k)),
+                            key.start_mark.line + 1,
+                            key.start_mark.column + 1,
+                            f"duplicate key {k!r} (first given on line {first})",
+                        )
+                    )
+                else:
+                    seen[k] = key
+                self._find_duplicates(value, (*parts, k))
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                self._find_duplicates(item, (*parts, i))
+
+    @staticmethod
+    def _child(node: yaml.Node | None, el: str | int) -> tuple[yaml.Node, yaml.Node] | None:
+        """(key node or item node, value node) of `el` under `node`, or None."""
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                if isinstance(key, yaml.ScalarNode) and str(key.value) == str(el):
+                    return key, value
+        elif isinstance(node, yaml.SequenceNode) and isinstance(el, int) and 0 <= el < len(node.value):
+            return node.value[el], node.value[el]
+        return None
+
+    def locate(self, loc: Loc, *, key: bool = False) -> tuple[str, int | None, int | None]:
+        """Field path, line and column of a pydantic `loc`.
+
+        Elements that are not in the file are pydantic's union tags (dropped) or a missing/defaulted field
+        (kept in the path, located at its nearest parent). `key=True` points at the key rather than its value.
+        """
+        node = self.root
+        parts: list[str | int] = []
+        mark = node.start_mark if node is not None else None
+        last_key: yaml.Node | None = None
+        for i, el in enumerate(loc):
+            if el == "[key]":
+                if last_key is not None:
+                    mark = last_key.start_mark
+                continue
+            found = self._child(node, el)
+            if found is None:
+                if any(self._child(node, r) is not None for r in loc[i + 1 :]):
+                    continue  # a union tag such as 'function-after[...]'
+                parts.extend(r for r in loc[i:] if r != "[key]")
+                break
+            key_node, value = found
+            parts.append(str(el) if isinstance(node, yaml.MappingNode) else el)
+            last_key = key_node
+            is_last = i == len(loc) - 1
+            scalar = isinstance(value, yaml.ScalarNode)
+            mark = key_node.start_mark if (key and is_last) or not scalar else value.start_mark
+            node = value
+        if mark is None:
+            return _path_str(parts), None, None
+        return _path_str(parts), mark.line + 1, mark.column + 1
+
+    def issue(self, loc: Loc, message: str, *, key: bool = False) -> TopologyIssue:
+        """An issue at `loc`, located in this document."""
+        path, line, column = self.locate(loc, key=key)
+        return TopologyIssue(path, line, column, message)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Which model validates a path (to say what is allowed there)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def model_of(tp: Any) -> type[BaseModel] | None:
+    """The pydantic model behind an annotation (through `Annotated` and `Optional`), if there is one.
+
+    `BaseModel` itself (a field typed only after validation) is not a model with fields: None.
+    """
+    if get_origin(tp) is Annotated:
+        return model_of(get_args(tp)[0])
+    if get_origin(tp) in (Union, types.UnionType):
+        models = [m for m in map(model_of, get_args(tp)) if m is not None]
+        return models[0] if len(models) == 1 else None
+    if isinstance(tp, type) and issubclass(tp, BaseModel) and tp is not BaseModel:
+        return tp
+    return None
+
+
+def field_type(model: type[BaseModel], name: str) -> Any:
+    """The annotation of a model's field, with its metadata (validators) as `Annotated`."""
+    field = model.model_fields[name]
+    return Annotated[(field.annotation, *field.metadata)] if field.metadata else field.annotation
+
+
+def _item_type(tp: Any) -> Any:
+    """The value type of a list or dict annotation (through `Annotated` / `Optional`), or None."""
+    while get_origin(tp) is Annotated or get_origin(tp) in (Union, types.UnionType):
+        tp = next(a for a in get_args(tp) if a is not type(None))
+    return get_args(tp)[-1] if get_origin(tp) in (list, dict) else None
+
+
+def _child_data(raw: Any, el: str | int) -> Any:
+    if isinstance(raw, dict):
+        return raw.get(el)
+    if isinstance(raw, list) and isinstance(el, int) and el < len(raw):
+        return raw[el]
+    return None
+
+
+def _field_of(model: type[BaseModel], name: str, raw: Any) -> Any:
+    """The type of field `name`; a model's `field_model` hook may name it from the raw data."""
+    hook = getattr(model, "field_model", None)
+    if hook is not None:
+        try:
+            dynamic = hook(name, raw)
+        except Exception:
+            return None
+        if dynamic is not None:
+            return dynamic
+    return field_type(model, name)
+
+
+def _model_at(root: type[BaseModel], loc: Loc, data: Any) -> type[BaseModel] | None:
+    """The model that validates the mapping at `loc` (to list its allowed keys), if it can be found."""
+    tp: Any = root
+    raw = data
+    for el in loc:
+        if el == "[key]":
+            continue
+        model = model_of(tp)
+        if model is not None:
+            if el not in model.model_fields:
+                return None
+            tp = _field_of(model, str(el), raw)
+        else:
+            tp = _item_type(tp)
+        if tp is None:
+            return None
+        raw = _child_data(raw, el)
+    return model_of(tp)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Messages
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _echoable_choice(kind: str, value: Any) -> bool:
+    """A short string given for a closed set (a typo like 'kubernetes' for a backend) is safe and useful to echo."""
+    return kind in ("literal_error", "enum") and isinstance(value, str) and len(value) <= 24
+
+
+def _unknown_key(loc: Loc, root: type[BaseModel], data: Any) -> str:
+    model = _model_at(root, loc[:-1], data)
+    if model is None:
+        return f"unknown key {str(loc[-1])!r}"
+    close = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"unknown key {str(loc[-1])!r}{hint}; allowed keys: {', '.join(model.model_fields)}"
+
+
+def _missing_key(loc: Loc, root: type[BaseModel], data: Any) -> str:
+    model = _model_at(root, loc[:-1], data)
+    field_info = model.model_fields.get(str(loc[-1])) if model is not None else None
+    if field_info is not None and get_origin(field_info.annotation) is Literal:
+        choices = ", ".join(repr(a) for a in get_args(field_info.annotation))
+        return f"required key is missing (one of {choices})"
+    return "required key is missing"
+
+
+def describe(err: dict[str, Any], root: type[BaseModel], data: Any) -> str:
+    """A message for one pydantic error that says what is wrong and what is allowed."""
+    kind, msg, loc = err["type"], err["msg"], tuple(err["loc"])
+    if kind == "extra_forbidden":
+        return _unknown_key(loc, root, data)
+    if kind == "missing":
+        return _missing_key(loc, root, data)
+    for prefix in ("Value error, ", "Assertion failed, "):
+        if msg.startswith(prefix):
+            return msg[len(prefix) :]
+    value = err.get("input")
+    if isinstance(value, (int, float, bool)) or value is None or _echoable_choice(kind, value):
+        return f"{msg} (got {_short(value)})"
+    return msg  # other strings are not echoed: a pasted secret must never appear in an error (line:col points at it)
+
+
+def issues_from(e: ValidationError, doc: YamlDoc, root: type[BaseModel]) -> list[TopologyIssue]:
+    """One located issue per pydantic error of validating `doc.data` with `root`."""
+    out = []
+    for err in e.errors(include_url=False):
+        loc = tuple(err["loc"])
+        out.append(doc.issue(loc, describe(err, root, doc.data), key=err["type"] == "extra_forbidden"))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Parsing and validating
+# ---------------------------------------------------------------------------------------------------------
+
+
+def fail(issues: list[TopologyIssue], source: str | None) -> NoReturn:
+    """Raise the issues (deduplicated, sorted by position) as one TopologyError."""
+    unique = list(dict.fromkeys(issues))
+    unique.sort(key=lambda i: (i.line is None, i.line or 0, i.column or 0))
+    raise TopologyError(unique, source)
+
+
+def finish(issues: list[TopologyIssue], source: str | None) -> None:
+    """Raise a TopologyError if there are issues; return otherwise."""
+    if issues:
+        fail(issues, source)
+
+
+def parse_document(text: str, source: str | None) -> YamlDoc:
+    """The parsed document; a TopologyError when there is nothing to validate (empty file, syntax error)."""
+    doc = YamlDoc(text)
+    if doc.root is None and not doc.issues:
+        doc.issues.append(TopologyIssue("", 1, 1, "the file is empty"))
+    if doc.root is None or (doc.issues and doc.data is None):
+        fail(doc.issues, source)
+    return doc
+
+
+def validate_into(doc: YamlDoc, model: type[M]) -> M | None:
+    """`model` validated from the document's data, or None with the problems added to `doc.issues`."""
+    try:
+        return model.model_validate(doc.data)
+    except ValidationError as e:
+        doc.issues.extend(issues_from(e, doc, model))
+    except Exception as e:  # a component validator that raised something other than ValueError
+        doc.issues.append(TopologyIssue("", None, None, f"validation failed: {type(e).__name__}: {e}"))
+    return None
+
+
+def parse_yaml_model(text: str, model: type[M], source: str | None = None) -> M:
+    """Validate YAML text with a pydantic model; errors carry field paths and line/column positions."""
+    doc = parse_document(text, source)
+    result = validate_into(doc, model)
+    finish(doc.issues, source)
+    assert result is not None
+    return result
+
+
+def read_text(path: str | os.PathLike[str]) -> str:
+    """The file's text; an unreadable file is a TopologyError naming it."""
+    try:
+        return Path(path).read_text()
+    except OSError as e:
+        raise TopologyError(
+            [TopologyIssue("", None, None, f"cannot read file: {e.strerror or e}")], str(path)
+        ) from None
+
+
+def load_yaml_model(path: str | os.PathLike[str], model: type[M]) -> M:
+    """`parse_yaml_model` on a file; an unreadable file is a TopologyError too."""
+    return parse_yaml_model(read_text(path), model, str(path))
