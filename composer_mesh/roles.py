@@ -1,5 +1,5 @@
-"""The four roles of a run, in one place: their names, the actor each spawns, the config it takes and the
-built-in bindings it can be bound to; and `RoleMesh`, the typed handles a launched topology yields.
+"""The four roles of a run, in one place: their names, the actor each spawns and the built-in bindings it
+can be bound to; and `RoleMesh`, the typed handles a launched topology yields.
 
 Adding a built-in binding is one line in `ROLE_TABLE`; a binding outside the package is named in the topology
 by import path and needs no line here. Actor classes are named by import path so that validating a topology
@@ -12,14 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from composer_mesh.actors.configs import (
-    GeneratorConfig,
-    RewarderConfig,
-    RoleConfig,
-    TeachersConfig,
-    TrainerConfig,
-)
-from composer_mesh.bindings import Binding, import_object
+from composer_mesh.bindings import Binding
 from composer_mesh.bindings import resolve_binding as _resolve
 
 if TYPE_CHECKING:
@@ -35,13 +28,12 @@ ROLES: tuple[Role, ...] = ("trainer", "generators", "rewarder", "teachers")
 
 @dataclass(frozen=True)
 class RoleEntry:
-    """One role: the actor class spawned on every proc of its mesh, the config it is built with, and the
-    built-in binding names (teachers: of each pool member) with the classes they stand for."""
+    """One role: the actor class spawned on every proc of its mesh (constructed with the role's config from
+    `composer_mesh.actors.configs`), and the built-in binding names (teachers: of each pool member) with
+    the classes they stand for."""
 
     actor: str  # "module:Class"
-    config: type[RoleConfig]
     bindings: Mapping[str, str]
-    placement: str  # how the role uses its mesh's procs (for docs and `plan`)
 
 
 # Teacher capabilities: "distill" = per-token distributions over the student's tokens (channel 2, needs the
@@ -49,34 +41,26 @@ class RoleEntry:
 ROLE_TABLE: dict[Role, RoleEntry] = {
     "trainer": RoleEntry(
         actor="composer_mesh.actors.trainer:TrainerActor",
-        config=TrainerConfig,
         bindings={"hf": "composer_mesh.actors.backends.hf_trainer:HFTrainer"},
-        placement="one DiLoCo replica per proc",
     ),
     "generators": RoleEntry(
         actor="composer_mesh.actors.generator:GeneratorActor",
-        config=GeneratorConfig,
         bindings={
             "hf": "composer_mesh.actors.backends.hf_generator:HFGenerator",
             "vllm": "composer_mesh.actors.backends.vllm_generator:VLLMGenerator",
         },
-        placement="one generator per proc",
     ),
     "rewarder": RoleEntry(
         actor="composer_mesh.actors.rewarder:RewarderActor",
-        config=RewarderConfig,
         bindings={"python": "composer_mesh.actors.backends.rewards:PythonRewarder"},
-        placement="one rewarder per proc",
     ),
     "teachers": RoleEntry(
         actor="composer_mesh.actors.teachers:TeacherPoolActor",
-        config=TeachersConfig,
         bindings={
             "hf": "composer_mesh.actors.backends.hf_teacher:HFTeacher",
             "vllm": "composer_mesh.actors.backends.vllm_teacher:VLLMTeacher",
             "openrouter": "composer_mesh.actors.backends.openrouter:OpenRouterTeacher",
         },
-        placement="pool members round-robin over the procs",
     ),
 }
 
@@ -84,11 +68,6 @@ ROLE_TABLE: dict[Role, RoleEntry] = {
 def resolve_binding(role: Role, name: str) -> Binding:
     """The binding class a role's `binding:` names (a built-in of `ROLE_TABLE` or an import path)."""
     return _resolve(role, name, ROLE_TABLE[role].bindings)
-
-
-def actor_class(role: Role) -> type:
-    """The actor class of `role` (imports it, and with it Monarch)."""
-    return import_object(ROLE_TABLE[role].actor)  # type: ignore[no-any-return]
 
 
 class RoleMesh:
@@ -140,9 +119,6 @@ class RoleMesh:
         """One handle per actor of `role`, in (host, proc) order."""
         self._role(role)
         return self.launched.per_proc(role)
-
-    def mesh_of(self, role: Role) -> str:
-        return self.launched.placements[role].mesh
 
     @property
     def failures(self) -> list[ActorFailure]:

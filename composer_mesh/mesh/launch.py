@@ -75,10 +75,6 @@ class PlacedActor:
     gpus_per_proc: int
     actor_class: str  # "module:Class"
 
-    @property
-    def procs(self) -> int:
-        return self.hosts * self.procs_per_host
-
 
 @dataclass(frozen=True)
 class ActorFailure:
