@@ -1,7 +1,14 @@
-"""Model building: the tiny offline model and tokenizer, and loading local transformers checkpoints.
+"""Models: the policy's config, the tiny offline model and tokenizer, and loading local transformers checkpoints.
 
-`config` (ModelConfig) is cheap to import; `tiny` (materialize, load_pretrained, load_tokenizer),
-`warmstart` and `sampling` import torch/transformers and are imported where used.
+Modules, each importing only those above it:
+- `config`: `ModelConfig`, `WarmStartConfig` (cheap: pydantic only);
+- `tokenizer`: the tiny character-level tokenizer, `encode_checked`, `stop_token_ids`;
+- `sampling`: batched sampling and teacher-forced logits for any transformers causal LM;
+- `tiny`: the tiny Qwen2 itself (`build_tiny`);
+- `warmstart`: brief SFT on a task and greedy task accuracy;
+- `loading`: what every role calls to get its model (`materialize`, `load_pretrained`, `load_tokenizer`,
+  `named_weights`).
+All but `config` import torch/transformers and are imported where used.
 """
 
 from composer_mesh.models.config import ModelConfig, WarmStartConfig

@@ -4,7 +4,7 @@ A model is either the built-in tiny Qwen2 (`source: tiny`, built offline and det
 knobs below and `seed`) or a local directory written by transformers' `save_pretrained`. An optional
 `warmstart` trains it briefly on a task (supervised, in-process) before anyone uses it: that is how the
 main job gets a teacher that already knows the task and a weak-but-not-random student.
-Everything is resolved to a save_pretrained directory by `composer_mesh.models.tiny.materialize`.
+Everything is resolved to a save_pretrained directory by `composer_mesh.models.loading.materialize`.
 """
 
 from __future__ import annotations
@@ -101,10 +101,6 @@ class ModelConfig(BaseModel):
     @property
     def is_tiny(self) -> bool:
         return self.source == "tiny"
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
 
     def cache_key(self) -> str:
         """Stable hash of everything that determines the materialized weights and tokenizer."""

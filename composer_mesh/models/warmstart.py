@@ -1,8 +1,9 @@
 """Warm start: brief in-process SFT on a task's (prompt, target) pairs, and greedy task accuracy.
 
-Used by `materialize` (cached with the model) to make a teacher that already knows the task and a
-weak-but-not-random student. Deterministic for a fixed config and thread count; `materialize` runs it once
-per cache key, so every process uses the same result.
+Used by `composer_mesh.models.loading.materialize` (cached with the model) to make a teacher that already
+knows the task and a weak-but-not-random student. Deterministic for a fixed config and thread count;
+`materialize` runs it once per cache key, so every process uses the same result. It imports `tokenizer` and
+`sampling`, never `loading` (which imports it).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 
 from composer_mesh.models.config import WarmStartConfig
 from composer_mesh.models.sampling import chunks, sample
-from composer_mesh.models.tiny import stop_token_ids
+from composer_mesh.models.tokenizer import stop_token_ids
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase

@@ -30,7 +30,7 @@ def gen(cache):
 @pytest.fixture(scope="module")
 def reference(cache):
     """An independent copy of the same weights for recomputation."""
-    from composer_mesh.models.tiny import load_pretrained
+    from composer_mesh.models.loading import load_pretrained
 
     return load_pretrained(STUDENT, cache)
 
@@ -112,7 +112,7 @@ def test_prompt_text_is_encoded_when_ids_are_missing_and_bad_ids_are_named(gen):
 
 
 def test_weight_specs_are_the_trainer_weights(gen, reference):
-    from composer_mesh.models.tiny import named_weights
+    from composer_mesh.models.loading import named_weights
 
     model, _ = reference
     specs = gen.weight_specs()
@@ -153,7 +153,7 @@ def test_load_weights_then_generate_uses_new_weights(cache):
 
 
 def test_settings_are_validated_and_the_binding_resolves():
-    from composer_mesh.bindings import resolve_binding
+    from composer_mesh.roles import resolve_binding
 
     with pytest.raises(ValidationError, match="device 'gpu' is not one of"):
         HFGeneratorSettings(device="gpu")
@@ -161,7 +161,7 @@ def test_settings_are_validated_and_the_binding_resolves():
         HFGeneratorSettings(max_batch=0)
     with pytest.raises(ValidationError, match="batch_size"):
         HFGeneratorSettings.model_validate({"batch_size": 3})
-    b = resolve_binding("generator", "hf")
+    b = resolve_binding("generators", "hf")
     assert b.cls is HFGenerator and b.settings_model is HFGeneratorSettings
     for name, field in HFGeneratorSettings.model_fields.items():
         assert field.description, name
@@ -176,7 +176,7 @@ def test_tied_embeddings_are_one_weight(cache, tmp_path):
     """A local checkpoint with a tied head: the head is not a separate weight, and loading updates it."""
     from transformers import AutoConfig, Qwen2ForCausalLM
 
-    from composer_mesh.models.tiny import load_tokenizer, materialize
+    from composer_mesh.models.loading import load_tokenizer, materialize
 
     base = materialize(ModelConfig(), cache)
     cfg = AutoConfig.from_pretrained(str(base), local_files_only=True)

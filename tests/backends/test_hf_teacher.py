@@ -9,7 +9,8 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from composer_mesh.actors.backends.hf_teacher import HFTeacher, HFTeacherSettings, TeacherTokenizerMismatch
+from composer_mesh.actors.backends.hf_teacher import HFTeacher, HFTeacherSettings
+from composer_mesh.actors.backends.local_teacher import TeacherTokenizerMismatch
 from composer_mesh.actors.messages import Prompt, Rollout
 from composer_mesh.models.config import ModelConfig
 
@@ -30,7 +31,7 @@ def teacher(cache):
 
 @pytest.fixture(scope="module")
 def teacher_copy(teacher, cache):
-    from composer_mesh.models.tiny import load_pretrained
+    from composer_mesh.models.loading import load_pretrained
 
     return load_pretrained(teacher.settings.model, cache)
 
@@ -123,7 +124,8 @@ async def test_calls_run_off_the_event_loop_and_are_counted(teacher, teacher_cop
 
 def _other_tokenizer_student(tmp_path, alphabet: str = ";=+9876543210") -> ModelConfig:
     """A local student checkpoint whose char tokenizer has another alphabet/order (different ids)."""
-    from composer_mesh.models.tiny import build_tiny_model, build_tokenizer, stop_token_ids
+    from composer_mesh.models.tiny import build_tiny_model
+    from composer_mesh.models.tokenizer import build_tokenizer, stop_token_ids
 
     tok = build_tokenizer(alphabet)
     model = build_tiny_model(ModelConfig(), len(tok), stop_token_ids(tok, (";",)), tok.pad_token_id)
@@ -133,7 +135,7 @@ def _other_tokenizer_student(tmp_path, alphabet: str = ";=+9876543210") -> Model
 
 
 async def test_other_tokenizer_gives_retokenised_traces_but_no_distributions(cache, tmp_path, teacher_copy):
-    from composer_mesh.models.tiny import load_tokenizer
+    from composer_mesh.models.loading import load_tokenizer
 
     _, tok = teacher_copy
     student = _other_tokenizer_student(tmp_path)
@@ -156,7 +158,7 @@ async def test_other_tokenizer_gives_retokenised_traces_but_no_distributions(cac
 
 
 async def test_traces_the_student_cannot_write_are_dropped(cache, tmp_path):
-    from composer_mesh.models.tiny import load_tokenizer
+    from composer_mesh.models.loading import load_tokenizer
 
     student = _other_tokenizer_student(tmp_path, "02468+=;")  # no odd digits
     t = HFTeacher(HFTeacherSettings(cache_dir=cache))
@@ -171,7 +173,7 @@ async def test_traces_the_student_cannot_write_are_dropped(cache, tmp_path):
 
 
 def test_settings_are_validated_and_the_binding_resolves():
-    from composer_mesh.bindings import resolve_binding
+    from composer_mesh.roles import resolve_binding
 
     with pytest.raises(ValidationError, match=r"model\.source"):
         HFTeacherSettings.model_validate({"model": {"source": "/does/not/exist"}})
@@ -179,7 +181,7 @@ def test_settings_are_validated_and_the_binding_resolves():
         HFTeacherSettings(trace_temperature=-1)
     with pytest.raises(ValidationError, match="top_k"):
         HFTeacherSettings.model_validate({"top_k": 3})
-    b = resolve_binding("teacher", "hf")
+    b = resolve_binding("teachers", "hf")
     assert b.cls is HFTeacher and b.capabilities == {"distill", "replay"}
     assert HFTeacherSettings().model.warmstart is not None
     for name, field in HFTeacherSettings.model_fields.items():

@@ -1,16 +1,14 @@
-"""HFTrainer: TrainBatch -> compose_loss inputs -> one AdamW step, on the real tiny model (no Monarch)."""
+"""HFTrainer: TrainBatch -> compose_loss inputs (`train_batch`) -> one AdamW step, on the real tiny model (no Monarch)."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
 
-from composer_mesh.actors.backends.hf_trainer import (
-    HFTrainer,
-    HFTrainerSettings,
-    completion_logits,
-    token_logprobs,
-)
+from composer_mesh.actors.backends.hf_trainer import HFTrainer, HFTrainerSettings
+from composer_mesh.actors.backends.train_batch import build_loss_batch, completion_logits
 from composer_mesh.actors.messages import (
     Prompt,
     RewardResult,
@@ -21,6 +19,7 @@ from composer_mesh.actors.messages import (
     TokenDistribution,
     TrainBatch,
 )
+from composer_mesh.loss.compose import LossBatch, token_logprobs
 from composer_mesh.loss.config import LossConfig
 from composer_mesh.models.config import ModelConfig
 
@@ -31,6 +30,11 @@ def make_trainer(**loss) -> HFTrainer:
     trainer = HFTrainer(HFTrainerSettings(lr=1e-2))
     trainer.start(MODEL, LossConfig(**loss))
     return trainer
+
+
+def loss_batch(trainer: HFTrainer, batch: TrainBatch) -> LossBatch:
+    """What `train_step` feeds `compose_loss`."""
+    return build_loss_batch(batch, trainer.model, trainer.loss, temperature=trainer.temperature, reference=trainer.reference)
 
 
 def make_batch(trainer: HFTrainer, with_teacher: bool = True, top_k: int = 0) -> TrainBatch:
@@ -66,7 +70,7 @@ def test_all_three_channels_step_and_change_weights():
     m = trainer.train_step(make_batch(trainer))
     assert set(m.channels) >= {"grpo", "sdpo", "replay"}
     assert all(torch.isfinite(torch.tensor(v)) for v in m.channels.values())
-    assert m.step == 1 and m.weight_version == 1
+    assert m.step == 1 and m.weight_version == 0  # the trainer service stamps the published version
     changed = [k for k, v in trainer.named_weights().items() if not torch.equal(v, before[k])]
     assert len(changed) == len(before)  # every parameter got a gradient through some channel
     assert m.metrics["reward_mean"] == pytest.approx(1 / 3)
@@ -83,8 +87,8 @@ def test_channels_off_without_teacher_inputs_equal_grpo_only():
     a = make_trainer(alpha_sdpo=1.0, beta_replay=1.0)
     b = make_trainer(alpha_sdpo=0.0, beta_replay=0.0)
     batch_a, batch_b = make_batch(a, with_teacher=False), make_batch(b, with_teacher=False)
-    la = a.build_loss_batch(batch_a)
-    lb = b.build_loss_batch(batch_b)
+    la = loss_batch(a, batch_a)
+    lb = loss_batch(b, batch_b)
     assert torch.equal(la.logits, lb.logits)  # same seed, same model, same batch
     from composer_mesh.loss.compose import compose_loss
 
@@ -95,7 +99,7 @@ def test_channels_off_without_teacher_inputs_equal_grpo_only():
 
 def test_old_logprobs_equal_current_policy_gives_ratio_one():
     trainer = make_trainer(alpha_sdpo=0.0, beta_replay=0.0)
-    lb = trainer.build_loss_batch(make_batch(trainer, with_teacher=False))
+    lb = loss_batch(trainer, make_batch(trainer, with_teacher=False))
     cur = token_logprobs(lb.logits, lb.token_ids)
     assert torch.allclose(cur[lb.mask], lb.old_logprobs[lb.mask], atol=1e-5)
 
@@ -118,8 +122,9 @@ def test_checkpoint_is_safetensors_and_reloads(tmp_path):
 
     trainer = make_trainer(alpha_sdpo=0.0, beta_replay=0.0)
     trainer.train_step(make_batch(trainer, with_teacher=False))
-    out = trainer.save_checkpoint(tmp_path / "ckpt")
+    out = trainer.save_checkpoint(tmp_path / "ckpt", weight_version=7)
     assert (out / "model.safetensors").is_file() and not list(out.glob("*.bin"))
+    assert json.loads((out / "trainer_state.json").read_text()) == {"step": 1, "weight_version": 7}
     reloaded = AutoModelForCausalLM.from_pretrained(out)
     for k, v in trainer.named_weights().items():
         assert torch.equal(reloaded.state_dict()[k], v), k

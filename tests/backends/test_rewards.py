@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from composer_mesh.actors.backends.rewards import PythonRewarder, PythonRewarderSettings
 from composer_mesh.actors.messages import Prompt, Rollout
-from composer_mesh.bindings import resolve_binding
+from composer_mesh.roles import resolve_binding
 
 GRADERS = Path(__file__).parent.parent / "graders"
 PROMPT = Prompt(prompt_id="p0", text="3+4=", token_ids=[], answer="7")
@@ -26,7 +26,8 @@ def shell(name: str, timeout: float = 5.0) -> dict:
 
 
 def make(**settings) -> PythonRewarder:
-    return resolve_binding("rewarder", "python").build(settings)
+    binding = resolve_binding("rewarder", "python")
+    return binding.cls(binding.parse_settings(settings))
 
 
 def test_builtin_task_reward_by_import_path():

@@ -90,7 +90,7 @@ def _max_diff(model, groups) -> float:
 
 async def test_vllm_generator_actor_generates_and_takes_weight_pushes(setup):
     from composer_mesh.mesh.weights.plane import WeightPublisher
-    from composer_mesh.models.tiny import load_pretrained
+    from composer_mesh.models.loading import load_pretrained
 
     topo, cache, actor = setup
     name = await actor.setup.call_one()

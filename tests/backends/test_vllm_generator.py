@@ -43,7 +43,7 @@ def gen(tiny):
 
 @pytest.fixture(scope="module")
 def hf(tiny):
-    from composer_mesh.models.tiny import load_pretrained
+    from composer_mesh.models.loading import load_pretrained
 
     cfg, cache = tiny
     model, tokenizer = load_pretrained(cfg, cache)

@@ -154,9 +154,9 @@ async def test_concurrent_calls_and_empty_completion(teacher, tok):
 
 
 async def test_other_tokenizer_gives_retokenised_traces_but_no_distributions(teacher, tok, cfgs):
-    from composer_mesh.actors.backends.hf_teacher import TeacherTokenizerMismatch
+    from composer_mesh.actors.backends.local_teacher import TeacherTokenizerMismatch
     from composer_mesh.models.config import ModelConfig
-    from composer_mesh.models.tiny import load_tokenizer
+    from composer_mesh.models.loading import load_tokenizer
 
     student, _, _ = cfgs
     other = ModelConfig(task=f"{__name__}:MinusTask")

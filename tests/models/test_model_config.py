@@ -10,7 +10,7 @@ from composer_mesh.models.config import ModelConfig
 
 def test_defaults_are_tiny_without_warmstart():
     cfg = ModelConfig()
-    assert cfg.is_tiny and cfg.warmstart is None and cfg.head_dim == 32
+    assert cfg.is_tiny and cfg.warmstart is None and cfg.hidden_size // cfg.num_heads == 32
 
 
 def test_missing_source_path_names_the_field(tmp_path):

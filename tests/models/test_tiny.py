@@ -12,16 +12,15 @@ import pytest
 import torch
 
 from composer_mesh.models.config import ModelConfig
-from composer_mesh.models.tiny import (
+from composer_mesh.models.loading import (
     META_FILE,
-    build_tiny,
-    build_tokenizer,
     cache_root,
-    encode_checked,
     load_pretrained,
     materialize,
     materialized_meta,
 )
+from composer_mesh.models.tiny import build_tiny
+from composer_mesh.models.tokenizer import build_tokenizer, encode_checked
 from composer_mesh.tasks.arithmetic import AdditionTask
 
 STUDENT = ModelConfig(warmstart={"steps": 30})  # the same configs as tests/backends: one cache build per session
@@ -44,7 +43,8 @@ def state_hash(model: torch.nn.Module) -> str:
 _CHILD = """
 import hashlib, json, os, sys, torch
 from composer_mesh.models.config import ModelConfig
-from composer_mesh.models.tiny import build_tiny, materialize
+from composer_mesh.models.loading import materialize
+from composer_mesh.models.tiny import build_tiny
 cfg = ModelConfig.model_validate_json(sys.argv[1])
 model, _ = build_tiny(ModelConfig.model_validate({**cfg.model_dump(), "warmstart": None}))
 h = hashlib.sha256()

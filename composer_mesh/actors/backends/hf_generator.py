@@ -15,52 +15,31 @@ import threading
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, Field
 
 from composer_mesh.actors.backends.local_model import (
+    LocalModelSettings,
+    TorchSettings,
     as_model_config,
-    check_device,
     check_generation_request,
     check_weights,
     prompt_ids,
     stop_ids_for,
-    task_stop_texts,
 )
 from composer_mesh.actors.messages import GenerationRequest, Rollout, RolloutGroup
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-# as_model_config, prompt_ids and task_stop_texts lived here first; other code may still import them from here.
-__all__ = ["HFGenerator", "HFGeneratorSettings", "as_model_config", "prompt_ids", "task_stop_texts"]
 
-
-class HFGeneratorSettings(BaseModel):
+class HFGeneratorSettings(LocalModelSettings, TorchSettings):
     """Settings of the `hf` generator binding."""
 
-    model_config = ConfigDict(extra="forbid")
-
-    device: str = Field("cpu", description="torch device of the policy copy: 'cpu', 'cuda', 'cuda:<index>' or 'mps'.")
-    torch_threads: int | None = Field(
-        1, ge=1, description="torch CPU threads for this process (null = leave torch's default). "
-        "1 is fastest for tiny models when several processes share a few cores."
-    )
     max_batch: int = Field(64, ge=1, description="Maximum sequences sampled together in one batch.")
     seed: int = Field(
         0, description="Base sampling seed for requests without a seed (call i uses seed + i, so runs are reproducible)."
     )
-    stop_at_task_eos: bool = Field(
-        True, description="Also stop at the model task's end marker (e.g. ';' for addition), besides the tokenizer's EOS."
-    )
-    cache_dir: str | None = Field(
-        None, description="Where the policy model is materialized (null = $COMPOSER_MESH_CACHE or ~/.cache/composer_mesh)."
-    )
     name: str = Field("hf", description="Label written into Rollout.generator (e.g. to tell generators apart).")
-
-    @field_validator("device")
-    @classmethod
-    def _device(cls, v: str) -> str:
-        return check_device(v)
 
 
 class HFGenerator:
@@ -79,7 +58,7 @@ class HFGenerator:
 
     # -- lifecycle ---------------------------------------------------------------------------------------
     def start(self, model: Any) -> None:
-        from composer_mesh.models.tiny import load_pretrained, named_weights
+        from composer_mesh.models.loading import load_pretrained, named_weights
 
         cfg = as_model_config(model)
         if self.settings.torch_threads is not None:

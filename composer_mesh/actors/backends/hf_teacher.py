@@ -17,55 +17,25 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, Field
 
-from composer_mesh.actors.backends.local_model import check_device, stop_ids_for
-from composer_mesh.actors.backends.local_teacher import (
-    LocalTeacher,
-    TeacherTokenizerMismatch,
-    default_teacher_model,
-    tokenizer_mismatch,
-)
+from composer_mesh.actors.backends.local_model import TorchSettings, stop_ids_for
+from composer_mesh.actors.backends.local_teacher import LocalTeacher, LocalTeacherSettings
 from composer_mesh.actors.messages import Rollout, TokenDistribution
-from composer_mesh.models.config import ModelConfig
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-# TeacherTokenizerMismatch and tokenizer_mismatch lived here first; other code may still import them from here.
-__all__ = ["HFTeacher", "HFTeacherSettings", "TeacherTokenizerMismatch", "tokenizer_mismatch"]
 
-
-class HFTeacherSettings(BaseModel):
+class HFTeacherSettings(LocalTeacherSettings, TorchSettings):
     """Settings of the `hf` teacher binding."""
 
-    model_config = ConfigDict(extra="forbid")
-
-    model: ModelConfig = Field(
-        default_factory=default_teacher_model,
-        description="The teacher model (same schema as the topology's model:). Default: the tiny model "
-        "warm-started for 150 SFT steps on the addition task, so it already solves it.",
-    )
     device: str = Field("cpu", description="torch device: 'cpu', 'cuda', 'cuda:<index>' or 'mps'.")
     torch_threads: int | None = Field(
         1, ge=1, description="torch CPU threads for this process (null = leave torch's default)."
     )
     max_batch: int = Field(64, ge=1, description="Maximum sequences per teacher forward pass.")
-    trace_temperature: float = Field(
-        0.0, ge=0, description="Sampling temperature of channel-3 traces (0 = greedy)."
-    )
     seed: int = Field(0, description="Base seed of trace sampling (call i uses seed + i) when trace_temperature > 0.")
-    stop_at_task_eos: bool = Field(
-        True, description="Traces also stop at the teacher model task's end marker (e.g. ';'), besides EOS."
-    )
-    cache_dir: str | None = Field(
-        None, description="Where the teacher model is materialized (null = $COMPOSER_MESH_CACHE or ~/.cache/composer_mesh)."
-    )
-
-    @field_validator("device")
-    @classmethod
-    def _device(cls, v: str) -> str:
-        return check_device(v)
 
 
 class HFTeacher(LocalTeacher):
@@ -83,7 +53,7 @@ class HFTeacher(LocalTeacher):
 
     def start(self, student_model: Any, name: str) -> None:
         """Load the teacher and the student's tokenizer; decide whether channel 2 is possible."""
-        from composer_mesh.models.tiny import load_pretrained
+        from composer_mesh.models.loading import load_pretrained
 
         self.name = name
         if self.settings.torch_threads is not None:

@@ -1,12 +1,15 @@
 """Helpers shared by the bindings that run a local copy of a model: the `hf` and `vllm` generators and teachers.
 
-They live here, not in one binding's module, so the bindings agree on one definition of the model config
-they accept, the prompt ids they feed, the tokens they stop on, and the checks of requests and weight pushes.
+They live here, not in one binding's module, so the bindings agree on one definition of the settings they
+share, the model config they accept, the prompt ids they feed, the tokens they stop on, and the checks of
+requests and weight pushes.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 if TYPE_CHECKING:
     import torch
@@ -23,6 +26,42 @@ def check_device(v: str) -> str:
     raise ValueError(f"device {v!r} is not one of 'cpu', 'cuda', 'cuda:<index>', 'mps'")
 
 
+class LocalModelSettings(BaseModel):
+    """What every binding that runs a local copy of a model takes (the hf and vllm generators and teachers):
+    where the model is materialized and whether it also stops at its task's end marker.
+
+    The descriptions are the policy's (generators); the teachers reword them (`LocalTeacherSettings`).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    stop_at_task_eos: bool = Field(
+        True, description="Also stop at the model task's end marker (e.g. ';' for addition), besides the tokenizer's EOS."
+    )
+    cache_dir: str | None = Field(
+        None, description="Where the policy model is materialized (null = $COMPOSER_MESH_CACHE or ~/.cache/composer_mesh)."
+    )
+
+
+class TorchSettings(BaseModel):
+    """The torch device and CPU threads of a binding that runs its model with torch in its own process (the
+    hf generator, teacher and trainer; a vLLM engine owns both itself). Descriptions are the hf generator's;
+    the others override a field's description (and the trainer its type) where theirs differ."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    device: str = Field("cpu", description="torch device of the policy copy: 'cpu', 'cuda', 'cuda:<index>' or 'mps'.")
+    torch_threads: int | None = Field(
+        1, ge=1, description="torch CPU threads for this process (null = leave torch's default). "
+        "1 is fastest for tiny models when several processes share a few cores."
+    )
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        return check_device(v)
+
+
 def as_model_config(model: Any) -> ModelConfig:
     from composer_mesh.models.config import ModelConfig
 
@@ -31,7 +70,7 @@ def as_model_config(model: Any) -> ModelConfig:
 
 def prompt_ids(prompt: Prompt, tokenizer: PreTrainedTokenizerBase, vocab_size: int, who: str) -> list[int]:
     """The prompt's token ids (encoded from its text when empty), checked against the model's vocabulary."""
-    from composer_mesh.models.tiny import encode_checked
+    from composer_mesh.models.tokenizer import encode_checked
 
     ids = list(prompt.token_ids) or encode_checked(tokenizer, prompt.text)
     if not ids:
@@ -54,7 +93,7 @@ def task_stop_texts(model_config: ModelConfig) -> tuple[str, ...]:
 
 def stop_ids_for(tokenizer: Any, model_config: Any, stop_at_task_eos: bool) -> list[int]:
     """EOS plus (optionally) the task's end marker when it is a single token: what every binding stops on."""
-    from composer_mesh.models.tiny import stop_token_ids
+    from composer_mesh.models.tokenizer import stop_token_ids
 
     return stop_token_ids(tokenizer, task_stop_texts(model_config) if stop_at_task_eos else ())
 

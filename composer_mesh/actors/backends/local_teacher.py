@@ -5,7 +5,8 @@ decides whether channel 2 is possible, the argument checks, the usage counters, 
 time in a worker thread (so the actor's event loop stays responsive), re-tokenising channel-3 traces into
 the student's vocabulary, and trimming/padding dense rows to the student's vocabulary. A binding supplies
 `_require_started`, `_compute_distributions` (teacher-forced rows for rollouts it has checked) and
-`_sample_traces` (the teacher's own token ids for each prompt).
+`_sample_traces` (the teacher's own token ids for each prompt). `LocalTeacherSettings` holds the settings
+both bindings share.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
+from pydantic import Field
 
-from composer_mesh.actors.backends.local_model import as_model_config, prompt_ids
+from composer_mesh.actors.backends.local_model import LocalModelSettings, as_model_config, prompt_ids
 from composer_mesh.actors.messages import Prompt, Rollout, TeacherTrace, TokenDistribution
 from composer_mesh.models.config import ModelConfig, WarmStartConfig
 
@@ -39,6 +41,24 @@ class TeacherTokenizerMismatch(ValueError):
 def default_teacher_model() -> ModelConfig:
     """The default teacher: the tiny model warm-started on its task, so it already solves it."""
     return ModelConfig(warmstart=WarmStartConfig(steps=150))
+
+
+class LocalTeacherSettings(LocalModelSettings):
+    """What the hf and vllm teachers' settings share: the teacher model, trace sampling, and the local-model
+    settings in the teacher's words."""
+
+    model: ModelConfig = Field(
+        default_factory=default_teacher_model,
+        description="The teacher model (same schema as the topology's model:). Default: the tiny model "
+        "warm-started for 150 SFT steps on the addition task, so it already solves it.",
+    )
+    trace_temperature: float = Field(0.0, ge=0, description="Sampling temperature of channel-3 traces (0 = greedy).")
+    stop_at_task_eos: bool = Field(
+        True, description="Traces also stop at the teacher model task's end marker (e.g. ';'), besides EOS."
+    )
+    cache_dir: str | None = Field(
+        None, description="Where the teacher model is materialized (null = $COMPOSER_MESH_CACHE or ~/.cache/composer_mesh)."
+    )
 
 
 def tokenizer_mismatch(teacher: PreTrainedTokenizerBase, student: PreTrainedTokenizerBase) -> str | None:
@@ -66,7 +86,8 @@ class LocalTeacher(ABC):
     """Base of the teachers that run a local model: channel 2 (shared tokenizer only) and channel 3."""
 
     binding: ClassVar[str]  # the binding's name, in errors and logs
-    settings: Any  # the binding's Settings; `model`, `seed` and `trace_temperature` are read here
+    settings: Any  # the binding's Settings (a LocalTeacherSettings with a `seed`); `model`, `seed` and
+    # `trace_temperature` are read here
 
     def __init__(self, settings: Any) -> None:
         self.settings = settings
@@ -107,7 +128,7 @@ class LocalTeacher(ABC):
     # -- lifecycle ---------------------------------------------------------------------------------------
     def bind_student(self, student_model: Any) -> None:
         """Load the student's tokenizer (from its ModelConfig) and decide whether channel 2 is possible."""
-        from composer_mesh.models.tiny import load_tokenizer
+        from composer_mesh.models.loading import load_tokenizer
 
         self._require_started()
         student = as_model_config(student_model)

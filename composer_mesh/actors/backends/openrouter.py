@@ -61,7 +61,7 @@ def load_student_tokenizer(student_model: Any) -> StudentTokenizer:
         raise OpenRouterConfigError(
             "the openrouter teacher needs the student's model config (for its tokenizer) to re-tokenise traces"
         )
-    from composer_mesh.models.tiny import load_tokenizer
+    from composer_mesh.models.loading import load_tokenizer
 
     return load_tokenizer(student_model)  # type: ignore[return-value]
 

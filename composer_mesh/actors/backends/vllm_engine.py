@@ -34,6 +34,8 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from composer_mesh.models.loading import TORCH_DTYPES
+
 if TYPE_CHECKING:
     from vllm import LLM, SamplingParams
     from vllm.outputs import RequestOutput
@@ -43,7 +45,6 @@ R = TypeVar("R")
 
 EngineDType = Literal["auto", "float32", "bfloat16", "float16"]
 CPU_DEFAULT_KV_CACHE_BYTES = 256 * 2**20
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 WORKER_EXTENSION = "composer_mesh.actors.backends.vllm_engine.ComposerWorkerExtension"  # dotted, as vLLM wants
 
 
@@ -168,8 +169,8 @@ class VLLMEngine:
         if not (self.model_dir / "config.json").is_file():
             raise ValueError(f"vLLM engine: {str(self.model_dir)!r} is not a save_pretrained directory (no config.json)")
         self.dtype = model_dtype if settings.dtype == "auto" else settings.dtype
-        if self.dtype not in _TORCH_DTYPES:
-            raise ValueError(f"vLLM engine: dtype {self.dtype!r} is not one of {sorted(_TORCH_DTYPES)}")
+        if self.dtype not in TORCH_DTYPES:
+            raise ValueError(f"vLLM engine: dtype {self.dtype!r} is not one of {sorted(TORCH_DTYPES)}")
         # The engine's own thread: it builds the engine and runs every call (see the module docstring).
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-engine")
         prepare_environment(settings)
@@ -231,7 +232,7 @@ class VLLMEngine:
         from transformers import AutoModelForCausalLM
 
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(self.hf_config, dtype=dtype or _TORCH_DTYPES[self.dtype])
+            model = AutoModelForCausalLM.from_config(self.hf_config, dtype=dtype or TORCH_DTYPES[self.dtype])
         return {name: (tuple(t.shape), t.dtype) for name, t in model.state_dict().items()}
 
     def load_weights(self, named: dict[str, torch.Tensor]) -> None:

@@ -15,13 +15,13 @@ Same contract as the `hf` generator (`hf_generator.py`), so a topology swaps the
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 from pydantic import Field
 
 from composer_mesh.actors.backends.local_model import (
+    LocalModelSettings,
     as_model_config,
     check_generation_request,
     check_weights,
@@ -33,20 +33,10 @@ from composer_mesh.actors.messages import GenerationRequest, Rollout, RolloutGro
 
 log = logging.getLogger(__name__)
 
-# stop_ids_for lived here first; other code may still import it from here.
-__all__ = ["VLLMGenerator", "VLLMGeneratorSettings", "stop_ids_for"]
 
-
-class VLLMGeneratorSettings(VLLMEngineSettings):
+class VLLMGeneratorSettings(LocalModelSettings, VLLMEngineSettings):
     """Settings of the `vllm` generator binding (engine settings plus the hf generator's sampling knobs)."""
 
-    stop_at_task_eos: bool = Field(
-        True, description="Also stop at the model task's end marker (e.g. ';' for addition), besides the tokenizer's EOS."
-    )
-    cache_dir: str | None = Field(
-        None,
-        description="Where the policy model is materialized (null = $COMPOSER_MESH_CACHE or ~/.cache/composer_mesh).",
-    )
     name: str = Field("vllm", description="Label written into Rollout.generator (e.g. to tell generators apart).")
 
 
@@ -60,22 +50,21 @@ class VLLMGenerator:
         self.settings = settings or VLLMGeneratorSettings()
         self.engine: VLLMEngine | None = None
         self.stop_ids: list[int] = []
-        self.model_dir: Path | None = None
         self._specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
         self._vocab = 0
         self._calls = 0
 
     def start(self, model: Any) -> None:
         """Materialize the policy model (a ModelConfig) and start the engine on it."""
-        from composer_mesh.models.tiny import materialize, torch_dtype
+        from composer_mesh.models.loading import materialize, torch_dtype
 
         cfg = as_model_config(model)
-        self.model_dir = materialize(cfg, self.settings.cache_dir)
-        self.engine = VLLMEngine(self.settings, self.model_dir, model_dtype=cfg.dtype)
+        model_dir = materialize(cfg, self.settings.cache_dir)
+        self.engine = VLLMEngine(self.settings, model_dir, model_dtype=cfg.dtype)
         self.stop_ids = stop_ids_for(self.engine.tokenizer, cfg, self.settings.stop_at_task_eos)
         self._specs = self.engine.weight_specs(torch_dtype(cfg.dtype))
         self._vocab = int(self.engine.hf_config.vocab_size)
-        log.info("vllm generator on %s (engine dtype %s), stop ids %s", self.model_dir, self.engine.dtype, self.stop_ids)
+        log.info("vllm generator on %s (engine dtype %s), stop ids %s", model_dir, self.engine.dtype, self.stop_ids)
 
     def _engine(self) -> VLLMEngine:
         if self.engine is None:

@@ -17,7 +17,6 @@ Engine calls block, so the async methods run them in a worker thread, one comput
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -26,30 +25,21 @@ from pydantic import Field
 from composer_mesh.actors.backends.local_model import stop_ids_for
 from composer_mesh.actors.backends.local_teacher import (
     LocalTeacher,
-    TeacherTokenizerMismatch,
+    LocalTeacherSettings,
     default_teacher_model,
 )
 from composer_mesh.actors.backends.vllm_engine import VLLMEngine, VLLMEngineSettings, topk_from_logprob_dicts
 from composer_mesh.actors.messages import Rollout, TokenDistribution
 from composer_mesh.models.config import ModelConfig
 
-__all__ = ["TeacherTokenizerMismatch", "VLLMTeacher", "VLLMTeacherSettings"]
 
-
-class VLLMTeacherSettings(VLLMEngineSettings):
+class VLLMTeacherSettings(LocalTeacherSettings, VLLMEngineSettings):
     """Settings of the `vllm` teacher binding: the hf teacher's knobs plus the engine's."""
 
     model: ModelConfig = Field(
         default_factory=default_teacher_model,
         description="The teacher model (same schema as the topology's model:). Default: the hf teacher's "
         "default, the tiny model warm-started on the addition task so that it already solves it.",
-    )
-    trace_temperature: float = Field(0.0, ge=0, description="Sampling temperature of channel-3 traces (0 = greedy).")
-    stop_at_task_eos: bool = Field(
-        True, description="Traces also stop at the teacher model task's end marker (e.g. ';'), besides EOS."
-    )
-    cache_dir: str | None = Field(
-        None, description="Where the teacher model is materialized (null = $COMPOSER_MESH_CACHE or ~/.cache/composer_mesh)."
     )
 
 
@@ -64,17 +54,16 @@ class VLLMTeacher(LocalTeacher):
     def __init__(self, settings: VLLMTeacherSettings | None = None) -> None:
         super().__init__(settings or VLLMTeacherSettings())
         self.engine: VLLMEngine | None = None
-        self.model_dir: Path | None = None
 
     def start(self, student_model: Any, name: str) -> None:
         """Materialize the teacher model, start the engine, and compare tokenizers with the student's."""
-        from composer_mesh.models.tiny import materialize
+        from composer_mesh.models.loading import materialize
 
         self.name = name
         cfg = self.settings.model
-        self.model_dir = materialize(cfg, self.settings.cache_dir)
+        model_dir = materialize(cfg, self.settings.cache_dir)
         # max_logprobs=-1: the dense (top_k=0) path asks for the whole vocabulary.
-        self.engine = VLLMEngine(self.settings, self.model_dir, model_dtype=cfg.dtype, max_logprobs=-1)
+        self.engine = VLLMEngine(self.settings, model_dir, model_dtype=cfg.dtype, max_logprobs=-1)
         self.tokenizer = self.engine.tokenizer
         self._vocab = int(self.engine.hf_config.vocab_size)
         self.stop_ids = stop_ids_for(self.engine.tokenizer, cfg, self.settings.stop_at_task_eos)

@@ -1,0 +1,87 @@
+"""The tiny model's character-level tokenizer, and the token helpers every binding uses with any tokenizer.
+
+`build_tokenizer(alphabet)` gives the built-in model's tokenizer (`tiny_tokenizer(config)` for a config's
+task); `encode_checked` and `stop_token_ids` work on any transformers tokenizer.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+    from composer_mesh.models.config import ModelConfig
+
+EOS_TOKEN = "<|endoftext|>"  # end of text; also the pad token
+
+
+def task_alphabet_and_eos(task_name: str) -> tuple[str, str | None]:
+    """The characters a task's prompts and answers use, and its end marker (e.g. ';') if it has one."""
+    from composer_mesh.tasks import get_task
+
+    task = get_task(task_name)
+    return task.alphabet, getattr(task, "eos", None)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character map (what a byte-level BPE stores in its vocab)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def build_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:
+    """Character-level tokenizer: `<|endoftext|>` (id 0, also pad) then one id per character of `alphabet`.
+
+    It is a `Qwen2Tokenizer` (byte-level BPE) with no merges and a vocabulary holding only the alphabet's
+    bytes. That is deliberate: transformers 5 (and so vLLM) always rebuilds a qwen2 model's tokenizer as
+    `Qwen2Tokenizer` from the saved vocab, so building it the same way here makes the in-memory tokenizer
+    and every reloaded copy identical. ASCII characters are one id each (`"3+4="` -> 4 ids); nothing is
+    added around the text. Characters outside the alphabet are dropped by the BPE (it has no unk), so
+    encode untrusted text with `encode_checked`.
+    """
+    from transformers import Qwen2Tokenizer
+
+    b2u = _bytes_to_unicode()
+    vocab: dict[str, int] = {EOS_TOKEN: 0}
+    for ch in alphabet:
+        for byte in ch.encode("utf-8"):
+            vocab.setdefault(b2u[byte], len(vocab))
+    return Qwen2Tokenizer(vocab=vocab, merges=[], eos_token=EOS_TOKEN, pad_token=EOS_TOKEN, unk_token=EOS_TOKEN)
+
+
+def tiny_tokenizer(config: ModelConfig) -> PreTrainedTokenizerFast:
+    """The built-in model's tokenizer for `config` (its task's alphabet)."""
+    alphabet, _ = task_alphabet_and_eos(config.task)
+    return build_tokenizer(alphabet)
+
+
+def encode_checked(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    """Encode without special tokens; raise if the ids do not decode back to `text` (characters not covered)."""
+    ids = list(tokenizer.encode(text, add_special_tokens=False))
+    back = tokenizer.decode(ids)
+    if back != text:
+        missing = sorted({ch for ch in text if ch not in back})
+        raise ValueError(
+            f"the tokenizer cannot represent {text!r} (round trip gives {back!r}; characters not covered: {missing})"
+        )
+    return ids
+
+
+def stop_token_ids(tokenizer: PreTrainedTokenizerBase, extra_texts: tuple[str, ...] = ()) -> list[int]:
+    """The tokenizer's EOS plus every `extra_texts` string that is a single token (e.g. the task's ';')."""
+    ids: list[int] = []
+    if tokenizer.eos_token_id is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    for text in extra_texts:
+        enc = tokenizer.encode(text, add_special_tokens=False)
+        if len(enc) == 1 and enc[0] not in ids:
+            ids.append(int(enc[0]))
+    return ids
