@@ -297,10 +297,6 @@ class Topology(StrictModel):
     def teachers(self) -> TeachersSpec | None:
         return self.roles.teachers
 
-    def roles_on(self, mesh: str) -> list[Role]:
-        """Roles placed on `mesh`."""
-        return [role for role, m in self.roles.placements() if m == mesh]
-
     def summary(self) -> str:
         """One line: meshes by backend, procs and GPUs, and where each role runs."""
         backends = ", ".join(

@@ -64,8 +64,8 @@ def test_fake_mixed_loads_typed_sections() -> None:
     assert api_t.resolved.cls is APITeacher and api_t.resolved.capabilities == frozenset({"replay"})
     assert api_t.settings.temperature == 0.5  # type: ignore[attr-defined]
 
-    assert t.roles_on("teach") == ["teachers"]
-    assert t.roles_on("train") == ["trainer"]
+    on = dict(t.roles.placements())
+    assert on["teachers"] == "teach" and on["trainer"] == "train"
     assert "4 meshes (1 local, 1 process, 2 slurm)" in t.summary()
 
 
