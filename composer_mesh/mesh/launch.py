@@ -334,7 +334,8 @@ async def _host_meshes(
     hosts: dict[str, Any] = {}
     if by_backend["slurm"]:
         kwargs = {n: specs[n].slurm_job_kwargs(job_name=slurm_job_name(run_name, n, specs[n])) for n in by_backend["slurm"]}
-        jobs.slurm = slurm.submit_jobs(kwargs, {n: specs[n].hosts for n in by_backend["slurm"]}, slurm_logs)
+        jobs.slurm = slurm.create_jobs(kwargs, {n: specs[n].hosts for n in by_backend["slurm"]}, slurm_logs)
+        slurm.submit(jobs.slurm)
         # All jobs are queued already, so waiting for them one after the other costs no extra time.
         for name, job in jobs.slurm.items():
             options = specs[name].slurm

@@ -12,8 +12,10 @@ import atexit
 import ipaddress
 import json
 import logging
+import os
 import socket
 import subprocess
+import sys
 import time
 from typing import Any
 
@@ -125,15 +127,12 @@ async def wait_until_running(job: Any, mesh: str, timeout: float | None, log_dir
         await asyncio.sleep(0.5)
 
 
-def submit_jobs(job_kwargs: dict[str, dict[str, Any]], hosts: dict[str, int], log_dir: str) -> dict[str, Any]:
-    """Create and `sbatch` one `SlurmJob` per mesh (name -> `SlurmJob` keyword arguments); returns the jobs.
+def create_jobs(job_kwargs: dict[str, dict[str, Any]], hosts: dict[str, int], log_dir: str) -> dict[str, Any]:
+    """One `SlurmJob` per mesh (name -> `SlurmJob` keyword arguments), not yet submitted.
 
-    Must run before the client uses Monarch's transport: `SlurmJob()` reconfigures it. Submission is
-    synchronous (~0.1 s per job): in a thread, a cancellation could let a job be submitted after cleanup ran.
+    Must run before the client uses Monarch's transport: `SlurmJob()` reconfigures it. The caller holds the
+    jobs before `submit` runs, so a submission that fails half way still cancels the ones already queued.
     """
-    import os
-    import sys
-
     cls = slurm_job_class()
     os.makedirs(log_dir, exist_ok=True)
     jobs = {
@@ -150,10 +149,15 @@ def submit_jobs(job_kwargs: dict[str, dict[str, Any]], hosts: dict[str, int], lo
             socket.gethostname(),
         )
         configure(default_transport=ChannelTransport.TcpWithLocalhost)
+    return jobs
+
+
+def submit(jobs: dict[str, Any]) -> None:
+    """`sbatch` every job, synchronously (~0.1 s each): in a thread, a cancellation could let a job be
+    submitted after cleanup ran. Each is also cancelled at interpreter exit unless unregistered first."""
     for job in jobs.values():
         register_atexit(job)
         job.apply()
-    return jobs
 
 
 # A controller that dies without unwinding (no `finally`) still scancels its jobs at interpreter exit.

@@ -57,9 +57,8 @@ def completion_logprobs(
     model: torch.nn.Module, prompts: list[list[int]], completions: list[list[int]], temperature: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probs [B, T] float32 of each completion token under softmax(logits / temperature), mask [B, T])."""
-    device = next(model.parameters()).device
     logits = completion_logits(model, prompts, completions) / temperature
-    return token_logprobs(logits, pad(completions, 0, torch.long, device)), _mask(completions, device)
+    return token_logprobs(logits, pad(completions, 0, torch.long, logits.device)), _mask(completions, logits.device)
 
 
 # ---- channel 2: teacher distributions ------------------------------------------------------------------

@@ -19,8 +19,9 @@ Protocol (details and reasoning in docs/weights.md):
 The `endpoint` transport keeps the same slots and interface but ships the newest stable slot as
 safetensors bytes through a small actor that lives in the trainer's process.
 
-Monarch is imported lazily (inside functions) so that importing `WeightPlaneConfig` for topology validation
-never imports Monarch before the launcher has set its environment variables.
+Monarch is imported lazily (inside functions), so importing this module never imports Monarch before
+`composer_mesh.mesh.runtime` has set its environment. The `weights:` section's settings live in
+`composer_mesh.mesh.weights.config`.
 """
 
 from __future__ import annotations
