@@ -23,6 +23,9 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "entropy_opd_gate": ("hard", "linear"),
 }
 
+# A chunked loss loop holds about this many float32 values per working buffer (see `loss/chunks.py`).
+DEFAULT_LOSS_CHUNK_ELEMENTS = 8 * 2**20
+
 _NON_NEGATIVE = (
     "alpha_sdpo",
     "beta_replay",
@@ -119,10 +122,18 @@ class LossConfig(BaseModel):
         "softmax((1-t)*sg(student) + t*teacher) (arXiv:2501.16937). 'entropy_opd': divergence plus a forward-KL "
         "term on tokens where the teacher's entropy is high (EOPD, arXiv:2603.07079).",
     )
-    sdpo_chunk_tokens: int = Field(
-        32,
-        description="Channel 2 is computed over this many tokens at a time, so only a (chunk x vocab) float32 "
-        "working set exists besides the logits and their gradient.",
+    loss_chunk_elements: int = Field(
+        DEFAULT_LOSS_CHUNK_ELEMENTS,
+        description="Working-set size of every chunked loss loop (channel 2, token log-probs, log-probs from hidden "
+        "states): a chunk holds about this many float32 values, i.e. loss_chunk_elements // vocab tokens. "
+        "The default (8 Mi values, 32 MiB per buffer) is 55 tokens at vocab 151,936 and 262 at 32,000: big enough "
+        "that per-chunk overhead does not make chunking slower than the unchunked computation, small enough to "
+        "keep its memory far below it.",
+    )
+    sdpo_chunk_tokens: int | None = Field(
+        None,
+        description="Override: compute channel 2 over exactly this many tokens at a time instead of "
+        "loss_chunk_elements // vocab (null = from loss_chunk_elements).",
     )
     taid_t: float | None = Field(
         None,
@@ -218,7 +229,7 @@ class LossConfig(BaseModel):
             raise ValueError(f"sdpo_token_clip must be > 0 or null, got {value!r}")
         return value
 
-    @field_validator("sdpo_chunk_tokens", "taid_total_steps")
+    @field_validator("sdpo_chunk_tokens", "taid_total_steps", "loss_chunk_elements")
     @classmethod
     def _positive_int(cls, value: int | None, info: ValidationInfo) -> int | None:
         if value is not None and value < 1:

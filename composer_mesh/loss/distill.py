@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from composer_mesh.loss.chunks import DEFAULT_CHUNK_ELEMENTS, chunk_tokens, compute_dtype
 from composer_mesh.loss.config import LossConfig
 
 
@@ -46,7 +47,8 @@ class DistillParams:
     taid_t: float | None = None  # None = no TAID
     entropy_h_max: float | None = None  # None = no entropy-aware OPD term
     entropy_gate: str = "hard"
-    chunk_tokens: int = 32
+    chunk_tokens: int | None = None  # None = chunk_elements // vocab
+    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS
 
     @classmethod
     def from_config(cls, config: LossConfig, taid_t: float | None = None) -> DistillParams:
@@ -58,7 +60,11 @@ class DistillParams:
             entropy_h_max=config.entropy_opd_h_max if config.sdpo_wrapper == "entropy_opd" else None,
             entropy_gate=config.entropy_opd_gate,
             chunk_tokens=config.sdpo_chunk_tokens,
+            chunk_elements=config.loss_chunk_elements,
         )
+
+    def tokens_per_chunk(self, vocab: int) -> int:
+        return chunk_tokens(vocab, self.chunk_elements, self.chunk_tokens)
 
 
 @dataclass
@@ -107,8 +113,9 @@ def token_divergence(
 
     Returns (loss [...], teacher_entropy [...], gate [...], clipped [...]).
     """
-    s = student_logits.float() / params.temperature
-    t_scaled = teacher_logits.float() / params.temperature
+    dt = compute_dtype(student_logits)
+    s = student_logits.to(dt) / params.temperature
+    t_scaled = teacher_logits.to(dt) / params.temperature
     ls = torch.log_softmax(s, dim=-1)
     teacher_lp = torch.log_softmax(t_scaled, dim=-1)
     teacher_entropy = -(teacher_lp.exp() * teacher_lp).sum(-1).detach()
@@ -140,12 +147,17 @@ def token_divergence(
 
 
 def distill_loss_naive(
-    student_logits: Tensor, teacher_logits: Tensor, weights_mask: Tensor, params: DistillParams
+    student_logits: Tensor,
+    teacher_logits: Tensor,
+    weights_mask: Tensor,
+    params: DistillParams,
+    denominator: int | None = None,
 ) -> DistillOutput:
-    """Reference: full (tokens x vocab) materialisation with autograd. Mean over tokens where weights_mask."""
+    """Reference: full (tokens x vocab) materialisation with autograd. Sum over tokens where weights_mask,
+    divided by their count (or by `denominator`, the whole batch's count, for a micro-batch)."""
     loss_tok, entropy, gate, clipped = token_divergence(student_logits, teacher_logits, params)
     sel = weights_mask.bool()
-    n = sel.sum().clamp_min(1)
+    n = sel.sum().clamp_min(1) if denominator is None else max(denominator, 1)
     loss = (loss_tok * sel).sum() / n
     return DistillOutput(loss, loss_tok[sel].detach(), entropy[sel], gate[sel].detach(), clipped[sel])
 
@@ -165,8 +177,9 @@ def _rowdot(a: Tensor, b: Tensor) -> Tensor:
 
 
 def _log_softmax_rows(x: Tensor, inv_t: float) -> Tensor:
-    """log_softmax(x * inv_t) in float32 as a NEW tensor (x, possibly a view of the inputs, is never modified)."""
-    x32 = x.float()
+    """log_softmax(x * inv_t) in float32 (float64 for float64 x) as a NEW tensor (x, possibly a view of the
+    inputs, is never modified)."""
+    x32 = x.to(compute_dtype(x))
     if inv_t != 1.0:
         x32 = x32 * inv_t
     return torch.log_softmax(x32, dim=-1)
@@ -185,10 +198,10 @@ def _chunk_loss_and_grad(
     inv_t = 1.0 / params.temperature
     ls = _log_softmax_rows(s, inv_t)
     q = ls.exp()
-    teacher_lp = _log_softmax_rows(t, inv_t)
+    teacher_lp = _log_softmax_rows(t.to(ls.dtype), inv_t)
     teacher_p = teacher_lp.exp()
     eopd = params.entropy_h_max is not None
-    entropy = -_rowdot(teacher_p, teacher_lp) if eopd else torch.zeros(s.shape[0], device=s.device)
+    entropy = -_rowdot(teacher_p, teacher_lp) if eopd else torch.zeros(s.shape[0], dtype=ls.dtype, device=s.device)
     gate = _entropy_gate(entropy, params) if eopd else torch.zeros_like(entropy)
     fkl_teacher = None
     if eopd:
@@ -209,7 +222,7 @@ def _chunk_loss_and_grad(
         p = target_lp.exp()
     else:
         target_lp, p = teacher_lp, teacher_p
-    direct = grad_out is not None and grad_out.dtype == torch.float32 and grad_out.is_contiguous()
+    direct = grad_out is not None and grad_out.dtype == ls.dtype and grad_out.is_contiguous()
     g: Tensor | None = None
     beta = params.beta
     # Sums are taken over elementwise differences (never as differences of large sums such as sum p log p,
@@ -290,11 +303,12 @@ class _ChunkedDistill(torch.autograd.Function):
             grad_buf = alloc(student.shape, dtype=student.dtype, device=dev)
         # Outputs are preallocated: small tensors kept alive between the chunks' large temporaries would pin
         # glibc heap pages (measured: +440 MB RSS at 2,048 x 32,000 before this change).
-        per_token = torch.empty(n_rows, dtype=torch.float32, device=dev)
-        entropy = torch.empty(n_rows, dtype=torch.float32, device=dev)
-        gate = torch.empty(n_rows, dtype=torch.float32, device=dev)
+        dt = compute_dtype(student)
+        per_token = torch.empty(n_rows, dtype=dt, device=dev)
+        entropy = torch.empty(n_rows, dtype=dt, device=dev)
+        gate = torch.empty(n_rows, dtype=dt, device=dev)
         clipped = torch.empty(n_rows, dtype=torch.bool, device=dev)
-        for start, stop in _plan_chunks(rows, max(1, params.chunk_tokens)):
+        for start, stop in _plan_chunks(rows, params.tokens_per_chunk(student.shape[-1])):
             b = rows[start][0]
             ts = [r[1] for r in rows[start:stop]]
             w = weights[start:stop]
@@ -305,7 +319,7 @@ class _ChunkedDistill(torch.autograd.Function):
             else:
                 idx = torch.tensor(ts, device=dev)
                 g_tmp = (
-                    torch.empty(len(ts), student.shape[-1], dtype=torch.float32, device=dev)
+                    torch.empty(len(ts), student.shape[-1], dtype=dt, device=dev)
                     if need_grad
                     else None
                 )
@@ -336,9 +350,14 @@ class _ChunkedDistill(torch.autograd.Function):
 
 
 def distill_loss_chunked(
-    student_logits: Tensor, teacher_logits: Tensor, weights_mask: Tensor, params: DistillParams
+    student_logits: Tensor,
+    teacher_logits: Tensor,
+    weights_mask: Tensor,
+    params: DistillParams,
+    denominator: int | None = None,
 ) -> DistillOutput:
     """Channel 2 over a dense teacher: mean divergence over tokens where `weights_mask`, chunked (see module doc).
+    With `denominator` (the whole batch's distilled-token count, for a micro-batch): sum / denominator.
 
     student_logits, teacher_logits: [B, T, V] (any strides; the last dim must be contiguous for speed);
     weights_mask: [B, T] bool.
@@ -355,7 +374,10 @@ def distill_loss_chunked(
         )
     mask = weights_mask.bool()
     n_rows = int(mask.sum())
-    weights = torch.full((n_rows,), 1.0 / max(n_rows, 1), dtype=torch.float32, device=student_logits.device)
+    weights = torch.full(
+        (n_rows,), 1.0 / max(n_rows if denominator is None else denominator, 1),
+        dtype=compute_dtype(student_logits), device=student_logits.device,
+    )
     total, per_token, entropy, gate, clipped = _ChunkedDistill.apply(
         student_logits, teacher_logits.detach(), mask, weights, params
     )
@@ -370,6 +392,7 @@ def distill_loss_topk(
     topk_logprobs: Tensor,
     weights_mask: Tensor,
     params: DistillParams,
+    denominator: int | None = None,
 ) -> DistillOutput:
     """Channel 2 over a sparse top-k teacher.
 
@@ -377,20 +400,31 @@ def distill_loss_topk(
     log_softmax(topk_logprobs / T) and the student's log_softmax(student_logits[ids] / T). The divergence is then
     the same as the dense one over k outcomes; mass the student puts outside the support is not penalised.
     """
-    vocab = student_logits.shape[-1]
+    sel = weights_mask.bool()
+    ids = checked_topk_ids(topk_ids, topk_logprobs, sel, student_logits.shape[-1])
+    student_k = student_logits.gather(-1, ids)[sel]
+    return distill_topk_selected(student_k, topk_logprobs.detach()[sel], params, denominator)
+
+
+def checked_topk_ids(topk_ids: Tensor, topk_logprobs: Tensor, sel: Tensor, vocab: int) -> Tensor:
+    """The top-k ids as long, clamped into [0, vocab); raises on ids outside it at distilled positions."""
     if topk_ids.shape != topk_logprobs.shape:
         raise ValueError(
             f"teacher_topk_ids shape {tuple(topk_ids.shape)} != teacher_topk_logprobs shape {tuple(topk_logprobs.shape)}"
         )
-    sel = weights_mask.bool()
     ids = topk_ids.long()
     bad = sel.unsqueeze(-1) & ((ids < 0) | (ids >= vocab))
     if bool(bad.any()):
         raise ValueError(f"teacher_topk_ids has ids outside [0, {vocab}) at distilled positions")
-    student_k = student_logits.gather(-1, ids.clamp(0, vocab - 1))[sel]
-    teacher_k = topk_logprobs.detach()[sel]
+    return ids.clamp(0, vocab - 1)
+
+
+def distill_topk_selected(
+    student_k: Tensor, teacher_k: Tensor, params: DistillParams, denominator: int | None = None
+) -> DistillOutput:
+    """Channel 2 on the distilled tokens' top-k support: student logits and teacher log-probs, both [n, k]."""
     loss_tok, entropy, gate, clipped = token_divergence(student_k, teacher_k, params)
-    n = max(loss_tok.shape[0], 1)
+    n = max(loss_tok.shape[0] if denominator is None else denominator, 1)
     loss = loss_tok.sum() / n
     return DistillOutput(loss, loss_tok.detach(), entropy, gate.detach(), clipped)
 

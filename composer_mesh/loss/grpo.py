@@ -19,79 +19,93 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from composer_mesh.loss.chunks import (
+    DEFAULT_CHUNK_ELEMENTS,
+    chunk_tokens,
+    compute_dtype,
+    flat_chunks,
+    row_chunks,
+)
 from composer_mesh.loss.config import LossConfig
 
 
 def group_advantages(rewards: Tensor, group_ids: Tensor, scale_std: bool, eps: float = 1e-4) -> Tensor:
     """Group-normalised advantages [B] from rewards [B] and group ids [B] (any integer labels)."""
-    rewards = rewards.detach().to(torch.float32)
+    rewards = rewards.detach().to(compute_dtype(rewards))
     _, inverse = torch.unique(group_ids, return_inverse=True)
     n_groups = int(inverse.max()) + 1 if inverse.numel() else 0
-    counts = torch.zeros(n_groups, dtype=torch.float32, device=rewards.device).index_add_(
+    counts = torch.zeros(n_groups, dtype=rewards.dtype, device=rewards.device).index_add_(
         0, inverse, torch.ones_like(rewards)
     )
-    sums = torch.zeros(n_groups, dtype=torch.float32, device=rewards.device).index_add_(0, inverse, rewards)
+    sums = torch.zeros(n_groups, dtype=rewards.dtype, device=rewards.device).index_add_(0, inverse, rewards)
     mean = sums / counts
     centred = rewards - mean[inverse]
     if not scale_std:
         return centred
-    sq = torch.zeros(n_groups, dtype=torch.float32, device=rewards.device).index_add_(0, inverse, centred**2)
+    sq = torch.zeros(n_groups, dtype=rewards.dtype, device=rewards.device).index_add_(0, inverse, centred**2)
     var = torch.where(
         counts > 1, sq / (counts - 1).clamp_min(1), torch.zeros_like(sq)
     )  # unbiased, like torch.std
     return centred / (var.sqrt()[inverse] + eps)
 
 
-_TOKEN_CHUNK = 64  # sequence positions per chunk in token_logprobs
-
-
 class _TokenLogprobs(torch.autograd.Function):
-    """log_softmax(logits)[token] computed `_TOKEN_CHUNK` positions at a time.
+    """log_softmax(logits)[token], computed a chunk of about `elements` values at a time.
 
-    Forward keeps only a (chunk x vocab) float32 working set; backward writes
-    g * (onehot - softmax) chunk by chunk into ONE buffer shaped like the logits (the gradient itself).
-    Plain autograd (gather + logsumexp) would build a full float32 exp() in forward and a full softmax plus
-    a full zero-filled scatter in backward.
+    Forward keeps only a (chunk x vocab) working set; backward writes g * (onehot - softmax) chunk by chunk
+    into ONE buffer shaped like the logits (the gradient itself). Plain autograd (gather + logsumexp) would build
+    a full float32 exp() in forward and a full softmax plus a full zero-filled scatter in backward.
+    Contiguous logits are walked as flat [B*T, V] rows, so short rows do not mean many tiny chunks.
     """
 
     @staticmethod
-    def forward(ctx: Any, logits: Tensor, ids: Tensor) -> Tensor:  # type: ignore[override]
-        b, t, _ = logits.shape
-        lse = torch.empty(b, t, dtype=torch.float32, device=logits.device)
-        for i in range(b):
-            for t0 in range(0, t, _TOKEN_CHUNK):
-                lse[i, t0 : t0 + _TOKEN_CHUNK] = torch.logsumexp(
-                    logits[i, t0 : t0 + _TOKEN_CHUNK].float(), dim=-1
-                )
-        picked = logits.gather(-1, ids.unsqueeze(-1)).squeeze(-1).float()
+    def forward(ctx: Any, logits: Tensor, ids: Tensor, elements: int) -> Tensor:  # type: ignore[override]
+        dt = compute_dtype(logits)
+        lse = torch.empty(logits.shape[:2], dtype=dt, device=logits.device)
+        ctx.elements = elements
+        for z, lse_c in _spans(elements, logits, lse):
+            lse_c.copy_(torch.logsumexp(z.to(dt), dim=-1))
+        picked = logits.gather(-1, ids.unsqueeze(-1)).squeeze(-1).to(dt)
         ctx.save_for_backward(logits, ids, lse)
         return picked - lse
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
         logits, ids, lse = ctx.saved_tensors
-        b, t, _ = logits.shape
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-        g = grad_out.float()
-        for i in range(b):
-            for t0 in range(0, t, _TOKEN_CHUNK):
-                t1 = min(t, t0 + _TOKEN_CHUNK)
-                sm = logits[i, t0:t1].float().sub(lse[i, t0:t1].unsqueeze(-1)).exp_()  # softmax
-                sm.mul_(-g[i, t0:t1].unsqueeze(-1))
-                sm.scatter_add_(-1, ids[i, t0:t1].unsqueeze(-1), g[i, t0:t1].unsqueeze(-1))
-                grad[i, t0:t1] = sm
-        return grad, None
+        g = grad_out.to(lse.dtype).contiguous()
+        for z, gz, lse_c, g_c, ids_c in _spans(ctx.elements, logits, grad, lse, g, ids):
+            sm = z.to(lse.dtype).sub(lse_c.unsqueeze(-1)).exp_()  # softmax
+            sm.mul_(-g_c.unsqueeze(-1))
+            sm.scatter_add_(-1, ids_c.unsqueeze(-1), g_c.unsqueeze(-1))
+            gz.copy_(sm)
+        return grad, None, None
 
 
-def token_logprobs(logits: Tensor, token_ids: Tensor) -> Tensor:
-    """log softmax(logits)[token] per position [B, T] (float32), chunked so no full float32 copy of the
-    logits' size exists besides the gradient. Negative ids (e.g. -100 padding) are read as 0; mask them.
+def _spans(elements: int, x: Tensor, *others: Tensor) -> list[tuple[Tensor, ...]]:
+    """Chunk views covering [B, T, V] `x` and `others` ([B, T, V] or [B, T], contiguous): x [c, V], others [c(, V)].
+
+    Flat [B*T] chunks when `x` is contiguous, else row by row (a non-contiguous view is sliced, never copied).
+    """
+    tokens = chunk_tokens(x.shape[-1], elements)
+    if x.is_contiguous():
+        flat = [f.view(-1, *f.shape[2:]) for f in (x, *others)]
+        return [tuple(f[s:e] for f in flat) for s, e in flat_chunks(flat[0].shape[0], tokens)]
+    return [tuple(f[b, t0:t1] for f in (x, *others)) for b, t0, t1 in row_chunks(x, tokens)]
+
+
+def token_logprobs(logits: Tensor, token_ids: Tensor, chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> Tensor:
+    """log softmax(logits)[token] per position [B, T] (float32; float64 for float64 logits), chunked so no full
+    float32 copy of the logits' size exists besides the gradient. Negative ids (e.g. -100 padding) are read as 0;
+    mask them.
     """
     if logits.dim() != 3:
         raise ValueError(f"logits must be [B, T, V], got shape {tuple(logits.shape)}")
     ids = token_ids.long().clamp_min(0)
-    return _TokenLogprobs.apply(logits, ids)
+    if not ids.is_contiguous():
+        ids = ids.contiguous()
+    return _TokenLogprobs.apply(logits, ids, chunk_elements)
 
 
 @dataclass
@@ -119,8 +133,8 @@ def policy_terms(
 ) -> PolicyTerms:
     """Per-token clipped surrogate (+ DPPO mask, + k3 KL). All inputs broadcast to logprobs' shape."""
     mask = mask.bool()
-    adv = advantages.to(torch.float32).expand_as(logprobs)
-    old = old_logprobs.detach().to(torch.float32)
+    adv = advantages.to(logprobs.dtype).expand_as(logprobs)
+    old = old_logprobs.detach().to(logprobs.dtype)
     log_ratio = torch.where(mask, logprobs - old, torch.zeros_like(logprobs))
     ratio = torch.exp(log_ratio)
     clipped_ratio = torch.clamp(ratio, 1.0 - config.eps_low, 1.0 + config.eps_high)
@@ -143,7 +157,7 @@ def policy_terms(
     kl_ref = None
     if ref_logprobs is not None and config.kl_beta > 0:
         delta = torch.where(
-            mask, ref_logprobs.detach().to(torch.float32) - logprobs, torch.zeros_like(logprobs)
+            mask, ref_logprobs.detach().to(logprobs.dtype) - logprobs, torch.zeros_like(logprobs)
         )
         k3 = torch.exp(delta) - delta - 1.0
         per_token = per_token + config.kl_beta * k3
@@ -154,13 +168,19 @@ def policy_terms(
     )
 
 
-def reduce_tokens(per_token: Tensor, mask: Tensor, normalization: str) -> Tensor:
-    """'token': sum / #tokens over the batch; 'sequence': per-row mean then mean over rows (TRL 'grpo')."""
+def reduce_tokens(per_token: Tensor, mask: Tensor, normalization: str, count: int | None = None) -> Tensor:
+    """'token': sum / #tokens over the batch; 'sequence': per-row mean then mean over rows (TRL 'grpo').
+
+    `count` is the whole batch's #tokens ('token') or #rows ('sequence') when this is one micro-batch of it, so
+    the micro-batches' results sum to the whole batch's loss.
+    """
     maskf = mask.to(per_token.dtype)
     if normalization == "token":
-        return (per_token * maskf).sum() / maskf.sum().clamp_min(1.0)
+        denominator = maskf.sum().clamp_min(1.0) if count is None else max(count, 1)
+        return (per_token * maskf).sum() / denominator
     if normalization == "sequence":
-        return ((per_token * maskf).sum(-1) / maskf.sum(-1).clamp_min(1.0)).mean()
+        per_row = (per_token * maskf).sum(-1) / maskf.sum(-1).clamp_min(1.0)
+        return per_row.mean() if count is None else per_row.sum() / max(count, 1)
     raise ValueError(f"normalization={normalization!r} is not one of 'token', 'sequence'")
 
 

@@ -66,8 +66,9 @@ class ReplayPairs:
 
 def sequence_logps(token_logps: Tensor, mask: Tensor, average: bool) -> Tensor:
     """Sum (or mean) of per-token log-probs over real tokens, per row."""
-    maskf = mask.to(torch.float32)
-    total = (token_logps.to(torch.float32) * maskf).sum(-1)
+    dt = torch.float64 if token_logps.dtype == torch.float64 else torch.float32
+    maskf = mask.to(dt)
+    total = (token_logps.to(dt) * maskf).sum(-1)
     if average:
         return total / maskf.sum(-1).clamp_min(1.0)
     return total
