@@ -18,6 +18,7 @@ from composer_mesh.actors.messages import (
     TeacherTrace,
     TokenDistribution,
     TrainBatch,
+    TrainMetrics,
 )
 from composer_mesh.loss.compose import LossBatch, token_logprobs
 from composer_mesh.loss.config import LossConfig
@@ -128,3 +129,72 @@ def test_checkpoint_is_safetensors_and_reloads(tmp_path):
     reloaded = AutoModelForCausalLM.from_pretrained(out)
     for k, v in trainer.named_weights().items():
         assert torch.equal(reloaded.state_dict()[k], v), k
+
+
+def _step(settings: dict, batch: TrainBatch | None = None, **loss) -> tuple[HFTrainer, TrainMetrics, TrainBatch]:
+    """A fresh trainer's first step on `batch` (default: `make_batch` before any step)."""
+    trainer = HFTrainer(HFTrainerSettings(lr=1e-2, **settings))
+    trainer.start(MODEL, LossConfig(**loss))
+    batch = batch or make_batch(trainer)
+    return trainer, trainer.train_step(batch), batch
+
+
+def _max_diff(a: HFTrainer, b: HFTrainer) -> float:
+    """Largest gradient difference of the last step, relative to the largest gradient (AdamW's first update is
+    ~lr * sign(grad), so the weights would magnify rounding of near-zero gradients)."""
+    grads_b = dict(b.model.named_parameters())
+    diff = max(float((p.grad.float() - grads_b[n].grad.float()).abs().max()) for n, p in a.model.named_parameters())
+    return diff / max(float(p.grad.abs().max()) for p in a.model.parameters())
+
+
+LOSS = {"alpha_sdpo": 1.0, "beta_replay": 1.0, "kl_beta": 0.01}
+
+
+@pytest.mark.parametrize("settings", [
+    {"micro_batch_tokens": 8},
+    {"micro_batch_tokens": 12, "packing": True},
+    {"activation_checkpointing": True},
+    {"lm_head": "full"},
+], ids=["micro-batches", "packed-micro-batches", "activation-checkpointing", "full-head"])
+def test_step_options_give_the_same_update_as_one_plain_pass(settings):
+    plain, m_plain, batch = _step({}, **LOSS)
+    other, m_other, _ = _step(settings, batch, **LOSS)
+    assert m_other.loss == pytest.approx(m_plain.loss, rel=1e-5, abs=1e-6)
+    assert m_other.channels.keys() == m_plain.channels.keys() == {"grpo", "sdpo", "replay"}
+    assert _max_diff(plain, other) < 1e-5
+    if "micro_batch_tokens" in settings:
+        assert m_other.metrics["micro_batches"] > 1 and m_plain.metrics["micro_batches"] == 1
+
+
+def test_bf16_mixed_keeps_float32_master_weights_and_optimizer_state():
+    fp32, m32, batch = _step({}, **LOSS)
+    mixed, m16, _ = _step({"precision": "bf16-mixed"}, batch, **LOSS)
+    assert all(p.dtype == torch.float32 for p in mixed.model.parameters())
+    state = next(iter(mixed.optimizer.state.values()))
+    assert state["exp_avg"].dtype == torch.float32
+    assert mixed.reference is not None and next(mixed.reference.parameters()).dtype == torch.bfloat16
+    assert m16.loss == pytest.approx(m32.loss, rel=0.05, abs=0.05)  # bf16 compute: close, not equal
+    assert 0 < _max_diff(fp32, mixed) < 5e-2
+
+
+def test_bf16_holds_weights_and_optimizer_state_in_bf16():
+    trainer, metrics, _ = _step({"precision": "bf16"}, **LOSS)
+    assert all(p.dtype == torch.bfloat16 for p in trainer.model.parameters())
+    assert next(iter(trainer.optimizer.state.values()))["exp_avg"].dtype == torch.bfloat16
+    assert torch.isfinite(torch.tensor(metrics.loss))
+
+
+def test_chunked_head_refuses_a_model_that_transforms_its_logits():
+    from composer_mesh.actors.backends.train_batch import check_chunked_head
+
+    trainer = make_trainer()
+    trainer.model.config.final_logit_softcapping = 30.0
+    with pytest.raises(ValueError, match=r"final_logit_softcapping=30\.0.*lm_head: full"):
+        check_chunked_head(trainer.model)
+
+
+def test_settings_reject_bad_values():
+    with pytest.raises(ValueError, match="micro_batch_tokens"):
+        HFTrainerSettings(micro_batch_tokens=0)
+    with pytest.raises(ValueError, match="precision"):
+        HFTrainerSettings(precision="fp16")

@@ -1,5 +1,10 @@
-"""The transformers trainer: a causal LM + AdamW (optionally wrapped in DiLoCo) taking one `compose_loss` step
-per `TrainBatch`. The batch becomes `compose_loss` inputs in `train_batch.build_loss_batch`.
+"""The transformers trainer: a causal LM + AdamW (optionally wrapped in DiLoCo) taking one optimizer step per
+`TrainBatch`, over micro-batches of at most `micro_batch_tokens` tokens with gradient accumulation.
+
+Each micro-batch becomes `compose_loss` inputs in `train_batch.build_piece` and is one piece of a
+`LossAccumulator`, whose channel losses divide by the whole batch's counts: the accumulated gradient is the
+gradient of the whole batch's loss, however it is cut. Precision: `fp32`; `bf16-mixed` (forward under bf16
+autocast, float32 master weights and AdamW state); `bf16` (weights and AdamW state in bf16).
 
 Weight versions are not counted here: the trainer service's weight publisher is the one counter, and it
 stamps `TrainMetrics.weight_version` and hands the version to `save_checkpoint`.
@@ -9,17 +14,21 @@ from __future__ import annotations
 
 import copy
 import json
+from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 from pydantic import BaseModel, Field
 
 from composer_mesh.actors.backends.local_model import TorchSettings
-from composer_mesh.actors.backends.train_batch import build_loss_batch
+from composer_mesh.actors.backends.train_batch import StudentPass, TrainRows, build_piece, check_chunked_head
 from composer_mesh.actors.messages import TrainBatch, TrainMetrics
-from composer_mesh.loss.compose import LossResult, compose_loss, new_loss_state
+from composer_mesh.loss.compose import LossAccumulator, LossResult, new_loss_state
 from composer_mesh.loss.config import LossConfig
+from composer_mesh.loss.grpo import group_advantages
+
+Precision = Literal["fp32", "bf16-mixed", "bf16"]
 
 
 class HFTrainerSettings(TorchSettings):
@@ -33,6 +42,32 @@ class HFTrainerSettings(TorchSettings):
         True,
         description="Keep a frozen copy of the initial policy for the KL term and DPO reference log-probs. "
         "Without it those terms are off.",
+    )
+    micro_batch_tokens: int | None = Field(
+        None, ge=1,
+        description="Token budget of one forward/backward: the step is cut into micro-batches of at most this many "
+        "tokens (rows x longest row, or the packed total), gradients accumulate, and every loss normalisation is "
+        "the whole batch's. A single sequence longer than the budget still runs alone. null = one pass.",
+    )
+    packing: bool = Field(
+        False,
+        description="Padding-free: pack a micro-batch's sequences into one row with per-sequence position ids "
+        "(transformers then masks attention per sequence). Saves the padding's compute and memory.",
+    )
+    precision: Precision = Field(
+        "fp32",
+        description="'fp32'; 'bf16-mixed': bf16 autocast compute, float32 master weights and AdamW state; "
+        "'bf16': weights, gradients and AdamW state in bf16 (half the memory, lossy updates). "
+        "Loss math is float32 in every case.",
+    )
+    activation_checkpointing: bool = Field(
+        False, description="Recompute each decoder layer's activations in backward (less memory, ~1/3 more compute)."
+    )
+    lm_head: Literal["chunked", "full"] = Field(
+        "chunked",
+        description="'chunked': only completion positions' hidden states reach the LM head, and log-probs and "
+        "channel 2 are computed from them chunk by chunk (no [tokens x vocab] tensor). 'full': the model's own "
+        "forward computes logits for every position (needed for heads that transform logits, e.g. soft-capping).",
     )
 
 
@@ -59,12 +94,20 @@ class HFTrainer:
 
         torch.set_num_threads(self.settings.torch_threads)
         self.model, self.tokenizer = load_pretrained(model_config, device=self.settings.device)
+        if self.settings.precision == "bf16":
+            self.model.to(torch.bfloat16)
+        if self.settings.lm_head == "chunked":
+            check_chunked_head(self.model)
+        if self.settings.activation_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.train()
         self.loss = loss
         self.temperature = temperature
         self.reference = None
         if self.settings.reference_model and (loss.kl_beta > 0 or (loss.beta_replay > 0 and loss.dpo_variant == "dpo")):
             self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+            if self.settings.precision == "bf16-mixed":  # it only ever runs under bf16 autocast: half the memory
+                self.reference.to(torch.bfloat16)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=self.settings.lr, weight_decay=self.settings.weight_decay,
             betas=self.settings.betas,
@@ -85,32 +128,45 @@ class HFTrainer:
         return named_weights(self.model)
 
     # ---- one step ----------------------------------------------------------------------------------
+    def _autocast(self) -> Any:
+        if self.settings.precision != "bf16-mixed":
+            return nullcontext()
+        return torch.autocast(torch.device(self.settings.device).type, dtype=torch.bfloat16)
+
     def train_step(self, batch: TrainBatch) -> TrainMetrics:
-        """Forward, `compose_loss`, backward, clip, AdamW step."""
+        """Micro-batched forward + `compose_loss` + backward, then clip and one AdamW step."""
         assert self.model is not None, "call start() first"
+        s = self.settings
         self.optimizer.zero_grad(set_to_none=True)
-        loss_batch = build_loss_batch(
-            batch, self.model, self.loss, temperature=self.temperature, reference=self.reference
-        )
-        result: LossResult = compose_loss(loss_batch, self.loss, step=self.step, state=self.loss_state)
-        if not torch.isfinite(result.total):
-            raise FloatingPointError(f"non-finite loss at step {self.step}: {result.total.item()}")
-        result.total.backward()
+        data = TrainRows.of(batch, self.loss)
+        run = StudentPass(self.model, self.loss, self.temperature, self.reference, s.lm_head, s.packing)
+        advantages = group_advantages(data.rewards, data.group_ids, self.loss.scale_std, self.loss.advantage_eps)
+        accumulator = LossAccumulator(self.loss, data.totals(), step=self.step, state=self.loss_state)
+        pieces = data.micro_batches(s.micro_batch_tokens, s.packing)
+        for piece in pieces:
+            with self._autocast():
+                loss_batch = build_piece(data, piece, run, advantages)
+            share = accumulator.add(loss_batch)
+            if not torch.isfinite(share.total):
+                raise FloatingPointError(f"non-finite loss at step {self.step}: {share.total.item()}")
+            share.total.backward()
+            del loss_batch, share
+        result: LossResult = accumulator.finish()
         metrics = dict(result.metrics)
-        if self.settings.grad_clip is not None:
-            metrics["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.grad_clip))
+        metrics["micro_batches"] = float(len(pieces))
+        if s.grad_clip is not None:
+            metrics["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), s.grad_clip))
         self.optimizer.step()  # with DiLoCo: every sync_every steps, the outer step happens inside this call
         if self.diloco is not None:
             metrics["diloco/outer_step"] = float(self.diloco.outer_step)
             metrics["diloco/round"] = float(self.diloco.round_id)
         self.step += 1
-        rewards = torch.tensor([rw.score for g in batch.groups for rw in g.rewards])
-        metrics["reward_mean"] = float(rewards.mean())
+        metrics["reward_mean"] = float(data.rewards.mean())
         metrics["reward_failures"] = float(sum(not rw.ok for g in batch.groups for rw in g.rewards))
         # weight_version=0: the trainer service publishes these weights and stamps the version it published.
         return TrainMetrics(
-            step=self.step, weight_version=0, loss=float(result.total.detach()),
-            channels={k: float(v.detach()) for k, v in result.parts.items()}, metrics=metrics,
+            step=self.step, weight_version=0, loss=float(result.total),
+            channels={k: float(v) for k, v in result.parts.items()}, metrics=metrics,
         )
 
     def close(self) -> None:

@@ -1,23 +1,33 @@
-"""TrainBatch -> LossBatch: the inputs `compose_loss` takes, computed from a batch and a policy module.
+"""TrainBatch -> LossBatch pieces: the inputs `compose_loss` takes, computed from a batch and a policy module.
 
-Plain functions over any causal LM that maps `input_ids`/`attention_mask` to `.logits` (no model server,
-optimizer or Monarch), so they are tested on their own; the `hf` trainer calls `build_loss_batch` once per step.
+Plain functions over any transformers causal LM (no model server, optimizer or Monarch), so they are tested on
+their own; the `hf` trainer drives them once per micro-batch.
+
+- `TrainRows` is a batch as flat rows (rollouts, rewards, groups, teacher distributions, replay pairs) with the
+  whole batch's `BatchTotals`; `micro_batches` cuts it into pieces under a token budget.
+- `Layout` is how one forward sees a piece: right-padded rows, or one packed row with per-rollout position ids
+  (padding-free; transformers reads sequence boundaries from the position ids when no attention mask is given).
+- `student_forward` returns the student as logits [B, T, V] (`head="full"`) or as `HiddenStates` (`"chunked"`):
+  only completion positions' hidden states, and the LM head, so no [tokens x vocab] tensor is ever built.
 
 Alignment used everywhere (student, reference, teachers): for a sequence `prompt + completion`, the logits at
 position `len(prompt) - 1 + t` score completion token `t`. The policy's logits are divided by the sampling
-temperature before any log-prob (generators report log-probs under `softmax(logits / T)`), and per-token
-log-probs are `composer_mesh.loss.compose.token_logprobs` (chunked: no full float32 softmax copy).
+temperature before any log-prob (generators report log-probs under `softmax(logits / T)`).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
 from composer_mesh.actors.messages import Rollout, TeacherTrace, TokenDistribution, TrainBatch
-from composer_mesh.loss.compose import LossBatch, ReplayPairs, token_logprobs
+from composer_mesh.loss.compose import BatchTotals, HiddenStates, LossBatch, ReplayPairs, student_logprobs
 from composer_mesh.loss.config import LossConfig
+
+Head = Literal["chunked", "full"]
 
 
 def pad(
@@ -37,46 +47,214 @@ def _mask(rows: list[list[int]], device: torch.device | str) -> torch.Tensor:
     return pad([[1] * len(r) for r in rows], 0, torch.long, device).bool()
 
 
-def completion_logits(model: torch.nn.Module, prompts: list[list[int]], completions: list[list[int]]) -> torch.Tensor:
-    """Logits [B, T, V] where [b, t] scores completion token t of row b (T = longest completion)."""
-    device = next(model.parameters()).device
+# ---- one forward -----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Layout:
+    """The model inputs for a set of (prompt, completion) sequences and where each completion is scored."""
+
+    input_ids: torch.Tensor  # [R, L]
+    attention_mask: torch.Tensor | None  # [R, L] (padded) or None (packed)
+    position_ids: torch.Tensor | None  # [R, L] (packed) or None
+    index: torch.Tensor  # [B, T] flat position in [R * L] whose output scores completion token t of sequence b
+    mask: torch.Tensor  # [B, T] bool, real completion tokens
+
+
+def layout(
+    prompts: list[list[int]], completions: list[list[int]], device: torch.device | str, packed: bool = False
+) -> Layout:
+    """Padded rows ([B, longest]) or one packed row ([1, total]) of `prompt + completion` sequences."""
     seqs = [p + c for p, c in zip(prompts, completions)]
+    width = max(max((len(c) for c in completions), default=1), 1)
+    t = torch.arange(width)
+    if packed:
+        starts = [0]
+        for s in seqs[:-1]:
+            starts.append(starts[-1] + len(s))
+        ids = torch.tensor([[tok for s in seqs for tok in s]], dtype=torch.long)
+        positions = torch.tensor([[i for s in seqs for i in range(len(s))]], dtype=torch.long)
+        index = torch.stack([
+            (t + o + len(p) - 1).clamp(max=o + len(p) + len(c) - 1) for o, p, c in zip(starts, prompts, completions)
+        ])
+        return Layout(ids.to(device), None, positions.to(device), index.to(device), _mask(completions, device))
     ids = pad(seqs, 0, torch.long, device)
     attn = pad([[1] * len(s) for s in seqs], 0, torch.long, device)
-    logits = model(input_ids=ids, attention_mask=attn).logits  # [B, L, V]
-    width = max(max((len(c) for c in completions), default=1), 1)
-    index = torch.zeros(len(seqs), width, dtype=torch.long)
-    for b, (p, c) in enumerate(zip(prompts, completions)):
-        pos = torch.arange(width) + len(p) - 1
-        index[b] = pos.clamp(max=len(p) + len(c) - 1)
-    index = index.to(device)
-    return logits.gather(1, index.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
+    index = torch.stack([
+        (t + len(p) - 1).clamp(max=len(p) + len(c) - 1) + b * ids.shape[1]
+        for b, (p, c) in enumerate(zip(prompts, completions))
+    ])
+    return Layout(ids, attn, None, index.to(device), _mask(completions, device))
+
+
+def _output_head(model: torch.nn.Module) -> torch.nn.Linear:
+    head = model.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear):
+        raise ValueError(
+            f"head='chunked' needs a linear output head, {type(model).__name__} has {type(head).__name__}; "
+            "use the trainer setting lm_head: full"
+        )
+    return head
+
+
+def check_chunked_head(model: torch.nn.Module) -> None:
+    """Raise unless logits are exactly `hidden @ head.T + bias` (no soft-capping or logit scaling)."""
+    _output_head(model)
+    config = model.config
+    for name in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
+        if getattr(config, name, None) not in (None, 1.0):
+            raise ValueError(
+                f"{type(model).__name__} transforms its logits ({name}={getattr(config, name)}): head='chunked' would "
+                "compute different log-probs; use the trainer setting lm_head: full"
+            )
+
+
+def student_forward(
+    model: torch.nn.Module, lay: Layout, *, head: Head = "full", temperature: float = 1.0,
+    chunk_elements: int | None = None,
+) -> torch.Tensor | HiddenStates:
+    """The student at each completion token: logits [B, T, V] / temperature, or `HiddenStates` (no full logits)."""
+    inputs = {"input_ids": lay.input_ids, "attention_mask": lay.attention_mask, "position_ids": lay.position_ids}
+    if head == "full":
+        logits = model(**inputs, use_cache=False).logits
+        return logits.reshape(-1, logits.shape[-1])[lay.index] / temperature
+    hidden = model.base_model(**inputs, use_cache=False).last_hidden_state
+    out = _output_head(model)
+    extra = {} if chunk_elements is None else {"chunk_elements": chunk_elements}
+    return HiddenStates(
+        hidden.reshape(-1, hidden.shape[-1])[lay.index], out.weight, out.bias, scale=1.0 / temperature, **extra
+    )
+
+
+def completion_logits(model: torch.nn.Module, prompts: list[list[int]], completions: list[list[int]]) -> torch.Tensor:
+    """Logits [B, T, V] where [b, t] scores completion token t of row b (T = longest completion)."""
+    lay = layout(prompts, completions, next(model.parameters()).device)
+    logits = student_forward(model, lay)
+    assert isinstance(logits, torch.Tensor)
+    return logits
 
 
 def completion_logprobs(
-    model: torch.nn.Module, prompts: list[list[int]], completions: list[list[int]], temperature: float = 1.0
+    model: torch.nn.Module, prompts: list[list[int]], completions: list[list[int]], temperature: float = 1.0,
+    *, head: Head = "full", packed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log-probs [B, T] float32 of each completion token under softmax(logits / temperature), mask [B, T])."""
-    logits = completion_logits(model, prompts, completions) / temperature
-    return token_logprobs(logits, pad(completions, 0, torch.long, logits.device)), _mask(completions, logits.device)
+    """(log-probs [B, T] of each completion token under softmax(logits / temperature), mask [B, T])."""
+    lay = layout(prompts, completions, next(model.parameters()).device, packed)
+    student = student_forward(model, lay, head=head, temperature=temperature)
+    ids = pad(completions, 0, torch.long, lay.mask.device)
+    return student_logprobs(student, ids, lay.mask, LossConfig().loss_chunk_elements), lay.mask
 
 
-# ---- channel 2: teacher distributions ------------------------------------------------------------------
+# ---- the batch as rows -----------------------------------------------------------------------------------------
 
 
-def _distill_mask(dists: list[TokenDistribution | None], rollouts: list[Rollout], width: int) -> torch.Tensor:
-    """[B, T] bool: the tokens that have a teacher distribution. Raises on a length mismatch."""
-    mask = torch.zeros(len(rollouts), width, dtype=torch.bool)
-    for b, (d, r) in enumerate(zip(dists, rollouts)):
-        if d is None:
-            continue
-        if d.num_tokens != len(r.completion_ids):
+def _lowest_reward_rows(batch: TrainBatch) -> dict[str, int]:
+    """Prompt id -> flat row of its lowest-reward rollout (the first of equals)."""
+    row_of: dict[str, int] = {}
+    worst: dict[str, float] = {}
+    row = 0
+    for g in batch.groups:
+        for r, rw in zip(g.group.rollouts, g.rewards):
+            if r.prompt_id not in worst or rw.score < worst[r.prompt_id]:
+                worst[r.prompt_id], row_of[r.prompt_id] = rw.score, row
+            row += 1
+    return row_of
+
+
+@dataclass
+class Piece:
+    """One micro-batch: flat rollout rows and the replay pairs whose rejected side is one of them."""
+
+    rows: list[int]
+    pairs: list[int] = field(default_factory=list)
+
+
+@dataclass
+class TrainRows:
+    """A TrainBatch as flat rows, with only the inputs `loss` weights (teacher distributions, replay pairs)."""
+
+    rollouts: list[Rollout]
+    rewards: torch.Tensor  # [N] float32
+    group_ids: torch.Tensor  # [N] long
+    distributions: list[TokenDistribution | None]  # [N]
+    pairs: list[tuple[TeacherTrace, int]]  # (chosen trace, rejected row) per replay pair
+
+    @classmethod
+    def of(cls, batch: TrainBatch, loss: LossConfig) -> TrainRows:
+        rollouts = batch.rollouts()
+        if not rollouts:
+            raise ValueError("TrainBatch has no rollouts")
+        dists: list[TokenDistribution | None] = [None] * len(rollouts)
+        if loss.alpha_sdpo > 0 and batch.distributions and any(d is not None for d in batch.distributions):
+            if len(batch.distributions) != len(rollouts):
+                raise ValueError(
+                    f"TrainBatch has {len(batch.distributions)} teacher distributions for {len(rollouts)} rollouts"
+                )
+            dists = list(batch.distributions)
+            _check_distributions(dists, rollouts)
+        pairs: list[tuple[TeacherTrace, int]] = []
+        if loss.beta_replay > 0 and batch.traces:
+            row_of = _lowest_reward_rows(batch)
+            pairs = [(t, row_of[t.prompt_id]) for t in batch.traces if t.prompt_id in row_of and t.completion_ids]
+        return cls(
+            rollouts=rollouts,
+            rewards=torch.tensor([rw.score for g in batch.groups for rw in g.rewards], dtype=torch.float32),
+            group_ids=torch.tensor([i for i, g in enumerate(batch.groups) for _ in g.group.rollouts]),
+            distributions=dists,
+            pairs=pairs,
+        )
+
+    def totals(self) -> BatchTotals:
+        """The whole batch's denominators (what `BatchTotals.of` gives for the whole batch as one piece)."""
+        return BatchTotals(
+            tokens=sum(len(r.completion_ids) for r in self.rollouts),
+            sequences=len(self.rollouts),
+            distill_tokens=sum(d.num_tokens for d in self.distributions if d is not None),
+            replay_pairs=len(self.pairs),
+        )
+
+    def micro_batches(self, budget_tokens: int | None, packed: bool = False) -> list[Piece]:
+        """Pieces whose forward holds at most `budget_tokens` tokens (padded rows x longest, or packed total),
+        counting each row's replay traces with it. A row over the budget on its own still gets a piece."""
+        traces_of: dict[int, list[int]] = {}
+        for i, (_, row) in enumerate(self.pairs):
+            traces_of.setdefault(row, []).append(i)
+        if budget_tokens is None:
+            return [Piece(list(range(len(self.rollouts))), list(range(len(self.pairs))))]
+        lengths = [len(r.prompt_ids) + len(r.completion_ids) for r in self.rollouts]
+        trace_len = [len(self.rollouts[row].prompt_ids) + len(t.completion_ids) for t, row in self.pairs]
+        # Padded rows are taken longest first, so rows of similar length share a piece and little is padding.
+        order = range(len(lengths)) if packed else sorted(range(len(lengths)), key=lambda i: -lengths[i])
+        pieces: list[Piece] = []
+        current: list[int] = []
+        for row in order:
+            if current and _cost([*current, row], lengths, traces_of, trace_len, packed) > budget_tokens:
+                pieces.append(Piece(current, [p for r in current for p in traces_of.get(r, [])]))
+                current = []
+            current.append(row)
+        pieces.append(Piece(current, [p for r in current for p in traces_of.get(r, [])]))
+        return pieces
+
+
+def _cost(rows: list[int], lengths: list[int], traces_of: dict[int, list[int]], trace_len: list[int],
+          packed: bool) -> int:
+    """Tokens a piece's forwards hold: its rows (padded to the longest unless packed) plus its replay traces."""
+    traces = [trace_len[p] for r in rows for p in traces_of.get(r, [])]
+    if packed:
+        return sum(lengths[r] for r in rows) + sum(traces)
+    return len(rows) * max(lengths[r] for r in rows) + len(traces) * max(traces, default=0)
+
+
+def _check_distributions(dists: list[TokenDistribution | None], rollouts: list[Rollout]) -> None:
+    for d, r in zip(dists, rollouts):
+        if d is not None and d.num_tokens != len(r.completion_ids):
             raise ValueError(
                 f"teacher {d.teacher!r} gave {d.num_tokens} token distributions for a {len(r.completion_ids)}-token "
                 f"completion of prompt {r.prompt_id!r}"
             )
-        mask[b, : d.num_tokens] = True
-    return mask
+
+
+# ---- channel 2: teacher distributions ------------------------------------------------------------------
 
 
 def _dense_teacher(dists: list[TokenDistribution | None], width: int, vocab: int) -> torch.Tensor:
@@ -104,17 +282,17 @@ def _topk_teacher(dists: list[TokenDistribution | None], width: int) -> tuple[to
 
 
 def teacher_inputs(
-    batch: TrainBatch, width: int, vocab: int, device: torch.device | str = "cpu"
+    dists: list[TokenDistribution | None], width: int, vocab: int, device: torch.device | str = "cpu"
 ) -> dict[str, torch.Tensor]:
-    """The `LossBatch` teacher fields (dense `teacher_logits` if any distribution is dense, else top-k) and
-    `distill_mask`; {} when the batch has no distributions."""
-    dists = batch.distributions
-    if not dists or all(d is None for d in dists):
+    """The `LossBatch` teacher fields of rows with distributions `dists` (dense `teacher_logits` if any is dense,
+    else top-k) and `distill_mask`; {} when no row has one. Lengths are checked by `TrainRows.of`."""
+    if all(d is None for d in dists):
         return {}
-    rollouts = batch.rollouts()
-    if len(dists) != len(rollouts):
-        raise ValueError(f"TrainBatch has {len(dists)} teacher distributions for {len(rollouts)} rollouts")
-    out = {"distill_mask": _distill_mask(dists, rollouts, width)}
+    mask = torch.zeros(len(dists), width, dtype=torch.bool)
+    for b, d in enumerate(dists):
+        if d is not None:
+            mask[b, : d.num_tokens] = True
+    out = {"distill_mask": mask}
     if any(d is not None and d.logits is not None for d in dists):
         out["teacher_logits"] = _dense_teacher(dists, width, vocab)
     else:
@@ -122,63 +300,65 @@ def teacher_inputs(
     return {k: v.to(device) for k, v in out.items()}
 
 
-# ---- channel 3: replay pairs ---------------------------------------------------------------------------
+# ---- one piece ------------------------------------------------------------------------------------------------
 
 
-def _lowest_reward_rows(batch: TrainBatch) -> dict[str, int]:
-    """Prompt id -> flat row of its lowest-reward rollout (the first of equals)."""
-    row_of: dict[str, int] = {}
-    worst: dict[str, float] = {}
-    row = 0
-    for g in batch.groups:
-        for r, rw in zip(g.group.rollouts, g.rewards):
-            if r.prompt_id not in worst or rw.score < worst[r.prompt_id]:
-                worst[r.prompt_id], row_of[r.prompt_id] = rw.score, row
-            row += 1
-    return row_of
+@dataclass
+class StudentPass:
+    """How the trainer runs the policy for a piece (settings of the `hf` trainer, resolved)."""
 
+    model: torch.nn.Module
+    loss: LossConfig
+    temperature: float = 1.0
+    reference: torch.nn.Module | None = None
+    head: Head = "full"
+    packed: bool = False
 
-def _sequence_logps(
-    reference: torch.nn.Module, prompts: list[list[int]], completions: list[list[int]], temperature: float
-) -> torch.Tensor:
-    """[P] summed log-probs of each completion under `reference` (no grad)."""
-    with torch.no_grad():
-        logps, mask = completion_logprobs(reference, prompts, completions, temperature)
-    return (logps * mask).sum(-1)
-
-
-def replay_pairs(
-    batch: TrainBatch,
-    logits: torch.Tensor,
-    token_ids: torch.Tensor,
-    mask: torch.Tensor,
-    model: torch.nn.Module,
-    temperature: float = 1.0,
-    reference: torch.nn.Module | None = None,
-) -> ReplayPairs | None:
-    """chosen = each teacher trace, rejected = the lowest-reward student rollout of the same prompt.
-
-    `logits`, `token_ids`, `mask` are the batch's (temperature already applied); the traces get a forward of
-    `model` with grad. With `reference` (DPO), both sides also get its summed log-probs.
-    """
-    row_of = _lowest_reward_rows(batch)
-    traces: list[TeacherTrace] = [t for t in batch.traces if t.prompt_id in row_of and t.completion_ids]
-    if not traces:
-        return None
-    rollouts = batch.rollouts()
-    prompt_of = {r.prompt_id: r.prompt_ids for r in rollouts}
-    rows = [row_of[t.prompt_id] for t in traces]
-    chosen_prompts = [prompt_of[t.prompt_id] for t in traces]
-    chosen_ids = [t.completion_ids for t in traces]
-    chosen_logps, chosen_mask = completion_logprobs(model, chosen_prompts, chosen_ids, temperature)
-    rejected_logps = token_logprobs(logits[rows], token_ids[rows])
-    ref_chosen = ref_rejected = None
-    if reference is not None:
-        ref_chosen = _sequence_logps(reference, chosen_prompts, chosen_ids, temperature)
-        rejected = [rollouts[i] for i in rows]
-        ref_rejected = _sequence_logps(
-            reference, [r.prompt_ids for r in rejected], [r.completion_ids for r in rejected], temperature
+    def forward(self, model: torch.nn.Module, prompts: list[list[int]], completions: list[list[int]]) -> tuple[
+        torch.Tensor | HiddenStates, Layout
+    ]:
+        lay = layout(prompts, completions, next(model.parameters()).device, self.packed)
+        student = student_forward(
+            model, lay, head=self.head, temperature=self.temperature, chunk_elements=self.loss.loss_chunk_elements
         )
+        return student, lay
+
+    def logprobs(self, model: torch.nn.Module, prompts: list[list[int]], completions: list[list[int]]) -> tuple[
+        torch.Tensor, torch.Tensor
+    ]:
+        student, lay = self.forward(model, prompts, completions)
+        ids = pad(completions, 0, torch.long, lay.mask.device)
+        return student_logprobs(student, ids, lay.mask, self.loss.loss_chunk_elements), lay.mask
+
+
+def _rows_of(student: torch.Tensor | HiddenStates, rows: list[int]) -> torch.Tensor | HiddenStates:
+    if isinstance(student, HiddenStates):
+        return HiddenStates(student.hidden[rows], student.weight, student.bias, student.scale, student.chunk_elements)
+    return student[rows]
+
+
+def _replay_pairs(
+    data: TrainRows, piece: Piece, run: StudentPass, student: torch.Tensor | HiddenStates,
+    token_ids: torch.Tensor, mask: torch.Tensor,
+) -> ReplayPairs | None:
+    """chosen = each teacher trace (a forward with grad), rejected = the lowest-reward student rollout of the
+    same prompt (its rows of `student`). With a reference (DPO), both sides also get its summed log-probs."""
+    if not piece.pairs:
+        return None
+    local = {row: i for i, row in enumerate(piece.rows)}
+    traces = [data.pairs[p][0] for p in piece.pairs]
+    rows = [local[data.pairs[p][1]] for p in piece.pairs]
+    rejected = [data.rollouts[piece.rows[i]] for i in rows]
+    chosen_prompts, chosen_ids = [r.prompt_ids for r in rejected], [t.completion_ids for t in traces]
+    chosen_logps, chosen_mask = run.logprobs(run.model, chosen_prompts, chosen_ids)
+    rejected_logps = student_logprobs(_rows_of(student, rows), token_ids[rows], mask[rows], run.loss.loss_chunk_elements)
+    ref_chosen = ref_rejected = None
+    if run.reference is not None and run.loss.dpo_variant == "dpo":
+        with torch.no_grad():
+            lp, m = run.logprobs(run.reference, chosen_prompts, chosen_ids)
+            ref_chosen = (lp * m).sum(-1)
+            lp, m = run.logprobs(run.reference, [r.prompt_ids for r in rejected], [r.completion_ids for r in rejected])
+            ref_rejected = (lp * m).sum(-1)
     return ReplayPairs(
         chosen_logps=chosen_logps, chosen_mask=chosen_mask, rejected_logps=rejected_logps,
         rejected_mask=mask[rows], ref_chosen_logps=ref_chosen, ref_rejected_logps=ref_rejected,
@@ -186,7 +366,32 @@ def replay_pairs(
     )
 
 
-# ---- the whole batch -----------------------------------------------------------------------------------
+def build_piece(
+    data: TrainRows, piece: Piece, run: StudentPass, advantages: torch.Tensor | None = None
+) -> LossBatch:
+    """The `LossBatch` of one piece under `run.model` (with grad). Each channel's inputs are computed only when
+    `run.loss` weights it: reference log-probs for `kl_beta > 0`, teacher inputs for `alpha_sdpo > 0`, replay
+    pairs for `beta_replay > 0`. `advantages` [N] are the WHOLE batch's (a piece may split a group)."""
+    rollouts = [data.rollouts[i] for i in piece.rows]
+    prompts, completions = [r.prompt_ids for r in rollouts], [r.completion_ids for r in rollouts]
+    student, lay = run.forward(run.model, prompts, completions)
+    dev, mask = lay.mask.device, lay.mask
+    token_ids = pad(completions, 0, torch.long, dev)
+    ref_logprobs = None
+    if run.reference is not None and run.loss.kl_beta > 0:
+        with torch.no_grad():
+            ref_logprobs, _ = run.logprobs(run.reference, prompts, completions)
+    teacher = {}
+    if run.loss.alpha_sdpo > 0:
+        teacher = teacher_inputs([data.distributions[i] for i in piece.rows], mask.shape[1], student.shape[-1], dev)
+    rows = torch.tensor(piece.rows)
+    return LossBatch(
+        logits=student, token_ids=token_ids, mask=mask,
+        old_logprobs=pad([r.logprobs for r in rollouts], 0.0, torch.float32, dev),
+        rewards=data.rewards[rows].to(dev), group_ids=data.group_ids[rows].to(dev), ref_logprobs=ref_logprobs,
+        replay=_replay_pairs(data, piece, run, student, token_ids, mask) if data.pairs else None,
+        advantages=None if advantages is None else advantages[rows].to(dev), **teacher,
+    )
 
 
 def build_loss_batch(
@@ -196,34 +401,10 @@ def build_loss_batch(
     *,
     temperature: float = 1.0,
     reference: torch.nn.Module | None = None,
+    head: Head = "full",
+    packed: bool = False,
 ) -> LossBatch:
-    """One `LossBatch` for `batch` under `model` (logits with grad). Each channel's inputs are computed only
-    when `loss` weights it: the reference's log-probs for `kl_beta > 0`, teacher inputs for `alpha_sdpo > 0`,
-    replay pairs for `beta_replay > 0` with traces (reference log-probs for them with `dpo_variant='dpo'`)."""
-    rollouts = batch.rollouts()
-    if not rollouts:
-        raise ValueError("TrainBatch has no rollouts")
-    prompts = [r.prompt_ids for r in rollouts]
-    completions = [r.completion_ids for r in rollouts]
-    logits = completion_logits(model, prompts, completions) / temperature
-    dev = logits.device
-    token_ids = pad(completions, 0, torch.long, dev)
-    mask = _mask(completions, dev)
-    old_logprobs = pad([r.logprobs for r in rollouts], 0.0, torch.float32, dev)
-    rewards = torch.tensor([rw.score for g in batch.groups for rw in g.rewards], dtype=torch.float32, device=dev)
-    group_ids = torch.tensor(
-        [i for i, g in enumerate(batch.groups) for _ in g.group.rollouts], dtype=torch.long, device=dev
-    )
-    ref_logprobs = None
-    if reference is not None and loss.kl_beta > 0:
-        with torch.no_grad():
-            ref_logprobs, _ = completion_logprobs(reference, prompts, completions, temperature)
-    teacher = teacher_inputs(batch, logits.shape[1], logits.shape[-1], dev) if loss.alpha_sdpo > 0 else {}
-    replay = None
-    if loss.beta_replay > 0 and batch.traces:
-        replay_ref = reference if loss.dpo_variant == "dpo" else None
-        replay = replay_pairs(batch, logits, token_ids, mask, model, temperature, replay_ref)
-    return LossBatch(
-        logits=logits, token_ids=token_ids, mask=mask, old_logprobs=old_logprobs, rewards=rewards,
-        group_ids=group_ids, ref_logprobs=ref_logprobs, replay=replay, **teacher,
-    )
+    """The whole batch as one `LossBatch` (one piece, group advantages from its own rewards)."""
+    data = TrainRows.of(batch, loss)
+    run = StudentPass(model, loss, temperature, reference, head, packed)
+    return build_piece(data, data.micro_batches(None)[0], run)
