@@ -181,6 +181,8 @@ def test_bf16_holds_weights_and_optimizer_state_in_bf16():
     trainer, metrics, _ = _step({"precision": "bf16"}, **LOSS)
     assert all(p.dtype == torch.bfloat16 for p in trainer.model.parameters())
     assert next(iter(trainer.optimizer.state.values()))["exp_avg"].dtype == torch.bfloat16
+    # Generators load model.dtype (float32 here): that is what is published, whatever the training dtype.
+    assert {t.dtype for t in trainer.named_weights().values()} == {torch.float32}
     assert torch.isfinite(torch.tensor(metrics.loss))
 
 

@@ -90,12 +90,14 @@ class HFTrainer:
     ) -> None:
         """Build model, reference, AdamW and the loss state; with `diloco` (a `DiLoCoConfig`), wrap the
         optimizer in DiLoCo so every `sync_every` inner steps this replica syncs through the object store."""
-        from composer_mesh.models.loading import load_pretrained
+        from composer_mesh.models.loading import load_pretrained, torch_dtype
 
         torch.set_num_threads(self.settings.torch_threads)
         self.model, self.tokenizer = load_pretrained(model_config, device=self.settings.device)
-        if self.settings.precision == "bf16":
-            self.model.to(torch.bfloat16)
+        # Training keeps its own dtype (float32 master weights unless precision is 'bf16'); generators load
+        # `model.dtype`, so that is the dtype the weights are published in.
+        self.publish_dtype = torch_dtype(model_config.dtype)
+        self.model.to(torch.bfloat16 if self.settings.precision == "bf16" else torch.float32)
         if self.settings.lm_head == "chunked":
             check_chunked_head(self.model)
         if self.settings.activation_checkpointing:
@@ -121,11 +123,15 @@ class HFTrainer:
             self.diloco.__enter__()
 
     def named_weights(self) -> dict[str, torch.Tensor]:
-        """The tensors generators need (parameters, tied ones once, and persistent buffers), by HF name."""
+        """The tensors generators need (parameters, tied ones once, and persistent buffers), by HF name, in the
+        model config's dtype (a copy only where the training dtype differs)."""
         from composer_mesh.models.loading import named_weights
 
         assert self.model is not None, "call start() first"
-        return named_weights(self.model)
+        return {
+            name: t.to(self.publish_dtype) if t.is_floating_point() else t
+            for name, t in named_weights(self.model).items()
+        }
 
     # ---- one step ----------------------------------------------------------------------------------
     def _autocast(self) -> Any:
