@@ -40,7 +40,7 @@ def _maxrss_bytes() -> int:
 
 
 def run_case(
-    impl: str, vocab: int, tokens: int, iters: int, beta: float, chunk: int, threads: int
+    impl: str, vocab: int, tokens: int, iters: int, beta: float, chunk: int | None, threads: int
 ) -> dict[str, float]:
     """Runs inside the child process."""
     import torch
@@ -124,8 +124,7 @@ def _spawn(impl: str, vocab: int, args: argparse.Namespace) -> dict[str, float] 
         str(args.iters),
         "--beta",
         str(args.beta),
-        "--chunk",
-        str(args.chunk),
+        *(["--chunk", str(args.chunk)] if args.chunk is not None else []),
         "--threads",
         str(args.threads),
     ]
@@ -150,7 +149,8 @@ def main() -> None:
         "--chunk",
         type=int,
         default=LossConfig.model_fields["sdpo_chunk_tokens"].default,
-        help="sdpo_chunk_tokens of the chunked implementation (default: LossConfig's default)",
+        help="sdpo_chunk_tokens of the chunked implementation (default: LossConfig's, i.e. none: "
+        "loss_chunk_elements // vocab tokens per chunk)",
     )
     parser.add_argument(
         "--threads",
@@ -180,7 +180,8 @@ def main() -> None:
     )
     print(
         f"case: channel 2 generalized JSD beta={args.beta}, {args.tokens} tokens, float32 student+teacher logits, "
-        f"forward+backward, median of {max(args.iters - 1, 1)} timed runs after 1 warm-up; chunk={args.chunk} tokens"
+        f"forward+backward, median of {max(args.iters - 1, 1)} timed runs after 1 warm-up; "
+        f"chunk={args.chunk or 'loss_chunk_elements // vocab'} tokens"
     )
     print("naive = same formula with plain autograd over the full [tokens, vocab] tensors (TRL GKD style)\n")
     header = (
