@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from composer_mesh.actors.teacher_topk import AUTO, TopK
+
 
 @dataclass
 class Prompt:
@@ -143,7 +145,8 @@ class TeacherRequest:
 
     rollouts: list[Rollout] = field(default_factory=list)
     prompts: list[Prompt] = field(default_factory=list)
-    top_k: int = 0  # 0 = dense logits when the teacher can give them
+    top_k: TopK = AUTO  # "auto" (dense for small student vocabularies, else top-k), 0 = dense, k > 0 = top-k;
+    # each teacher resolves it with `teacher_topk.resolve_top_k` against the student's vocabulary
     max_new_tokens: int = 16
 
 

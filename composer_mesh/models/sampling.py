@@ -14,7 +14,7 @@ convention:
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 T = TypeVar("T")
+R = TypeVar("R")
 
 
 @dataclass
@@ -36,6 +37,28 @@ class Sample:
 def chunks(items: Sequence[T], size: int) -> Iterator[Sequence[T]]:
     for i in range(0, len(items), size):
         yield items[i : i + size]
+
+
+def token_budget_chunks(lengths: Sequence[int], max_tokens: int, max_rows: int | None = None) -> list[range]:
+    """Consecutive index ranges whose padded batch (rows x longest row) stays within `max_tokens`.
+
+    Bounds one forward's activations and logits (they scale with padded tokens, not with rows). Order is
+    kept; a single sequence longer than the budget gets a range of its own (it cannot be split).
+    """
+    if max_tokens < 1 or (max_rows is not None and max_rows < 1):
+        raise ValueError(f"token_budget_chunks(): max_tokens and max_rows must be >= 1, got {max_tokens}, {max_rows}")
+    out: list[range] = []
+    start, width = 0, 0
+    for i, n in enumerate(lengths):
+        rows = i - start + 1
+        wider = max(width, n)
+        if rows > 1 and (rows * wider > max_tokens or (max_rows is not None and rows > max_rows)):
+            out.append(range(start, i))
+            start, wider = i, n
+        width = wider
+    if len(lengths) > start:
+        out.append(range(start, len(lengths)))
+    return out
 
 
 def _device(model: PreTrainedModel) -> torch.device:
@@ -106,7 +129,6 @@ def sample(
     return results
 
 
-@torch.inference_mode()
 def teacher_forced_logits(
     model: PreTrainedModel,
     prompts: Sequence[Sequence[int]],
@@ -115,12 +137,30 @@ def teacher_forced_logits(
     pad_id: int,
 ) -> list[torch.Tensor]:
     """Float32 logits [len(completion), V] per sequence: row t scores completion token t (one batch)."""
+    return teacher_forced_map(model, prompts, completions, pad_id=pad_id, fn=torch.Tensor.clone)
+
+
+@torch.inference_mode()
+def teacher_forced_map(
+    model: PreTrainedModel,
+    prompts: Sequence[Sequence[int]],
+    completions: Sequence[Sequence[int]],
+    *,
+    pad_id: int,
+    fn: Callable[[torch.Tensor], R],
+) -> list[R]:
+    """`fn(rows)` per sequence, rows = its float32 logits [len(completion), V] on the model's device (one batch).
+
+    The batch's [B, L, V] logits live only inside this call, and only the rows of one sequence are ever cast
+    to float32 at a time, so a caller that reduces them (top-k) or moves them off the device in `fn` never
+    holds the whole batch in float32. `rows` may be a view of the batch's logits: `fn` copies what it keeps.
+    """
     if len(prompts) != len(completions):
         raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
     if not prompts:
         return []
     if any(len(p) == 0 for p in prompts):
-        raise ValueError("teacher_forced_logits(): every prompt needs at least one token")
+        raise ValueError("teacher forcing: every prompt needs at least one token")
     device = _device(model)
     seqs = [list(p) + list(c) for p, c in zip(prompts, completions)]
     width = max(len(s) for s in seqs)
@@ -129,9 +169,9 @@ def teacher_forced_logits(
     for i, s in enumerate(seqs):  # right padding: real tokens keep positions 0..len-1
         input_ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
         attn[i, : len(s)] = 1
-    logits = model(input_ids=input_ids, attention_mask=attn).logits.float()
+    logits = model(input_ids=input_ids, attention_mask=attn).logits
     out = []
     for i, (p, c) in enumerate(zip(prompts, completions)):
         start = len(p) - 1
-        out.append(logits[i, start : start + len(c)].clone())
+        out.append(fn(logits[i, start : start + len(c)].float()))
     return out

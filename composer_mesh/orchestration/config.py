@@ -6,8 +6,11 @@ Import-cheap (pydantic only): topology validation imports it without torch or Mo
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from composer_mesh.actors.teacher_topk import DEFAULT_TOP_K, DENSE_VOCAB_LIMIT
 
 
 class RunConfig(BaseModel):
@@ -28,7 +31,15 @@ class RunConfig(BaseModel):
         2, ge=1, description="Batches in flight between the start of their generation and the trainer taking them "
         "(bounds staleness; generation never waits for scoring or teachers)."
     )
-    teacher_top_k: int = Field(0, ge=0, description="Top-k of teacher distributions for channel 2; 0 asks for dense logits.")
+    teacher_top_k: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(
+        "auto",
+        description=f"Top-k of channel-2 teacher distributions: 'auto' = dense logits when the student's vocabulary "
+        f"has at most {DENSE_VOCAB_LIMIT:,} ids, else top-{DEFAULT_TOP_K}; 0 forces dense; k > 0 forces top-k. "
+        "Dense costs tokens x vocab x 4 bytes per rollout (~622 MB for 1,024 tokens at 151,936 ids), top-k "
+        f"tokens x k x 12 bytes. Top-{DEFAULT_TOP_K} typically holds most of a trained teacher's probability "
+        "mass per token at ~1/1,600 of those bytes (local teachers are not capped at the ~20 log-probs "
+        "hosted APIs return). Top-k distillation renormalises teacher and student on the teacher's k ids.",
+    )
     seed: int = Field(0, description="Seed for prompt sampling and generation.")
     run_dir: Path = Field(Path("runs/local"), description="Where metrics.jsonl, checkpoints and plot.png are written.")
     checkpoint_every: int = Field(0, ge=0, description="Save a checkpoint every N steps (0: only at the end).")

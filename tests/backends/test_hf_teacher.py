@@ -186,3 +186,117 @@ def test_settings_are_validated_and_the_binding_resolves():
     assert HFTeacherSettings().model.warmstart is not None
     for name, field in HFTeacherSettings.model_fields.items():
         assert field.description, name
+
+
+# -- top_k "auto" and token-budgeted scoring ------------------------------------------------------------------
+
+
+def test_resolve_top_k_is_dense_up_to_the_limit_then_top_k():
+    from composer_mesh.actors.teacher_topk import DEFAULT_TOP_K, DENSE_VOCAB_LIMIT, resolve_top_k
+
+    assert DENSE_VOCAB_LIMIT == 32_768 and DEFAULT_TOP_K > 0
+    assert resolve_top_k("auto", 32_768) == 0
+    assert resolve_top_k("auto", 32_769) == DEFAULT_TOP_K
+    assert resolve_top_k("auto", 151_936) == DEFAULT_TOP_K
+    assert resolve_top_k(0, 151_936) == 0  # forced dense
+    assert resolve_top_k(5, 14) == 5 and resolve_top_k(64, 151_936) == 64  # explicit k kept
+    for bad in (-1, "dense", 2.0, True):
+        with pytest.raises(ValueError, match="top_k"):
+            resolve_top_k(bad, 100)
+
+
+def test_run_config_defaults_to_auto_and_takes_dense_or_k():
+    from composer_mesh.actors.messages import TeacherRequest
+    from composer_mesh.orchestration.config import RunConfig
+
+    assert RunConfig().teacher_top_k == "auto" and TeacherRequest().top_k == "auto"
+    assert RunConfig.model_validate({"teacher_top_k": 0}).teacher_top_k == 0
+    assert RunConfig.model_validate({"teacher_top_k": 16}).teacher_top_k == 16
+    for bad in (-1, "dense"):
+        with pytest.raises(ValidationError, match="teacher_top_k"):
+            RunConfig.model_validate({"teacher_top_k": bad})
+
+
+def _count_forwards(model) -> tuple[list[tuple[int, int]], object]:
+    """(rows, width) of every forward of `model`, and the hook handle to remove."""
+    shapes: list[tuple[int, int]] = []
+
+    def hook(_module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        shapes.append(tuple(ids.shape))
+
+    return shapes, model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def test_token_budget_chunks_keep_order_and_the_budget():
+    from composer_mesh.models.sampling import token_budget_chunks
+
+    assert token_budget_chunks([6, 9, 10, 4], 20) == [range(0, 2), range(2, 4)]  # 2x9, then 2x10
+    assert token_budget_chunks([6, 9, 10, 4], 7) == [range(0, 1), range(1, 2), range(2, 3), range(3, 4)]
+    assert token_budget_chunks([6, 9, 10, 4], 1000, max_rows=3) == [range(0, 3), range(3, 4)]
+    assert token_budget_chunks([30, 2, 2], 8) == [range(0, 1), range(1, 3)]  # over budget: alone
+    assert token_budget_chunks([], 8) == []
+
+
+async def test_token_budget_bounds_every_forward_and_changes_no_distribution(cache, teacher_copy):
+    _, tok = teacher_copy
+    rs = rollouts(tok) * 3  # prompt+completion lengths 6, 9, 10, 4, 6, 9, ...
+    ref_teacher = HFTeacher(HFTeacherSettings(cache_dir=cache, max_batch=64, score_batch_tokens=10_000))
+    ref_teacher.start(STUDENT, "t")
+    ref = {k: await ref_teacher.distributions(rs, k) for k in (0, 3)}
+    for budget, n_forwards in ((10_000, 1), (20, 6), (7, 12)):
+        t = HFTeacher(HFTeacherSettings(cache_dir=cache, max_batch=64, score_batch_tokens=budget))
+        t.start(STUDENT, "t")
+        shapes, handle = _count_forwards(t.model)
+        for k in (0, 3):
+            shapes.clear()
+            for d, e in zip(await t.distributions(rs, k), ref[k], strict=True):
+                if k == 0:
+                    assert torch.allclose(d.logits, e.logits, atol=1e-5)
+                    # its own storage, not a view that would keep the whole batch's logits alive
+                    assert d.logits.untyped_storage().nbytes() == d.logits.numel() * 4
+                else:
+                    assert torch.equal(d.topk_ids, e.topk_ids)
+                    assert torch.allclose(d.topk_logprobs, e.topk_logprobs, atol=1e-5)
+            assert len(shapes) == n_forwards and sum(rows for rows, _ in shapes) == len(rs)
+            # every forward is within the budget, or one rollout longer than it, scored alone
+            assert all(rows * width <= budget or rows == 1 for rows, width in shapes), shapes
+        handle.remove()
+        if budget == 7:
+            assert {w for _, w in shapes} == {6, 9, 10, 4}  # the 9- and 10-token rollouts ran alone
+
+
+def _padded_vocab_model(path, vocab: int) -> ModelConfig:
+    """A local checkpoint of a 1-layer tiny model whose head has `vocab` rows (the char tokenizer's ids first,
+    the rest unused, as real checkpoints pad their heads): a large-vocabulary model that builds in a second."""
+    from composer_mesh.models.tiny import build_tiny_model
+    from composer_mesh.models.tokenizer import stop_token_ids, tiny_tokenizer
+
+    small = ModelConfig(hidden_size=16, num_layers=1, intermediate_size=16)
+    tok = tiny_tokenizer(small)
+    model = build_tiny_model(small, vocab, stop_token_ids(tok, (";",)), tok.pad_token_id)
+    model.save_pretrained(str(path))
+    tok.save_pretrained(str(path))
+    return ModelConfig(source=str(path))
+
+
+async def test_auto_is_top_k_for_a_large_student_vocabulary_and_dense_for_a_small_one(cache, tmp_path, teacher):
+    from composer_mesh.actors.messages import TeacherRequest
+    from composer_mesh.actors.teacher_pool import PoolMember, TeacherPool
+    from composer_mesh.actors.teacher_topk import DEFAULT_TOP_K, DENSE_VOCAB_LIMIT
+
+    big = _padded_vocab_model(tmp_path / "big", DENSE_VOCAB_LIMIT + 7_232)  # 40,000 ids
+    t = HFTeacher(HFTeacherSettings(model=big, cache_dir=cache))
+    t.start(big, "t_big")
+    assert t.shares_tokenizer and t.student_vocab == 40_000
+    rs = rollouts(t.tokenizer)
+    for r, d in zip(rs, await t.distributions(rs, "auto"), strict=True):
+        assert d.logits is None and d.topk_ids.shape == (len(r.completion_ids), DEFAULT_TOP_K)
+    [d] = await t.distributions(rs[:1], 0)  # forcing dense still works
+    assert d.logits.shape == (len(rs[0].completion_ids), 40_000)
+    # The default request through the pool: top-k for the large vocabulary, dense for the tiny student's 14 ids.
+    for member, dense in ((t, False), (teacher, True)):
+        pool = TeacherPool([PoolMember(member.name, frozenset({"distill"}), member)])
+        signals = await pool.signals(TeacherRequest(rollouts=rs))
+        assert all((d.logits is not None) == dense for d in signals.distributions)
+    assert teacher.student_vocab <= DENSE_VOCAB_LIMIT

@@ -139,6 +139,33 @@ async def test_dense_distribution_matches_hf_teacher(teacher, hf_teacher, tok):
     assert worst < TOL
 
 
+
+@pytest.mark.parametrize("top_k", [0, 3])
+async def test_token_budget_splits_engine_calls_and_changes_no_distribution(teacher, tok, top_k, monkeypatch):
+    rollouts = _rollouts(tok, 6, seed=6)
+    rollouts.append(Rollout("empty", rollouts[0].prompt_ids, [], [], weight_version=0))
+    ref = await teacher.distributions(rollouts, top_k)
+    seen: list[list[int]] = []
+    generate = teacher.engine.generate
+
+    def counting(seqs, params):
+        seen.append([len(s) for s in seqs])
+        return generate(seqs, params)
+
+    budget = 24
+    monkeypatch.setattr(teacher.engine, "generate", counting)
+    monkeypatch.setattr(teacher.settings, "score_batch_tokens", budget)
+    dists = await teacher.distributions(rollouts, top_k)
+    assert len(seen) > 1 and sum(len(c) for c in seen) == len(rollouts) - 1  # the empty one needs no call
+    assert all(len(c) * max(c) <= budget or len(c) == 1 for c in seen), seen
+    for d, x in zip(dists, ref, strict=True):
+        if top_k:
+            assert torch.equal(d.topk_ids, x.topk_ids) and torch.allclose(d.topk_logprobs, x.topk_logprobs, atol=TOL)
+        else:
+            assert torch.allclose(d.logits.log_softmax(-1), x.logits.log_softmax(-1), atol=TOL)
+    assert dists[-1].num_tokens == 0
+
+
 async def test_concurrent_calls_and_empty_completion(teacher, tok):
     import asyncio
 

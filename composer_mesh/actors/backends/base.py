@@ -21,6 +21,7 @@ from composer_mesh.actors.messages import (
     TeacherTrace,
     TokenDistribution,
 )
+from composer_mesh.actors.teacher_topk import TopK
 
 
 @runtime_checkable
@@ -52,8 +53,10 @@ class TeacherBackend(Protocol):
     def start(self, student_model: Any, name: str) -> None:
         """Prepare; `student_model` (ModelConfig) gives the student's tokenizer for ids/retokenising."""
 
-    async def distributions(self, rollouts: list[Rollout], top_k: int) -> list[TokenDistribution]:
-        """One distribution per rollout over its completion tokens (only with capability "distill")."""
+    async def distributions(self, rollouts: list[Rollout], top_k: TopK) -> list[TokenDistribution]:
+        """One distribution per rollout over its completion tokens (only with capability "distill"). `top_k`
+        ("auto", 0 = dense, or k) is resolved by the teacher against the student's vocabulary
+        (`teacher_topk.resolve_top_k`)."""
 
     async def traces(self, prompts: list[Prompt], max_new_tokens: int) -> list[TeacherTrace]:
         """One full completion per prompt (only with capability "replay")."""

@@ -8,8 +8,10 @@ whose traces are re-tokenised into the student's vocabulary from their text.
 Alignment (the trainer's): for a rollout `prompt + completion`, row t of the distribution is the
 teacher's output at position `len(prompt) - 1 + t`, i.e. the distribution that scores completion token t.
 Dense rows are raw float32 logits over the student's model vocabulary; top-k rows are the k most likely
-ids with their log-probs (log_softmax over the whole vocabulary). Compute runs in a worker thread so the
-actor's event loop stays responsive; one computation runs at a time.
+ids with their log-probs (log_softmax over the whole vocabulary). Rollouts are scored in forwards of at
+most `max_batch` rows and `score_batch_tokens` padded tokens; each rollout's rows are reduced on the device
+(top-k) or copied to the CPU (dense) while its batch's logits are alive, and nothing else of them is kept.
+Compute runs in a worker thread so the actor's event loop stays responsive; one computation runs at a time.
 """
 
 from __future__ import annotations
@@ -72,24 +74,28 @@ class HFTeacher(LocalTeacher):
         return self.model, self.tokenizer
 
     def _compute_distributions(self, rollouts: list[Rollout], top_k: int) -> list[TokenDistribution]:
-        from composer_mesh.models.sampling import chunks, teacher_forced_logits
+        from composer_mesh.models.sampling import teacher_forced_map, token_budget_chunks
 
         model, _ = self._require_started()
+        lengths = [len(r.prompt_ids) + len(r.completion_ids) for r in rollouts]
         out: list[TokenDistribution] = []
-        for batch in chunks(rollouts, self.settings.max_batch):
-            logits = teacher_forced_logits(
-                model, [r.prompt_ids for r in batch], [r.completion_ids for r in batch], pad_id=self._pad_id
+        for rows in token_budget_chunks(lengths, self.settings.score_batch_tokens, self.settings.max_batch):
+            batch = [rollouts[i] for i in rows]
+            out += teacher_forced_map(
+                model, [r.prompt_ids for r in batch], [r.completion_ids for r in batch], pad_id=self._pad_id,
+                fn=lambda logits: self._to_distribution(logits, top_k),
             )
-            out += [self._to_distribution(lg, top_k) for lg in logits]
         return out
 
     def _to_distribution(self, logits: torch.Tensor, top_k: int) -> TokenDistribution:
-        logits = self._to_student_vocab(logits.cpu().float())
-        if top_k == 0:
-            return TokenDistribution(teacher=self.name, logits=logits)
+        """One rollout's float32 rows (on the model's device, maybe a view of its batch) -> a CPU distribution.
+        Top-k is taken on the device, so only [T, k] crosses to the CPU."""
+        logits = self._to_student_vocab(logits)
+        if top_k == 0:  # a copy, also on CPU: a view would keep the whole batch's logits alive
+            return TokenDistribution(teacher=self.name, logits=logits.to("cpu", copy=True))
         logp = torch.log_softmax(logits, dim=-1)
         vals, ids = logp.topk(min(top_k, logp.shape[-1]), dim=-1)
-        return TokenDistribution(teacher=self.name, topk_ids=ids.to(torch.long), topk_logprobs=vals)
+        return TokenDistribution(teacher=self.name, topk_ids=ids.to("cpu", torch.long), topk_logprobs=vals.cpu())
 
     def _sample_traces(self, ids: list[list[int]], max_new_tokens: int, seed: int) -> list[list[int]]:
         from composer_mesh.models.sampling import chunks, sample

@@ -23,6 +23,7 @@ from pydantic import Field
 
 from composer_mesh.actors.backends.local_model import LocalModelSettings, as_model_config, prompt_ids
 from composer_mesh.actors.messages import Prompt, Rollout, TeacherTrace, TokenDistribution
+from composer_mesh.actors.teacher_topk import TopK, resolve_top_k
 from composer_mesh.models.config import ModelConfig, WarmStartConfig
 
 if TYPE_CHECKING:
@@ -58,6 +59,11 @@ class LocalTeacherSettings(LocalModelSettings):
     )
     cache_dir: str | None = Field(
         None, description="Where the teacher model is materialized (null = $COMPOSER_MESH_CACHE or ~/.cache/composer_mesh)."
+    )
+    score_batch_tokens: int = Field(
+        8192, ge=1, description="Channel-2 scoring: most padded tokens (rows x longest prompt+completion) per "
+        "teacher forward (hf) or engine call (vllm); a longer rollout is scored alone. Bounds the logits of one "
+        "forward: 8,192 tokens x 151,936 ids is ~2.5 GB in bfloat16.",
     )
 
 
@@ -99,6 +105,7 @@ class LocalTeacher(ABC):
         self.stop_ids: list[int] = []
         self._vocab = 0  # rows of the teacher's output head
         self._calls = 0
+        self._logged_auto = False
         self._lock = threading.Lock()
         self._usage = {
             "requests": 0.0,
@@ -119,7 +126,8 @@ class LocalTeacher(ABC):
 
     @abstractmethod
     def _compute_distributions(self, rollouts: list[Rollout], top_k: int) -> list[TokenDistribution]:
-        """One distribution per rollout (ids already checked against the teacher's vocabulary)."""
+        """One distribution per rollout (ids already checked against the teacher's vocabulary; `top_k`
+        resolved: 0 = dense), scored in batches of at most `settings.score_batch_tokens` padded tokens."""
 
     @abstractmethod
     def _sample_traces(self, ids: list[list[int]], max_new_tokens: int, seed: int) -> list[list[int]]:
@@ -157,11 +165,17 @@ class LocalTeacher(ABC):
         return dict(self._usage)
 
     # -- channel 2 ---------------------------------------------------------------------------------------
-    async def distributions(self, rollouts: list[Rollout], top_k: int) -> list[TokenDistribution]:
+    async def distributions(self, rollouts: list[Rollout], top_k: TopK) -> list[TokenDistribution]:
+        """Channel 2; `top_k` "auto" is resolved here, where the student's vocabulary is known."""
         self.check_distill()
-        if top_k < 0:
-            raise ValueError(f"teacher {self.name!r}: top_k must be >= 0 (0 = dense logits), got {top_k}")
-        return await self._run(self._distributions, rollouts, top_k)
+        try:
+            k = resolve_top_k(top_k, self.student_vocab)
+        except ValueError as e:
+            raise ValueError(f"teacher {self.name!r}: {e}") from None
+        if top_k != k and not self._logged_auto:
+            self._logged_auto = True
+            log.info("teacher %r: top_k %r -> %s (student vocabulary %d)", self.name, top_k, k or "dense", self.student_vocab)
+        return await self._run(self._distributions, rollouts, k)
 
     def _distributions(self, rollouts: list[Rollout], top_k: int) -> list[TokenDistribution]:
         for r in rollouts:
@@ -177,13 +191,14 @@ class LocalTeacher(ABC):
         return out
 
     def _to_student_vocab(self, logits: torch.Tensor) -> torch.Tensor:
-        """[T, V_teacher] rows -> [T, V_student]: extra head rows dropped, missing ids get `_ABSENT_LOGIT`."""
+        """[T, V_teacher] rows -> [T, V_student] on the same device: extra head rows dropped, missing ids get
+        `_ABSENT_LOGIT`. Returns `logits` itself when the sizes match."""
         v = self.student_vocab
         if logits.shape[-1] == v:
             return logits
         if logits.shape[-1] > v:  # extra (padding) rows of the teacher's head: not student tokens
             return logits[:, :v].contiguous()
-        pad = torch.full((logits.shape[0], v - logits.shape[-1]), _ABSENT_LOGIT, dtype=logits.dtype)
+        pad = torch.full((logits.shape[0], v - logits.shape[-1]), _ABSENT_LOGIT, dtype=logits.dtype, device=logits.device)
         return torch.cat([logits, pad], dim=-1)
 
     # -- channel 3 ---------------------------------------------------------------------------------------

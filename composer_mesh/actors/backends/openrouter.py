@@ -20,6 +20,7 @@ from composer_mesh.actors.backends.openrouter_client import (
     OpenRouterSettings,
 )
 from composer_mesh.actors.messages import Prompt, Rollout, TeacherTrace, TokenDistribution
+from composer_mesh.actors.teacher_topk import TopK
 
 log = logging.getLogger("composer_mesh.openrouter")
 
@@ -98,7 +99,7 @@ class OpenRouterTeacher:
         self._client = OpenRouterClient(self.settings, **self._client_kwargs)
         self._tokenizer = load_student_tokenizer(student_model)
 
-    async def distributions(self, rollouts: list[Rollout], top_k: int) -> list[TokenDistribution]:
+    async def distributions(self, rollouts: list[Rollout], top_k: TopK) -> list[TokenDistribution]:
         raise TeacherCapabilityError(
             f"teacher {self.name!r} (binding openrouter) cannot give channel-2 distributions: OpenRouter returns "
             "token strings from the teacher's own tokenizer, not log-probs over the student's token ids. Use "

@@ -8,7 +8,10 @@ binding name only:
   top-k rows: the k most likely ids with their log-probs (log_softmax over the teacher's whole head).
   `top_k=0` (dense): vLLM returns log-probs, not raw logits, over the whole head; they are given as
   `logits` (equal to hf's up to a per-row constant, so the same softmax), trimmed/padded to the student's
-  vocabulary like hf does. Dense costs one Python dict of V entries per token: for small vocabularies only.
+  vocabulary like hf does. Dense costs one Python dict of V entries per token: for small vocabularies only
+  (the default top_k "auto" is dense only up to 32,768 ids). Rollouts go to the engine in calls of at most
+  `score_batch_tokens` padded tokens, each turned into tensors before the next, so the engine's log-prob
+  objects of one call at most are alive at a time.
 - Channel 3 ("replay"): one trace per prompt (greedy unless `trace_temperature` > 0), stopping after EOS or
   the task's end marker; with another tokenizer the trace is re-tokenised into the student's vocabulary
   exactly as the hf teacher does (a text the student cannot write is dropped and counted).
@@ -83,26 +86,35 @@ class VLLMTeacher(LocalTeacher):
     def _compute_distributions(self, rollouts: list[Rollout], top_k: int) -> list[TokenDistribution]:
         from vllm import SamplingParams
 
+        from composer_mesh.models.sampling import token_budget_chunks
+
         engine = self._require_started()
         k = min(top_k, self._vocab)
-        todo = [i for i, r in enumerate(rollouts) if r.completion_ids]
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=k if k > 0 else -1, detokenize=False)
-        seqs = [list(rollouts[i].prompt_ids) + list(rollouts[i].completion_ids) for i in todo]
-        results = engine.generate(seqs, params) if seqs else []
-        by_index = dict(zip(todo, results))
-        out = []
-        for i, r in enumerate(rollouts):
-            start, n = len(r.prompt_ids), len(r.completion_ids)
-            rows = list(by_index[i].prompt_logprobs[start : start + n]) if n else []
-            what = f"teacher {self.name!r}, rollout {r.prompt_id!r}"
-            if k > 0:
-                ids, lps = topk_from_logprob_dicts(rows, k, what)
-                if ids.numel() and int(ids.max()) >= self.student_vocab:
-                    raise ValueError(f"{what}: top-k id {int(ids.max())} is outside the student's vocabulary")
-                out.append(TokenDistribution(teacher=self.name, topk_ids=ids, topk_logprobs=lps))
-            else:
-                out.append(TokenDistribution(teacher=self.name, logits=self._to_student_vocab(_dense(rows, self._vocab, what))))
+        lengths = [len(r.prompt_ids) + len(r.completion_ids) for r in rollouts]
+        out: list[TokenDistribution] = []
+        for chunk in token_budget_chunks(lengths, self.settings.score_batch_tokens):
+            out += self._score(engine, [rollouts[i] for i in chunk], params, k)
         return out
+
+    def _score(self, engine: VLLMEngine, batch: list[Rollout], params: Any, k: int) -> list[TokenDistribution]:
+        """One engine call; its results (V log-prob objects per token when dense) die when this returns."""
+        todo = [r for r in batch if r.completion_ids]
+        results = engine.generate([list(r.prompt_ids) + list(r.completion_ids) for r in todo], params) if todo else []
+        by_id = {id(r): res for r, res in zip(todo, results)}
+        return [self._distribution(r, by_id.get(id(r)), k) for r in batch]
+
+    def _distribution(self, r: Rollout, result: Any, k: int) -> TokenDistribution:
+        """One rollout's distribution from its engine result (None for an empty completion)."""
+        start, n = len(r.prompt_ids), len(r.completion_ids)
+        rows = list(result.prompt_logprobs[start : start + n]) if n else []
+        what = f"teacher {self.name!r}, rollout {r.prompt_id!r}"
+        if k > 0:
+            ids, lps = topk_from_logprob_dicts(rows, k, what)
+            if ids.numel() and int(ids.max()) >= self.student_vocab:
+                raise ValueError(f"{what}: top-k id {int(ids.max())} is outside the student's vocabulary")
+            return TokenDistribution(teacher=self.name, topk_ids=ids, topk_logprobs=lps)
+        return TokenDistribution(teacher=self.name, logits=self._to_student_vocab(_dense(rows, self._vocab, what)))
 
     def _sample_traces(self, ids: list[list[int]], max_new_tokens: int, seed: int) -> list[list[int]]:
         from vllm import SamplingParams
