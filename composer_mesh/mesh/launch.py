@@ -9,7 +9,8 @@ What `launch_meshes` does, in order:
    `ProcessJob` for all `process` meshes (a local worker process per host), and `this_host()` for
    `local` meshes;
 2. spawns one proc mesh per mesh, with extent `{hosts: H, procs: P}` on every backend, each proc running
-   `runtime.proc_setup` (GPU pinning from `gpus_per_proc`, the mesh's `env`, quiet logs);
+   `runtime.proc_setup` (GPU pinning from `gpus_per_proc` and, for `local` meshes, the host GPUs
+   `gpus.assign_gpus` gives them, so that local meshes never share a GPU; the mesh's `env`; quiet logs);
 3. spawns each placement's actor class over all procs of its mesh as `ActorClass(*args)`, then calls the
    class's `ready` endpoint if it has one, so that `__init__` errors surface as a `MeshFailureError`;
 4. on exit, normal or not (exception, Ctrl-C / task cancellation, SIGTERM), stops every proc mesh, kills
@@ -38,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 # `runtime` sets Monarch's import-time environment; it must run before the first `import monarch`, so
 # this module imports monarch only inside functions.
 from composer_mesh.mesh import runtime, slurm
+from composer_mesh.mesh.gpus import assign_gpus, format_gpus, shared_gpus
 from composer_mesh.mesh.spec import MeshSpec, slurm_job_name
 
 if TYPE_CHECKING:
@@ -152,12 +154,13 @@ class LaunchedMeshes:
     """What `launch_meshes` yields: the actor meshes by name, the proc meshes and where everything runs.
 
     `actors[name]` spans all procs of its mesh (extent `{hosts, procs}`); `per_proc(name)` gives one
-    handle per proc.
+    handle per proc. `gpu_devices[mesh]` lists the host GPUs of each `local` mesh.
     """
 
     def __init__(self, specs: Mapping[str, MeshSpec], launch_id: str) -> None:
         self.specs = dict(specs)
         self.launch_id = launch_id
+        self.gpu_devices: dict[str, list[int]] = assign_gpus(self.specs)
         self.proc_meshes: dict[str, ProcMesh] = {}
         self.actors: dict[str, Any] = {}
         self.placements: dict[str, PlacedActor] = {}
@@ -234,6 +237,12 @@ def launch_meshes(
         if placement.mesh not in meshes:
             raise LaunchError(f"{placement.name!r} is placed on mesh {placement.mesh!r}, which is not defined")
         check_actor_class(placement.name, placement.actor_class)
+    clashes = shared_gpus(assign_gpus(meshes))
+    if clashes:
+        raise LaunchError(
+            "; ".join(f"local meshes {a!r} and {b!r} would share {format_gpus(c)}" for a, b, c in clashes)
+            + ": give them disjoint gpu_devices / gpu_offset (or put what should share a GPU on one mesh)"
+        )
     slurm_logs = str(Path(log_dir or "slurm_logs").resolve())
     return _launch(dict(meshes), list(actors), run_name, slurm_logs, ready_timeout, stop_timeout)
 
@@ -312,12 +321,14 @@ def _is_supervision_error(exc: BaseException) -> bool:
     return False
 
 
-def _bootstrap_command(mesh: str, spec: MeshSpec) -> Any:
+def _bootstrap_command(mesh: str, spec: MeshSpec, gpu_devices: list[int] | None) -> Any:
     from monarch.actor import default_bootstrap_cmd
 
     env = {str(k): str(v) for k, v in spec.env.items()}
     env[runtime.ENV_MESH] = mesh
     env[runtime.ENV_GPUS_PER_PROC] = str(spec.gpus_per_proc)
+    if gpu_devices is not None:  # a local mesh: its share of this host's GPUs
+        env[runtime.ENV_GPU_DEVICES] = ",".join(map(str, gpu_devices))
     return default_bootstrap_cmd().with_env(env)
 
 
@@ -368,7 +379,7 @@ async def _start_meshes(launched: LaunchedMeshes, run_name: str, jobs: _Jobs, sl
             per_host=per_host,
             name=monarch_name,
             bootstrap=runtime.proc_setup,
-            bootstrap_command=_bootstrap_command(name, spec),
+            bootstrap_command=_bootstrap_command(name, spec, launched.gpu_devices.get(name)),
         )
 
 

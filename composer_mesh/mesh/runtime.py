@@ -21,7 +21,7 @@ import os
 import sys
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 # Defaults applied before `monarch` is imported. Documented in docs/launch.md.
@@ -35,6 +35,8 @@ MONARCH_ENV_DEFAULTS: dict[str, str] = {
 # Set by launch in each proc's bootstrap environment; read by `proc_setup` inside the proc.
 ENV_MESH = "COMPOSER_MESH_MESH"
 ENV_GPUS_PER_PROC = "COMPOSER_MESH_GPUS_PER_PROC"
+# The host GPUs of a `local` mesh (`composer_mesh.mesh.gpus.assign_gpus`), comma-separated; unset elsewhere.
+ENV_GPU_DEVICES = "COMPOSER_MESH_GPU_DEVICES"
 # Log level for Python logging inside procs (default WARNING).
 ENV_PROC_LOG_LEVEL = "COMPOSER_MESH_PROC_LOG_LEVEL"
 
@@ -143,34 +145,46 @@ def setup_controller() -> None:
 
 
 # --------------------------------------------------------------------------------------- per-proc setup
-def visible_devices(local_index: int, gpus_per_proc: int, inherited: str | None) -> str:
+def visible_devices(
+    local_index: int, gpus_per_proc: int, inherited: str | None, host_devices: Sequence[int] | None = None
+) -> str:
     """`CUDA_VISIBLE_DEVICES` for the proc at `local_index` on its host.
 
-    Proc i gets devices [i*g, (i+1)*g) of what the host may use: the inherited list when the
-    scheduler set one (Slurm does for `--gpus-per-node`), else device indices 0..n-1. A CPU-only
-    proc (`gpus_per_proc == 0`) gets the empty string: it sees no GPU at all.
+    Proc i gets slots [i*g, (i+1)*g) of its mesh's host GPUs: `host_devices` when the mesh was given some
+    (local meshes sharing a host get disjoint ones), else 0, 1, 2, ... A slot is an index into what the host
+    may use: the inherited list when the scheduler or the user set one (Slurm does for `--gpus-per-node`),
+    else the device index itself. A CPU-only proc (`gpus_per_proc == 0`) gets the empty string: no GPU.
     """
     if gpus_per_proc < 0 or local_index < 0:
         raise ValueError(f"gpus_per_proc ({gpus_per_proc}) and local_index ({local_index}) must be >= 0")
     if gpus_per_proc == 0:
         return ""
     lo, hi = local_index * gpus_per_proc, (local_index + 1) * gpus_per_proc
+    if host_devices is None:
+        slots = list(range(lo, hi))
+    elif hi > len(host_devices):
+        raise ValueError(
+            f"proc {local_index} needs GPUs {lo}..{hi - 1} of its mesh, which has {len(host_devices)}"
+        )
+    else:
+        slots = list(host_devices[lo:hi])
     if inherited is not None and inherited.strip():
         devices = [d.strip() for d in inherited.split(",") if d.strip()]
-        if hi > len(devices):
+        if max(slots) >= len(devices):
             raise RuntimeError(
-                f"proc {local_index} needs GPUs {lo}..{hi - 1} ({gpus_per_proc} per proc) but this host "
-                f"only exposes CUDA_VISIBLE_DEVICES={inherited!r}"
+                f"proc {local_index} needs host GPUs {','.join(map(str, slots))} ({gpus_per_proc} per proc) "
+                f"but this host only exposes CUDA_VISIBLE_DEVICES={inherited!r}"
             )
-        return ",".join(devices[lo:hi])
-    return ",".join(str(d) for d in range(lo, hi))
+        return ",".join(devices[s] for s in slots)
+    return ",".join(str(s) for s in slots)
 
 
 def proc_setup() -> None:
     """`bootstrap=` function run in every spawned proc before its actors are created.
 
-    - pins GPUs: sets `CUDA_VISIBLE_DEVICES` from the proc's `procs` coordinate and the mesh's
-      `gpus_per_proc` (carried in `COMPOSER_MESH_GPUS_PER_PROC`), before anything can initialise CUDA;
+    - pins GPUs: sets `CUDA_VISIBLE_DEVICES` from the proc's `procs` coordinate, the mesh's
+      `gpus_per_proc` (carried in `COMPOSER_MESH_GPUS_PER_PROC`) and, for a local mesh, its host GPUs
+      (`COMPOSER_MESH_GPU_DEVICES`), before anything can initialise CUDA;
     - filters `RDMATcpFallbackWarning` (Monarch's import-time `simplefilter` beats PYTHONWARNINGS, so it
       has to be done inside the proc, after importing monarch.rdma);
     - gives Python logging a stderr handler at `COMPOSER_MESH_PROC_LOG_LEVEL` (default WARNING).
@@ -185,7 +199,9 @@ def proc_setup() -> None:
         except KeyError:
             local_index = 0
         inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
-        os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices(local_index, int(gpus), inherited)
+        listed = os.environ.get(ENV_GPU_DEVICES)
+        host = None if listed is None else [int(d) for d in listed.split(",") if d.strip()]
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices(local_index, int(gpus), inherited, host)
 
     from monarch.rdma import RDMATcpFallbackWarning
 

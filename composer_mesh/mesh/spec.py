@@ -131,6 +131,19 @@ class MeshSpec(StrictModel):
         ge=0,
         description="GPUs visible to each proc (`CUDA_VISIBLE_DEVICES` is set per proc); 0 = CPU only.",
     )
+    gpu_offset: int | None = Field(
+        None,
+        ge=0,
+        description="Backend `local` only: first host GPU this mesh uses; its procs take the "
+        "procs_per_host × gpus_per_proc GPUs from there. Default: the lowest GPUs no other local mesh uses, "
+        "in mesh order.",
+    )
+    gpu_devices: list[Annotated[int, Field(ge=0)]] | None = Field(
+        None,
+        description="Backend `local` only: the host GPUs this mesh uses, procs_per_host × gpus_per_proc "
+        "distinct indices, proc i taking the i-th gpus_per_proc of them. Indices count what the host exposes "
+        "(an inherited `CUDA_VISIBLE_DEVICES` list, else 0..N-1). Not together with gpu_offset.",
+    )
     env: dict[EnvName, str] = Field(
         default_factory=dict,
         description="Environment variables set in every proc of this mesh (quote numbers).",
@@ -149,6 +162,33 @@ class MeshSpec(StrictModel):
                 f"backend 'local' runs on this host only, so hosts must be 1 (got {v}); "
                 "use backend 'process' to simulate several hosts"
             )
+        return v
+
+    @field_validator("gpu_offset", "gpu_devices")
+    @classmethod
+    def _gpu_placement(cls, v: int | list[int] | None, info: ValidationInfo) -> int | list[int] | None:
+        """Placement pins this host's GPUs: meaningless on a scheduler's allocation or on a CPU mesh."""
+        if v is None:
+            return v
+        field, backend, per_proc = info.field_name, info.data.get("backend"), info.data.get("gpus_per_proc")
+        if backend is not None and backend != "local":
+            why = "Slurm allocates its GPUs" if backend == "slurm" else "each of its hosts starts at GPU 0"
+            raise ValueError(f"{field} is only for backend 'local' (this mesh is {backend!r}: {why})")
+        if per_proc == 0:
+            raise ValueError(f"{field} places GPUs but gpus_per_proc is 0 (a CPU-only mesh uses none)")
+        if not isinstance(v, list):
+            return v
+        if info.data.get("gpu_offset") is not None:
+            raise ValueError("give gpu_offset or gpu_devices, not both")
+        procs = info.data.get("procs_per_host")
+        needed = None if per_proc is None or procs is None else procs * per_proc
+        if needed is not None and len(v) != needed:
+            raise ValueError(
+                f"gpu_devices lists {len(v)} GPUs but the mesh uses procs_per_host × gpus_per_proc = {needed}"
+            )
+        repeated = sorted({d for d in v if v.count(d) > 1})
+        if repeated:
+            raise ValueError(f"gpu_devices lists GPU {', '.join(map(str, repeated))} more than once")
         return v
 
     @field_validator("slurm")

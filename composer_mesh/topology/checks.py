@@ -13,6 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel, TypeAdapter
 
+from composer_mesh.mesh.gpus import assign_gpus, format_gpus, shared_gpus
 from composer_mesh.mesh.spec import MeshSpec
 from composer_mesh.topology.schema import (
     BoundSpec,
@@ -41,6 +42,8 @@ CROSS_CHECKS: tuple[str, ...] = (
     "`diloco` is given exactly when `roles.trainer.replicas > 1`, and `diloco.replicas` equals it",
     "the trainer mesh's procs (hosts × procs_per_host) split evenly into `roles.trainer.replicas`",
     "Slurm meshes that may share a node (`exclusive: false`, same partition) use different `monarch_port`s",
+    "`local` meshes never share a GPU: those without `gpu_offset` / `gpu_devices` take the lowest free GPUs "
+    "in mesh order, and pinned ones must not overlap (roles that should share GPUs share one mesh)",
     "binding names and import paths resolve to a class with a `Settings` model, and `settings` validate with it",
     "duplicate keys anywhere in the file are errors (YAML would silently keep the last one)",
 )
@@ -222,6 +225,18 @@ def check_slurm_ports(parts: Parts) -> Iterator[Problem]:
             ports[slot] = name
 
 
+def check_local_gpus(parts: Parts) -> Iterator[Problem]:
+    """Local meshes pinned to the same GPUs (the unpinned ones are placed around them and never clash)."""
+    for earlier, later, common in shared_gpus(assign_gpus(parts.meshes)):
+        spec = parts.meshes[later]
+        key = "gpu_devices" if spec.gpu_devices is not None else "gpu_offset"
+        yield (
+            ("meshes", later, key),
+            f"meshes {earlier!r} and {later!r} would share {format_gpus(common)} of this host; give them "
+            "disjoint gpu_devices / gpu_offset (roles that should share GPUs can share one mesh)",
+        )
+
+
 def check_diloco_replicas(parts: Parts) -> Iterator[Problem]:
     """DiLoCo exactly when the trainer has replicas, with the same number of them."""
     trainer = parts.roles.get("trainer")
@@ -266,6 +281,7 @@ CHECKS: tuple[Callable[[Parts], Iterator[Problem]], ...] = (
     check_teacher_channels,
     check_loss_channels_fed,
     check_slurm_ports,
+    check_local_gpus,
     check_diloco_replicas,
     check_replicas_fit_mesh,
 )

@@ -9,6 +9,10 @@ A price table is a small YAML validated like a topology (errors carry line and c
 
 Cost per hour of a mesh = GPUs billed × gpu_hour + procs × cpu_proc_hour, where GPUs billed are
 hosts × GPUs per node (a Slurm `gpus_per_node` override counts, since the job holds them).
+
+Local meshes show which of this host's GPUs they get (`composer_mesh.mesh.gpus.assign_gpus`, the launch's
+own answer). When some local mesh uses GPUs, the plan compares that with the host's GPU count where it can
+be had without initialising CUDA (`host_gpu_count`); an unknown count is reported, not an error.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from rich.console import Console
 from rich.table import Table
 
+from composer_mesh.mesh.gpus import assign_gpus, format_gpus, host_gpu_count
 from composer_mesh.mesh.spec import MeshSpec
 from composer_mesh.topology.schema import TeachersSpec, Topology
 from composer_mesh.topology.yaml_errors import load_yaml_model
@@ -69,6 +74,7 @@ class MeshPlan:
     job: str  # how it is launched, e.g. the Slurm job options
     roles: tuple[str, ...]
     cost_per_hour: float | None  # None: no price for this backend (or no price table)
+    gpu_devices: tuple[int, ...] | None = None  # a local mesh's host GPUs; None: not a local mesh
 
     @property
     def procs(self) -> int:
@@ -80,6 +86,20 @@ class Plan:
     name: str
     meshes: tuple[MeshPlan, ...]
     currency: str | None  # None: no price table given
+    host_gpus: int | None = None  # GPUs this host exposes; None: unknown, or no local mesh uses GPUs
+    host_gpus_source: str = ""  # where host_gpus came from, or why it is unknown ("" when not asked)
+
+    @property
+    def local_gpus(self) -> tuple[int, ...]:
+        """This host's GPUs that the local meshes use, sorted."""
+        return tuple(sorted({g for m in self.meshes for g in m.gpu_devices or ()}))
+
+    @property
+    def missing_gpus(self) -> tuple[int, ...]:
+        """Local meshes' GPU indices the host does not have (none when its count is unknown)."""
+        if self.host_gpus is None:
+            return ()
+        return tuple(g for g in self.local_gpus if g >= self.host_gpus)
 
     @property
     def total_cost_per_hour(self) -> float | None:
@@ -142,8 +162,17 @@ def _cost(spec: MeshSpec, gpus: int, prices: PriceTable | None) -> float | None:
     return gpus * price.gpu_hour + spec.procs * price.cpu_proc_hour
 
 
-def make_plan(topology: Topology, prices: PriceTable | None = None) -> Plan:
-    """What runs where (meshes in file order) with the hourly cost when prices are given."""
+def make_plan(
+    topology: Topology, prices: PriceTable | None = None, host_gpus: tuple[int | None, str] | None = None
+) -> Plan:
+    """What runs where (meshes in file order) with the hourly cost when prices are given.
+
+    host_gpus: (count, source) of this host's GPUs; default `host_gpu_count()`, asked only when some local
+    mesh uses GPUs (so plans of Slurm-only topologies do not depend on the machine that draws them).
+    """
+    assignment = assign_gpus(topology.meshes)
+    if host_gpus is None:
+        host_gpus = host_gpu_count() if any(assignment.values()) else (None, "")
     rows = []
     for name, spec in topology.meshes.items():
         gpus = spec.gpus_held
@@ -159,13 +188,39 @@ def make_plan(topology: Topology, prices: PriceTable | None = None) -> Plan:
                 job=_job(topology, name, spec),
                 roles=_role_labels(topology, name),
                 cost_per_hour=_cost(spec, gpus, prices),
+                gpu_devices=tuple(assignment[name]) if name in assignment else None,
             )
         )
-    return Plan(name=topology.name, meshes=tuple(rows), currency=prices.currency if prices else None)
+    return Plan(
+        name=topology.name,
+        meshes=tuple(rows),
+        currency=prices.currency if prices else None,
+        host_gpus=host_gpus[0],
+        host_gpus_source=host_gpus[1],
+    )
 
 
 def _money(value: float, currency: str) -> str:
     return f"{value:,.2f} {currency}"
+
+
+def _print_host_gpus(plan: Plan, console: Console) -> None:
+    """The local meshes' GPUs against what this host has: a warning when it has too few."""
+    used = plan.local_gpus
+    if not used:
+        return
+    use = f"meshes use {format_gpus(used)} of this host"
+    source, missing = plan.host_gpus_source, plan.missing_gpus
+    if plan.host_gpus is None:
+        console.print(f"Local {use}; its GPU count is unknown ({source}), not checked")
+    elif missing:
+        console.print(
+            f"[bold red]warning:[/] local {use}, but it has only {plan.host_gpus} ({source}); "
+            f"missing: {format_gpus(missing)}",
+            highlight=False,
+        )
+    else:
+        console.print(f"Local {use}; it has {plan.host_gpus} ({source})")
 
 
 def render_plan(plan: Plan, console: Console | None = None) -> None:
@@ -185,6 +240,8 @@ def render_plan(plan: Plan, console: Console | None = None) -> None:
         gpus = "CPU only" if m.gpus == 0 else f"{m.gpus} ({m.gpus_per_proc}/proc)"
         if m.gpus != m.gpus_used:
             gpus = f"{m.gpus} held, {m.gpus_used} used ({m.gpus_per_proc}/proc)"
+        if m.gpu_devices:
+            gpus += f"\n{format_gpus(m.gpu_devices)}"
         row = [
             m.name,
             m.backend,
@@ -200,6 +257,7 @@ def render_plan(plan: Plan, console: Console | None = None) -> None:
     total_gpus = sum(m.gpus for m in plan.meshes)
     total_procs = sum(m.procs for m in plan.meshes)
     console.print(f"{len(plan.meshes)} meshes, {total_procs} procs, {total_gpus} GPUs held")
+    _print_host_gpus(plan, console)
     if priced:
         assert plan.currency is not None and plan.total_cost_per_hour is not None
         line = f"Estimated cost: {_money(plan.total_cost_per_hour, plan.currency)} per hour"

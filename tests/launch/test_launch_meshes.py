@@ -219,3 +219,24 @@ def test_local_yaml_launches_with_probe_actors() -> None:
     expected = {r: {s.mesh} for r, s in vars(topo.roles).items() if s is not None}
     assert got == expected
     assert not new_descendants_after_exit(before)
+
+
+async def test_local_meshes_get_disjoint_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Local meshes with GPUs on one host are pinned to disjoint GPUs, indexed into the inherited list.
+
+    The parent's CUDA_VISIBLE_DEVICES stands for what a host exposes; no GPU is touched (nothing initialises
+    CUDA), so this runs on a CPU machine.
+    """
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "10,11,12,13")
+    before = descendants()
+    async with launch(HERE / "gpu_probe.yaml", actors=PROBES) as mesh:
+        assert mesh.launched.gpu_devices == {"learner": [0], "rollout": [2, 3], "judge": [1]}
+        trainer, gens, rewarder = (
+            await _where(mesh.trainer),
+            await _where(mesh.generators),
+            await _where(mesh.rewarder),
+        )
+    assert [w["cuda_visible_devices"] for w in trainer] == ["10"]
+    assert sorted((w["rank"]["procs"], w["cuda_visible_devices"]) for w in gens) == [(0, "12"), (1, "13")]
+    assert [w["cuda_visible_devices"] for w in rewarder] == ["11"]
+    assert not new_descendants_after_exit(before)

@@ -20,6 +20,7 @@ VALID = HERE / "valid"
 ROOT = HERE.parent.parent
 MIXED = VALID / "fake_mixed.yaml"
 PRICES = VALID / "prices.yaml"
+LOCAL_GPUS = VALID / "local_gpus.yaml"
 
 
 def rendered(plan) -> str:  # type: ignore[no-untyped-def]
@@ -91,6 +92,67 @@ def test_price_table_is_validated_with_lines(tmp_path: Path) -> None:
     assert got == {("slurm.gpu_hour", 2), ("local.gpu_hour", 3), ("azure", 4)}
     assert "allowed keys: currency, local, process, slurm" in str(info.value)
     assert PriceTable().for_backend("slurm") is None
+
+
+def test_plan_shows_the_gpus_of_each_local_mesh() -> None:
+    plan = make_plan(load_topology(LOCAL_GPUS), host_gpus=(8, "nvidia-smi -L"))
+    rows = {m.name: m.gpu_devices for m in plan.meshes}
+    assert rows == {"learner": (0, 1), "judge": (2,), "rollout": (4, 3), "cpu": ()}
+    assert (plan.local_gpus, plan.missing_gpus) == ((0, 1, 2, 3, 4), ())
+    text = rendered(plan)
+    for fragment in (
+        "GPUs 0-1",
+        "GPU 2",
+        "GPUs 3-4",
+        "CPU only",
+        "Local meshes use GPUs 0-4 of this host; it has 8 (nvidia-smi -L)",
+    ):
+        assert fragment in text, fragment
+    assert "warning" not in text
+    # Non-local meshes have no host GPUs of their own here (Slurm allocates), and no GPU line is printed.
+    mixed = make_plan(load_topology(MIXED))
+    assert {m.name: m.gpu_devices for m in mixed.meshes} == {
+        "train": None,
+        "gen": None,
+        "teach": None,
+        "cpu": (),
+    }
+    assert (mixed.host_gpus, mixed.host_gpus_source) == (None, "")
+    assert "Local meshes" not in rendered(mixed)
+
+
+def test_plan_flags_a_host_with_too_few_gpus() -> None:
+    plan = make_plan(load_topology(LOCAL_GPUS), host_gpus=(3, "CUDA_VISIBLE_DEVICES"))
+    assert plan.missing_gpus == (3, 4)
+    text = rendered(plan)
+    assert (
+        "warning: local meshes use GPUs 0-4 of this host, but it has only 3 (CUDA_VISIBLE_DEVICES); "
+        "missing: GPUs 3-4" in text
+    )
+
+
+def test_plan_counts_host_gpus_without_cuda(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("COLUMNS", "250")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    plan = make_plan(load_topology(LOCAL_GPUS))
+    assert (plan.host_gpus, plan.host_gpus_source, plan.missing_gpus) == (
+        2,
+        "CUDA_VISIBLE_DEVICES",
+        (2, 3, 4),
+    )
+    assert main(["plan", str(LOCAL_GPUS)]) == 0  # a warning, not an error: the run may go elsewhere
+    assert "missing: GPUs 2-4" in capsys.readouterr().out
+    # No CUDA_VISIBLE_DEVICES and no nvidia-smi (this CPU machine): unknown, and said so.
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    monkeypatch.setenv("PATH", "")
+    plan = make_plan(load_topology(LOCAL_GPUS))
+    assert plan.host_gpus is None and plan.missing_gpus == ()
+    assert (
+        "its GPU count is unknown (CUDA_VISIBLE_DEVICES is unset and nvidia-smi is not on PATH)"
+        in rendered(plan)
+    )
 
 
 # ---- CLI ---------------------------------------------------------------------------------------------------

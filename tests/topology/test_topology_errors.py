@@ -103,7 +103,10 @@ def test_columns_point_at_the_value_or_the_key() -> None:
     assert (procs.line, procs.column) == (3, text.splitlines()[2].index("-1") + 1)
     extra = by_path["meshes.cpu.colour"]  # an unknown key points at the key itself
     assert (extra.line, extra.column) == (3, text.splitlines()[2].index("colour") + 1)
-    assert "allowed keys: backend, hosts, procs_per_host, gpus_per_proc, env, slurm" in extra.message
+    assert (
+        "allowed keys: backend, hosts, procs_per_host, gpus_per_proc, gpu_offset, gpu_devices, env, slurm"
+        in extra.message
+    )
 
 
 def test_duplicate_keys_are_reported_anywhere() -> None:
