@@ -32,7 +32,10 @@ from composer_mesh.loss.distill import DistillOutput, DistillParams, _chunk_loss
 
 @dataclass
 class HiddenStates:
-    """Stands in for logits [B, T, V]: logits[b, t] = (hidden[b, t] @ weight.T + bias) * scale."""
+    """Stands in for logits [B, T, V]: logits[b, t] = (hidden[b, t] @ weight.T + bias) * scale.
+
+    The head's matmuls run in `hidden`'s dtype (give bf16 hidden states for bf16 compute, as autocast would
+    run the head); log-sum-exps, divergences and their gradients are float32 (float64 for float64 inputs)."""
 
     hidden: Tensor  # [B, T, H] last hidden state that scores completion token t (grad flows)
     weight: Tensor  # [V, H] the output head (grad flows unless frozen; tied embeddings are fine)
@@ -94,11 +97,18 @@ class _HeadGrads:
         self.grad_b = torch.zeros(weight.shape[0], dtype=dt, device=h.device) if bias is not None and needs[2] else None
 
     def add(self, start: int, stop: int, gz: Tensor) -> None:
-        """gz [c, V]: d loss / d (unscaled logits) of rows start:stop (the head's scale already applied)."""
+        """gz [c, V]: d loss / d (unscaled logits) of rows start:stop (the head's scale already applied).
+
+        The matmuls run in the hidden states' dtype (bf16 under mixed precision, like autocast's backward of
+        the head); the head's gradient accumulates in float32."""
+        g = gz.to(self.h.dtype)
         if self.grad_h is not None:
-            self.grad_h[start:stop] = gz.to(self.h.dtype) @ self.w
+            self.grad_h[start:stop] = g @ self.w
         if self.grad_w is not None:
-            self.grad_w.addmm_(gz.T, self.h[start:stop].to(self.dt))
+            if g.dtype == self.dt:
+                self.grad_w.addmm_(g.T, self.h[start:stop])
+            else:
+                self.grad_w.add_(g.T @ self.h[start:stop])
         if self.grad_b is not None:
             self.grad_b.add_(gz.sum(0))
 

@@ -200,3 +200,23 @@ def test_settings_reject_bad_values():
         HFTrainerSettings(micro_batch_tokens=0)
     with pytest.raises(ValueError, match="precision"):
         HFTrainerSettings(precision="fp16")
+
+
+def test_bf16_mixed_runs_the_chunked_head_in_bf16():
+    """Under autocast the decoder's last hidden state is float32; the head must still run in bf16, as the
+    model's own forward would run it (a float32 head was 74% of a step's matmul work)."""
+    from composer_mesh.actors.backends.train_batch import layout, student_forward
+    from composer_mesh.loss.compose import HiddenStates
+
+    trainer = make_trainer()
+    lay = layout([[1, 2, 3]], [[4, 5]], "cpu")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        student = student_forward(trainer.model, lay, head="chunked")
+    assert isinstance(student, HiddenStates) and student.hidden.dtype == torch.bfloat16
+    assert student.weight.dtype == torch.float32  # master weights untouched; the head's matmul casts a copy
+
+
+def test_attn_implementation_is_applied():
+    trainer = HFTrainer(HFTrainerSettings(attn_implementation="eager"))
+    trainer.start(MODEL, LossConfig())
+    assert trainer.model.config._attn_implementation == "eager"

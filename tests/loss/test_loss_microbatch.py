@@ -194,3 +194,22 @@ def test_hidden_states_reject_mismatched_head() -> None:
         HiddenStates(torch.zeros(2, 3, 4), torch.zeros(5, 6))
     with pytest.raises(ValueError, match="bias must be"):
         HiddenStates(torch.zeros(2, 3, 4), torch.zeros(5, 4), torch.zeros(4))
+
+
+@pytest.mark.parametrize("teacher", [None, "dense", "topk"])
+def test_bf16_hidden_states_give_float32_gradients_close_to_float32(teacher: str | None) -> None:
+    """bf16 hidden states (mixed precision): gradients come back in each input's dtype, near the fp32 ones."""
+    leaves = _leaves(seed=2)
+    grads = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        h = leaves["hidden"].detach().float().to(dtype).requires_grad_()
+        w = leaves["weight"].detach().float().requires_grad_()
+        batch = _batch({**leaves, "hidden": h, "weight": w}, teacher, False, True)
+        batch = dataclasses.replace(batch, old_logprobs=batch.old_logprobs.float(), rewards=batch.rewards.float())
+        if batch.teacher_logits is not None:
+            batch.teacher_logits = batch.teacher_logits.float()
+        compose_loss(batch, LossConfig()).total.backward()
+        assert h.grad is not None and h.grad.dtype == dtype and w.grad is not None and w.grad.dtype == torch.float32
+        grads[dtype] = (h.grad.float(), w.grad)
+    for got, ref in zip(grads[torch.bfloat16], grads[torch.float32]):
+        assert float((got - ref).abs().max()) <= 0.05 * float(ref.abs().max())

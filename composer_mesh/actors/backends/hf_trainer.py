@@ -63,6 +63,12 @@ class HFTrainerSettings(TorchSettings):
     activation_checkpointing: bool = Field(
         False, description="Recompute each decoder layer's activations in backward (less memory, ~1/3 more compute)."
     )
+    attn_implementation: str | None = Field(
+        None,
+        description="transformers attention kernel of the policy ('sdpa', 'eager', 'flash_attention_2', ...; "
+        "null = the model's default). With packing, sdpa and eager build a dense [L, L] block-diagonal mask "
+        "per packed row; flash_attention_2 runs packed rows as variable-length sequences.",
+    )
     lm_head: Literal["chunked", "full"] = Field(
         "chunked",
         description="'chunked': only completion positions' hidden states reach the LM head, and log-probs and "
@@ -98,6 +104,8 @@ class HFTrainer:
         # `model.dtype`, so that is the dtype the weights are published in.
         self.publish_dtype = torch_dtype(model_config.dtype)
         self.model.to(torch.bfloat16 if self.settings.precision == "bf16" else torch.float32)
+        if self.settings.attn_implementation is not None:
+            self.model.set_attn_implementation(self.settings.attn_implementation)
         if self.settings.lm_head == "chunked":
             check_chunked_head(self.model)
         if self.settings.activation_checkpointing:
@@ -152,12 +160,11 @@ class HFTrainer:
         for piece in pieces:
             with self._autocast():
                 loss_batch = build_piece(data, piece, run, advantages)
-            share = accumulator.add(loss_batch)
-            if not torch.isfinite(share.total):
-                raise FloatingPointError(f"non-finite loss at step {self.step}: {share.total.item()}")
-            share.total.backward()
-            del loss_batch, share
-        result: LossResult = accumulator.finish()
+            accumulator.add(loss_batch).total.backward()
+            del loss_batch
+        result: LossResult = accumulator.finish()  # one host sync for the whole step, not one per micro-batch
+        if not torch.isfinite(result.total):  # before the optimizer: the weights stay as they were
+            raise FloatingPointError(f"non-finite loss at step {self.step}: {float(result.total)}")
         metrics = dict(result.metrics)
         metrics["micro_batches"] = float(len(pieces))
         if s.grad_clip is not None:

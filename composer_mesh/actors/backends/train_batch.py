@@ -119,6 +119,9 @@ def student_forward(
         logits = model(**inputs, use_cache=False).logits
         return logits.reshape(-1, logits.shape[-1])[lay.index] / temperature
     hidden = model.base_model(**inputs, use_cache=False).last_hidden_state
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):  # the head runs in the autocast dtype, as model(...) would run it
+        hidden = hidden.to(torch.get_autocast_dtype(device_type))
     out = _output_head(model)
     extra = {} if chunk_elements is None else {"chunk_elements": chunk_elements}
     return HiddenStates(

@@ -1,0 +1,38 @@
+"""The benchmarks run end to end at CI size (their numbers are read by people, never asserted here)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow  # ~50 s on 2 cores: seven fresh processes that each import torch and transformers
+def test_bench_trainer_quick_writes_both_implementations(tmp_path: Path) -> None:
+    out = tmp_path / "bench_trainer.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_trainer.py"), "--quick", "--device", "cpu",
+           "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240, check=False,
+                          env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ours/bare tok/s" in proc.stdout and "KiB/token" in proc.stdout
+    result = json.loads(out.read_text())
+    assert result["hardware"] and result["versions"] and result["params"] > 0
+    sweep = result["sweep"]
+    for impl in ("bare", "ours"):
+        rows = [r for r in sweep if r["impl"] == impl]
+        assert len(rows) >= 2, f"no sweep rows for {impl}: {sweep}"
+        assert all(r["status"] == "ok" and r["tokens_per_s"] > 0 for r in rows), rows
+    assert all(r["micro_batches"] >= 1 for r in sweep)
+    table = [r for r in result["micro_batch_table"] if r["impl"] == "ours"]
+    budgets = [r["micro_batch_tokens"] for r in table]
+    assert None in budgets and len(set(budgets)) >= 3  # the whole batch and at least two budgets
+    for row in table:
+        assert row["status"] == "ok" and row["peak_bytes_per_token"] > 0, row
+        assert row["micro_batches"] >= 1
