@@ -36,3 +36,27 @@ def test_bench_trainer_quick_writes_both_implementations(tmp_path: Path) -> None
     for row in table:
         assert row["status"] == "ok" and row["peak_bytes_per_token"] > 0, row
         assert row["micro_batches"] >= 1
+
+
+@pytest.mark.slow  # ~40 s on 2 cores: the HF implementations, then a vLLM engine in a child when vllm imports
+def test_bench_generate_quick_writes_every_implementation(tmp_path: Path) -> None:
+    out = tmp_path / "bench_generate.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_generate.py"), "--quick", "--device", "cpu",
+           "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
+                          env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ours/generate" in proc.stdout and "hardware:" in proc.stdout
+    result = json.loads(out.read_text())
+    assert result["hardware"] and result["versions"] and result["params"] > 0
+    rows = result["rows"]
+    batches = result["settings"]["batches"]
+    for impl in ("ours", "generate"):
+        got = {r["batch"]: r for r in rows if r["impl"] == impl}
+        assert sorted(got) == sorted(batches), rows
+        for b, r in got.items():  # every implementation made exactly batch x new tokens
+            assert r["status"] == "ok" and r["tokens_per_s"] > 0, r
+            assert r["new_tokens"] == b * result["settings"]["new"], r
+    vllm = [r for r in rows if r["impl"] == "vllm"]
+    assert sorted(r["batch"] for r in vllm) == sorted(batches)  # a rate, or why there is none
+    assert all(r["tokens_per_s"] > 0 if r["status"] == "ok" else r["status"] for r in vllm)

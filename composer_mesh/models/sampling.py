@@ -7,6 +7,10 @@ convention:
   decoded with the KV cache. At temperature `T > 0` a token is drawn from `softmax(logits / T)` and its
   recorded log-prob is `log_softmax(logits / T)[token]` — the log-prob under the distribution actually
   sampled from. At `T == 0` decoding is greedy and the recorded log-prob is `log_softmax(logits)[token]`.
+  The loop keeps tokens, log-probs, lengths and stop flags on the device and copies them to the host once
+  per batch; the host reads only "are all rows done?", every `CHECK_EVERY` tokens (every token on the CPU,
+  where a read costs nothing). Row i's draw at step t is an inverse-CDF draw with a uniform that is a hash
+  of (its seed, t): same seed, same tokens, whatever else is in the batch or how it is padded.
 - Teacher forcing: for a sequence `prompt + completion`, row `t` of the returned logits is the model's
   output at position `len(prompt) - 1 + t`, i.e. the distribution that scores completion token `t`.
   The trainer aligns the student's logits the same way.
@@ -14,6 +18,7 @@ convention:
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
@@ -25,6 +30,7 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 R = TypeVar("R")
+IntLike = TypeVar("IntLike", int, torch.Tensor)
 
 
 @dataclass
@@ -65,6 +71,93 @@ def _device(model: PreTrainedModel) -> torch.device:
     return next(model.parameters()).device
 
 
+# Host reads in the decode loop: on an accelerator every `.item()`/`bool()` drains the device queue, so the
+# "all rows done?" check runs once per this many tokens (the rest of the bookkeeping never leaves the device).
+# On the CPU there is no queue to drain, and checking every token saves the forwards of a finished batch.
+CHECK_EVERY = 16
+UNIFORM_BLOCK = 64  # steps of per-row uniforms made at once
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x: IntLike) -> IntLike:
+    """A 32-bit integer hash of an int or an int64 tensor of 32-bit values (xorshift-multiply; the multipliers
+    are < 2**31, so int64 products never overflow)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x21F0AAAD) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x735A2D97) & _M32
+    return x ^ (x >> 15)
+
+
+def _row_keys(
+    n: int, seeds: Sequence[int] | None, generator: torch.Generator | None, device: torch.device
+) -> torch.Tensor:
+    """[n, 2] 32-bit halves of each row's 64-bit seed: given, or drawn from `generator` (else torch's global RNG)."""
+    if seeds is None:
+        gen_device = generator.device if generator is not None else torch.device("cpu")
+        seeds = torch.randint(0, 2**62, (n,), generator=generator, device=gen_device).tolist()
+    elif len(seeds) != n:
+        raise ValueError(f"sample(): {len(seeds)} seeds for {n} prompts")
+    return torch.tensor([[s & _M32, (s >> 32) & _M32] for s in seeds], dtype=torch.long, device=device)
+
+
+def _uniforms(keys: torch.Tensor, start: int, count: int) -> torch.Tensor:
+    """[B, count] float64 in (0, 1): row b's uniform at step `start + j` is a pure function of (row seed, step),
+    so a row's stream does not depend on which other rows share its batch, and nothing advances a generator
+    inside the loop. Made `UNIFORM_BLOCK` steps at a time: a few kernels per block, not per token."""
+    t = torch.arange(start, start + count, device=keys.device)
+    a = _mix32(keys[:, :1] ^ _mix32((t + 0x9E3779B9) & _M32))
+    a = _mix32(a ^ keys[:, 1:])
+    b = _mix32(a ^ 0x5BD1E995)
+    return ((a >> 6) * 2**27 + (b >> 5)).double().add_(0.5).mul_(2.0**-53)
+
+
+def _pick(logits: torch.Tensor, temperature: float, u: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token, its log-prob) per row, on the device. T > 0: inverse-CDF draw from softmax(logits / T) with the
+    row's uniform `u`, log-prob under that distribution; T == 0: argmax, log-prob under softmax(logits)."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    if temperature > 0:
+        assert u is not None
+        logp = torch.log_softmax(logits / temperature, dim=-1)
+        cdf = logp.exp().cumsum(dim=-1)
+        x = u.to(cdf.dtype) * cdf[:, -1]
+        tok = torch.searchsorted(cdf, x[:, None], right=True).squeeze(-1).clamp_(max=cdf.shape[-1] - 1)
+    else:
+        logp = torch.log_softmax(logits, dim=-1)
+        tok = logp.argmax(dim=-1)
+    return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+
+
+def _decode_mask(model: PreTrainedModel) -> Callable[[torch.Tensor, int], torch.Tensor]:
+    """How a decode step gets its mask from the [B, width + max_new] padding mask (True = a real token).
+
+    With sdpa and only full-attention layers the step's 4D mask is a view of it ([B, 1, 1, kv]), which
+    transformers passes to sdpa as is. Otherwise it gets the 2D prefix and builds its own mask (which may read
+    the mask on the host each step: transformers checks whether any position is padded).
+    """
+    cfg = model.config
+    types = getattr(cfg, "layer_types", None) or ["full_attention"]
+    sliding = getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True)
+    if getattr(cfg, "_attn_implementation", None) == "sdpa" and set(types) == {"full_attention"} and not sliding:
+        return lambda mask, n: mask[:, None, None, :n]
+    return lambda mask, n: mask[:, :n]
+
+
+def _left_padded(
+    prompts: Sequence[Sequence[int]], pad_id: int, extra: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input_ids [B, W], padding mask [B, W + extra] with the generated columns already True, position ids
+    [B, W]): built on the host and moved in one copy each."""
+    bsz, width = len(prompts), max(len(p) for p in prompts)
+    ids = torch.full((bsz, width), pad_id, dtype=torch.long)
+    mask = torch.ones((bsz, width + extra), dtype=torch.bool)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(list(p), dtype=torch.long)
+        mask[i, : width - len(p)] = False
+    positions = (mask[:, :width].long().cumsum(-1) - 1).clamp(min=0)
+    return ids.to(device), mask.to(device), positions.to(device)
+
+
 @torch.inference_mode()
 def sample(
     model: PreTrainedModel,
@@ -75,58 +168,86 @@ def sample(
     stop_ids: Sequence[int],
     pad_id: int,
     generator: torch.Generator | None = None,
+    seeds: Sequence[int] | None = None,
+    check_every: int | None = None,
 ) -> list[Sample]:
-    """Sample one completion per prompt (one batch). See the module docstring for the log-prob convention."""
+    """Sample one completion per prompt (one batch). See the module docstring for the conventions.
+
+    Row i draws from its own random stream, a function of `seeds[i]` (drawn from `generator` when no seeds
+    are given) and the step only, so its tokens do not depend on the rest of the batch. `check_every` is how
+    often (in tokens) the host reads "are all rows done?": default 1 on the CPU, `CHECK_EVERY` elsewhere.
+    """
     if not prompts:
         return []
     if any(len(p) == 0 for p in prompts):
         raise ValueError("sample(): every prompt needs at least one token")
     if temperature < 0:
         raise ValueError(f"sample(): temperature must be >= 0, got {temperature}")
+    if max_new_tokens < 1:
+        return [Sample([], [], "length") for _ in prompts]
     device = _device(model)
-    bsz, width = len(prompts), max(len(p) for p in prompts)
-    input_ids = torch.full((bsz, width), pad_id, dtype=torch.long, device=device)
-    attn = torch.zeros((bsz, width), dtype=torch.long, device=device)
-    for i, p in enumerate(prompts):
-        input_ids[i, width - len(p) :] = torch.tensor(list(p), dtype=torch.long)
-        attn[i, width - len(p) :] = 1
-    position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
-    out = model(input_ids=input_ids, attention_mask=attn, position_ids=position_ids, use_cache=True)
-    cache = out.past_key_values
-    logits = out.logits[:, -1, :].float()
-    next_pos = position_ids[:, -1] + 1
+    keys = _row_keys(len(prompts), seeds, generator, device) if temperature > 0 else None
+    if check_every is None:
+        check_every = 1 if device.type == "cpu" else CHECK_EVERY
+    ids, mask, positions = _left_padded(prompts, pad_id, max_new_tokens, device)
     stop = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=device)
-    results = [Sample([], [], "length") for _ in range(bsz)]
-    done = torch.zeros(bsz, dtype=torch.bool, device=device)
+    toks, logps, lengths, stopped = _decode(
+        model, ids, mask, positions, max_new_tokens=max_new_tokens, temperature=temperature, stop=stop,
+        keys=keys, check_every=max(1, check_every),
+    )
+    toks_l, logps_l, lengths_l, stopped_l = toks.tolist(), logps.tolist(), lengths.tolist(), stopped.tolist()
+    return [
+        Sample(t[:n], lp[:n], "stop" if s else "length")
+        for t, lp, n, s in zip(toks_l, logps_l, lengths_l, stopped_l)
+    ]
+
+
+def _decode(
+    model: PreTrainedModel,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    stop: torch.Tensor,
+    keys: torch.Tensor | None,
+    check_every: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The decode loop, all on the device: (tokens [B, S], log-probs [B, S], lengths [B], stopped [B]), S the
+    steps run. A row's length counts its tokens up to and including its first stop token; later columns are
+    what it kept decoding (discarded). The only host read is the all-done check every `check_every` steps."""
+    bsz, width = ids.shape
+    step_mask = _decode_mask(model)
+    extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    out = model(input_ids=ids, attention_mask=mask[:, :width], position_ids=positions, use_cache=True, **extra)
+    cache, logits = out.past_key_values, out.logits[:, -1, :]
+    toks = torch.zeros((bsz, max_new_tokens), dtype=torch.long, device=ids.device)
+    logps = torch.zeros((bsz, max_new_tokens), dtype=torch.promote_types(logits.dtype, torch.float32), device=ids.device)
+    lengths = torch.zeros(bsz, dtype=torch.long, device=ids.device)
+    done = torch.zeros(bsz, dtype=torch.bool, device=ids.device)
+    pos = positions[:, -1:] + 1
+    steps, uniforms, u = 0, None, None
     for step in range(max_new_tokens):
-        if temperature > 0:
-            logp = torch.log_softmax(logits / temperature, dim=-1)
-            tok = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
-        else:
-            logp = torch.log_softmax(logits, dim=-1)
-            tok = logp.argmax(dim=-1)
-        tok_logp = logp.gather(-1, tok[:, None]).squeeze(-1)
-        is_stop = torch.isin(tok, stop)
-        for i in torch.nonzero(~done).flatten().tolist():
-            results[i].token_ids.append(int(tok[i]))
-            results[i].logprobs.append(float(tok_logp[i]))
-            if is_stop[i]:
-                results[i].finish_reason = "stop"
-        done |= is_stop
-        if bool(done.all()) or step == max_new_tokens - 1:
+        if keys is not None:
+            if step % UNIFORM_BLOCK == 0:
+                uniforms = _uniforms(keys, step, min(UNIFORM_BLOCK, max_new_tokens - step))
+            u = uniforms[:, step % UNIFORM_BLOCK]
+        tok, tok_logp = _pick(logits, temperature, u)
+        toks[:, step] = tok
+        logps[:, step] = tok_logp
+        lengths += ~done
+        done |= torch.isin(tok, stop)
+        steps = step + 1
+        if steps == max_new_tokens or (steps % check_every == 0 and bool(done.all())):
             break
-        attn = torch.cat([attn, torch.ones((bsz, 1), dtype=attn.dtype, device=device)], dim=1)
         out = model(
-            input_ids=tok[:, None],
-            attention_mask=attn,
-            position_ids=next_pos[:, None],
-            past_key_values=cache,
-            use_cache=True,
+            input_ids=tok[:, None], attention_mask=step_mask(mask, width + steps), position_ids=pos,
+            past_key_values=cache, use_cache=True,
         )
-        cache = out.past_key_values
-        logits = out.logits[:, -1, :].float()
-        next_pos = next_pos + 1
-    return results
+        cache, logits = out.past_key_values, out.logits[:, -1, :]
+        pos = pos + 1
+    return toks[:, :steps], logps[:, :steps], lengths, done
 
 
 def teacher_forced_logits(

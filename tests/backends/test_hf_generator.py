@@ -191,3 +191,46 @@ def test_tied_embeddings_are_one_weight(cache, tmp_path):
     new = {k: torch.randn(shape, generator=gen, dtype=dtype) for k, (shape, dtype) in specs.items()}
     g.load_weights(new)
     assert torch.equal(g.model.get_output_embeddings().weight, new["model.embed_tokens.weight"])
+
+
+def test_rollouts_do_not_depend_on_max_batch(gen, cache):
+    """Row r of a request samples with seed `request.seed + r` from its own stream, so batching them 5 at a
+    time (the module's generator) or all together gives the same rollouts."""
+    wide = HFGenerator(HFGeneratorSettings(cache_dir=cache, max_batch=64, name="g0"))
+    wide.start(STUDENT)
+    req = GenerationRequest(prompts(gen.tokenizer, 7), samples_per_prompt=3, max_new_tokens=6, temperature=1.0,
+                            seed=21)
+    narrow_out = [(r.completion_ids, r.finish_reason) for g in gen.generate(req, 0) for r in g.rollouts]
+    assert narrow_out == [(r.completion_ids, r.finish_reason) for g in wide.generate(req, 0) for r in g.rollouts]
+    assert len({tuple(ids) for ids, _ in narrow_out}) > 3  # and the rows do differ from each other
+
+
+def test_a_weight_load_waits_for_the_request_in_flight(cache, monkeypatch):
+    """Weights change only between requests: every token of a request comes from the version it is stamped with."""
+    import threading
+
+    import composer_mesh.models.sampling as sampling
+    from composer_mesh.models.tiny import build_tiny
+
+    g = HFGenerator(HFGeneratorSettings(cache_dir=cache, max_batch=2))
+    g.start(STUDENT)
+    req = GenerationRequest(prompts(g.tokenizer, 3), samples_per_prompt=2, max_new_tokens=4, temperature=0.0)
+    before = [r.completion_ids for grp in g.generate(req, 0) for r in grp.rollouts]
+    new = {k: v.clone() for k, v in build_tiny(ModelConfig(seed=123))[0].state_dict().items()}
+    loader = threading.Thread(target=g.load_weights, args=(new,))
+    real_sample, calls = sampling.sample, []
+
+    def sample_then_load(*args, **kwargs):
+        calls.append(len(calls))
+        if len(calls) == 1:  # the first of three batches: start a load, which must wait for the whole request
+            loader.start()
+            loader.join(timeout=0.5)
+            assert loader.is_alive()
+        return real_sample(*args, **kwargs)
+
+    monkeypatch.setattr(sampling, "sample", sample_then_load)
+    during = g.generate(req, 0)
+    loader.join(timeout=30)
+    assert len(calls) == 3 and not loader.is_alive()
+    assert [r.completion_ids for grp in during for r in grp.rollouts] == before
+    assert all(torch.equal(p, new[n]) for n, p in g.model.state_dict().items())

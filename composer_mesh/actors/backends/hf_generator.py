@@ -6,7 +6,11 @@ T > 0 each completion token is drawn from `softmax(logits / T)` and `Rollout.log
 decoding is greedy and the log-probs are those of the untempered model, `log_softmax(logits)`.
 A completion ends after a stop token (the tokenizer's EOS or the task's end marker, e.g. ';'; the stop
 token is included in `completion_ids`, finish_reason "stop") or after `max_new_tokens` ("length").
-Sampling is seeded: the same request seed, weights and batch limit give the same rollouts.
+Sampling is seeded per row, like the vLLM binding: rollout j of prompt i (row r = i * samples_per_prompt + j)
+samples with seed `s + r` (s the request seed) from its own stream, so the same request seed and weights give
+the same rollouts whatever `max_batch` is (up to float rounding of a differently padded batch).
+Weights change only between requests: `load_weights` waits for the request in flight (one lock), so every
+token of a request comes from the weights its `weight_version` names.
 """
 
 from __future__ import annotations
@@ -77,7 +81,7 @@ class HFGenerator:
 
     # -- generation --------------------------------------------------------------------------------------
     def generate(self, request: GenerationRequest, weight_version: int) -> list[RolloutGroup]:
-        from composer_mesh.models.sampling import chunks, sample
+        from composer_mesh.models.sampling import sample
 
         model, tokenizer = self._require_started()
         check_generation_request(request)
@@ -85,10 +89,10 @@ class HFGenerator:
         flat = [(i, ids[i]) for i in range(len(ids)) for _ in range(request.samples_per_prompt)]
         seed = request.seed if request.seed is not None else self.settings.seed + self._calls
         self._calls += 1
-        gen = torch.Generator(device=self.settings.device).manual_seed(seed)
         outs = []
         with self._lock:
-            for batch in chunks(flat, self.settings.max_batch):
+            for start in range(0, len(flat), self.settings.max_batch):
+                batch = flat[start : start + self.settings.max_batch]
                 outs += sample(
                     model,
                     [p for _, p in batch],
@@ -96,7 +100,7 @@ class HFGenerator:
                     temperature=request.temperature,
                     stop_ids=self.stop_ids,
                     pad_id=self._pad_id,
-                    generator=gen,
+                    seeds=range(seed + start, seed + start + len(batch)),
                 )
         groups = [RolloutGroup(prompt=p, rollouts=[]) for p in request.prompts]
         for (i, p_ids), out in zip(flat, outs):
