@@ -1,12 +1,24 @@
-"""Weight-sync benchmark: our weight plane vs the state dict through an endpoint vs an in-process copy.
+"""Weight-sync benchmark: every weight-plane transport side by side, plus a state dict through an endpoint
+and an in-process copy.
 
-One trainer proc and up to 4 generator procs (separate proc meshes). For each model size and generator
-count, every generator pulls one published version; the time is the wall time, seen by the controller,
-until all of them hold it. MB/s is aggregate (generators x model size / time). All three methods run side
-by side in one run, so the ratios are comparable even on a shared, noisy machine.
+One trainer proc and up to 4 generator procs (separate proc meshes, one host). For each model size and
+generator count, every generator pulls one published version; the time is the wall time, seen by the
+controller, until all of them hold it. MB/s is aggregate (generators x model size / time). The methods
+alternate within each repetition, so their ratios are comparable even on a shared, noisy machine:
 
-    python benchmarks/bench_weight_sync.py            # 16/128/512 MB x 1/2/4 generators
-    python benchmarks/bench_weight_sync.py --quick    # 16 MB x 1/2 generators, 2 reps
+* rdma      one-sided RDMABuffer reads (ibverbs, else Monarch's TCP fallback);
+* shm       (--device cpu) memcpy from the trainer's slots in POSIX shared memory;
+* cuda_ipc  (--device cuda) device copy from the trainer's slots opened through CUDA IPC handles;
+* endpoint  the plane's endpoint transport (safetensors bytes from an actor in the trainer's process);
+* state_dict the trainer's endpoint returns its tensors (Monarch pickling), each generator copies them in.
+
+rdma and the same-host transport read the same publisher (`transport: auto` serves both); each generator
+forces one per subscriber.
+
+    python benchmarks/bench_weight_sync.py                         # CPU: 16/128/512 MiB x 1/2/4 generators
+    python benchmarks/bench_weight_sync.py --sizes 512             # the 512 MiB rows only
+    python benchmarks/bench_weight_sync.py --device cuda           # CUDA weights: rdma vs cuda_ipc vs ...
+    python benchmarks/bench_weight_sync.py --quick --json out.json # CI size: 16 MiB x 1/2 generators, 2 reps
 """
 
 from __future__ import annotations
@@ -14,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import json
 import os
 import platform
 import statistics
@@ -37,9 +50,11 @@ from composer_mesh.mesh.weights.config import WeightPlaneConfig
 from composer_mesh.mesh.weights.plane import WeightPublisher, WeightSubscriber
 
 MIB = 1 << 20
+LOCAL = {"cpu": "shm", "cuda": "cuda_ipc"}  # the same-host transport for each device
+SEQLOCK = ("rdma", "shm", "cuda_ipc")  # methods served by the `auto` publisher
 
 
-def model_params(size_mb: int) -> dict[str, torch.Tensor]:
+def model_params(size_mb: int, device: str) -> dict[str, torch.Tensor]:
     """A transformer-like state dict of about `size_mb` MiB: per layer a 2 MiB fp32 matrix, a 1 MiB bf16
     matrix, and small fp32/int64 vectors."""
     params: dict[str, torch.Tensor] = {}
@@ -51,7 +66,7 @@ def model_params(size_mb: int) -> dict[str, torch.Tensor]:
         params[f"layers.{i}.positions"] = torch.arange(64)
     if size_mb % 3:
         params["embed.weight"] = torch.randn(size_mb % 3 * 256, 1024, generator=g)
-    return params
+    return {n: t.to(device) for n, t in params.items()}
 
 
 def quiet() -> None:
@@ -62,22 +77,29 @@ def quiet() -> None:
     warnings.filterwarnings("ignore", category=RDMATcpFallbackWarning)
 
 
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
 class BenchTrainer(Actor):
     def __init__(self) -> None:
         self.params: dict[str, torch.Tensor] = {}
         self.pub: WeightPublisher | None = None
         self.copy_dest: dict[str, torch.Tensor] = {}
+        self.device = "cpu"
 
     @endpoint
-    async def setup(self, size_mb: int, config: dict[str, Any]) -> int:
+    async def setup(self, size_mb: int, config: dict[str, Any], device: str, copy: bool) -> int:
         if self.pub is not None:
             self.pub.close()
         self.pub = None
-        self.copy_dest = {}  # only the plane block measures the in-process copy; keep peak memory low
+        self.copy_dest = {}  # only the seqlock block measures the in-process copy; keep peak memory low
         gc.collect()
-        if sum(t.nbytes for t in self.params.values()) != size_mb * MIB:
-            self.params = model_params(size_mb)
-        if config["transport"] == "rdma":
+        if sum(t.nbytes for t in self.params.values()) != size_mb * MIB or self.device != device:
+            self.params = model_params(size_mb, device)
+        self.device = device
+        if copy:
             self.copy_dest = {n: torch.empty_like(t) for n, t in self.params.items()}
         self.pub = WeightPublisher(self.params, WeightPlaneConfig(**config))
         return self.pub.nbytes
@@ -88,6 +110,7 @@ class BenchTrainer(Actor):
         with torch.no_grad():
             for t in self.params.values():  # "an optimizer step"
                 t.add_(1)
+        _sync(self.device)
         t0 = time.perf_counter()
         manifest = self.pub.publish(self.params)
         return manifest, time.perf_counter() - t0
@@ -100,36 +123,50 @@ class BenchTrainer(Actor):
     @endpoint
     async def local_copy(self) -> float:
         """Seconds of one in-process copy of the state dict into preallocated tensors."""
+        _sync(self.device)
         t0 = time.perf_counter()
         for n, t in self.params.items():
             self.copy_dest[n].copy_(t)
+        _sync(self.device)
         return time.perf_counter() - t0
 
 
 class BenchGenerator(Actor):
     def __init__(self) -> None:
-        self.sub: WeightSubscriber | None = None
+        self.subs: dict[str, WeightSubscriber] = {}
         self.dest: dict[str, torch.Tensor] = {}
+        self.device = "cpu"
 
     @endpoint
-    async def reset(self, config: dict[str, Any]) -> None:
-        self.sub, self.dest = None, {}
+    async def reset(self, config: dict[str, Any], methods: list[str], device: str) -> None:
+        for sub in self.subs.values():
+            sub.close()
+        self.subs, self.dest, self.device = {}, {}, device
         gc.collect()
-        self.sub = WeightSubscriber(WeightPlaneConfig(**config))
+        for m in methods:
+            if m != "state_dict":  # each subscriber forces its transport
+                self.subs[m] = WeightSubscriber(
+                    WeightPlaneConfig(**{**config, "transport": m}), device=device
+                )
 
     @endpoint
-    async def pull(self, manifest: Any) -> int:
-        assert self.sub is not None
-        return (await self.sub.pull(manifest)).version
+    async def pull(self, manifest: Any, method: str) -> tuple[int, str]:
+        pulled = await self.subs[method].pull(manifest)
+        return pulled.version, pulled.transport
 
     @endpoint
     async def fetch_state_dict(self, trainer: Any) -> int:
         sd = await trainer.state_dict.call_one()
-        if not self.dest:  # the plane's staging tensors if it ran (saves memory), else new ones
-            last = self.sub.last if self.sub is not None else None
-            self.dest = last.tensors if last is not None else {n: torch.empty_like(t) for n, t in sd.items()}
+        if not self.dest:  # a subscriber's staging tensors if one ran (saves memory), else new ones
+            last = next((s.last for s in self.subs.values() if s.last is not None), None)
+            self.dest = (
+                last.tensors
+                if last is not None
+                else {n: torch.empty_like(t, device=self.device) for n, t in sd.items()}
+            )
         for n, t in sd.items():
             self.dest[n].copy_(t)
+        _sync(self.device)
         return len(sd)
 
 
@@ -141,7 +178,7 @@ def available_gib() -> float:
     return float("inf")
 
 
-def hardware() -> str:
+def hardware(device: str) -> str:
     cpu, mem = cpu_model(), total_memory_gib()
     from monarch.rdma import get_rdma_backend
 
@@ -150,76 +187,127 @@ def hardware() -> str:
         for k in ("MONARCH_RDMA_TCP_FALLBACK_PARALLELISM", "MONARCH_RDMA_MAX_CHUNK_SIZE_MB")
         if k in os.environ
     }
+    gpu = f"; GPU {torch.cuda.get_device_name(0)}" if device == "cuda" else ""
     return (
-        f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB RAM; python {platform.python_version()}, "
+        f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB RAM{gpu}; python {platform.python_version()}, "
         f"torch {torch.__version__}, torchmonarch {getattr(monarch, '__version__', '0.7')}, "
         f"rdma backend {get_rdma_backend()}; env {knobs or 'defaults'}"
     )
 
 
+async def time_method(method: str, sub: Any, trainer: Any, n: int, publish_s: list[float]) -> float:
+    """One timed transfer of `method` to the `n` generators of `sub`."""
+    if method == "state_dict":
+        t0 = time.perf_counter()
+        await sub.fetch_state_dict.call(trainer)
+        return time.perf_counter() - t0
+    manifest, pub_s = await trainer.publish.call_one()
+    t0 = time.perf_counter()
+    got = list((await sub.pull.call(manifest, method)).values())
+    dt = time.perf_counter() - t0
+    assert got == [(manifest.version, method)] * n, got
+    publish_s.append(pub_s)
+    return dt
+
+
 async def run_block(
-    size: int,
     block: list[str],
+    size: int,
     args: argparse.Namespace,
-    base: dict[str, Any],
     trainer: Any,
     gens: Any,
-    med: dict[tuple[str, int], float],
-    skipped: set[tuple[int, int]],
-    publish_s: list[float],
-    copy_s: list[float],
+    out: dict[str, Any],
     console: Console,
 ) -> int:
-    """Time one block of methods for every generator count; medians go into `med`. Returns the bytes."""
-    cfg = {**base, "transport": "endpoint" if block == ["endpoint"] else "rdma"}
-    nbytes = await trainer.setup.call_one(size, cfg)
+    """Time one block of methods (one publisher) for every generator count; medians go into `out`."""
+    seqlock = [m for m in block if m in SEQLOCK]
+    base = {"bucket_mb": args.bucket_mb, "max_concurrent_reads": args.concurrency, "read_timeout_s": 3600}
+    cfg = {**base, "transport": "endpoint" if block == ["endpoint"] else "auto"}
+    nbytes = await trainer.setup.call_one(size, cfg, args.device, bool(seqlock))
     for n in args.generators:
         sub = gens.slice(procs=slice(0, n))
-        await gens.reset.call(cfg)  # frees every generator's staging from the last round
-        need, have = (4 + 3 * n) * nbytes / 2**30, available_gib()
-        if need > have - 1.0:  # shared 24 GiB machine: skip rather than get OOM-killed
+        await gens.reset.call(base, block, args.device)  # frees every generator's staging from the last round
+        need, have = (4 + max(3, len(seqlock) + 2) * n) * nbytes / 2**30, available_gib()  # staging + messages
+        if args.device == "cpu" and need > have - 1.0:  # shared machine: skip rather than get OOM-killed
             console.log(f"{size} MiB, {n} gen, {block}: SKIPPED, needs ~{need:.1f} GiB, {have:.1f} free")
-            skipped.add((size, n))
+            out["skipped"].append([size, n, block])
             continue
         times: dict[str, list[float]] = {m: [] for m in block}
-        for rep in range(args.reps + 1):  # rep 0 warms up (allocates staging)
+        for rep in range(args.reps + 1):  # rep 0 warms up (allocates staging, opens segments)
             for method in block:
-                if method == "state_dict":
-                    t0 = time.perf_counter()
-                    await sub.fetch_state_dict.call(trainer)
-                    dt = time.perf_counter() - t0
-                else:
-                    manifest, pub_s = await trainer.publish.call_one()
-                    t0 = time.perf_counter()
-                    versions = list((await sub.pull.call(manifest)).values())
-                    dt = time.perf_counter() - t0
-                    assert versions == [manifest.version] * n, versions
-                    if rep and method == "plane":
-                        publish_s.append(pub_s)
-                        copy_s.append(await trainer.local_copy.call_one())
+                pub: list[float] = []
+                dt = await time_method(method, sub, trainer, n, pub)
                 if rep:
                     times[method].append(dt)
+                    out["publish_s"].extend(pub)
+            if rep and seqlock:
+                out["copy_s"].append(await trainer.local_copy.call_one())
         for method in block:
-            med[(method, n)] = statistics.median(times[method])
-            console.log(f"{size} MiB, {n} gen, {method}: {med[(method, n)]:.3f} s")
+            med = statistics.median(times[method])
+            out["cells"][(method, n)] = med
+            console.log(f"{size} MiB, {n} gen, {method}: {med:.3f} s")
     return nbytes
 
 
-async def run(args: argparse.Namespace) -> None:
-    console = Console(width=170)
+def rows_for(size_mib: float, args: argparse.Namespace, out: dict[str, Any]) -> list[dict[str, Any]]:
+    """One result row per generator count (aggregate MB/s per method, ratios against the local transport)."""
+    nan = float("nan")
+    local = LOCAL[args.device]
+    copy = statistics.median(out["copy_s"]) if out["copy_s"] else nan
+    pub = statistics.median(out["publish_s"]) if out["publish_s"] else nan
+    rows = []
+    for n in args.generators:
+        secs = {m: out["cells"].get((m, n), nan) for m in args.methods}
+        rows.append(
+            {
+                "mib": size_mib,
+                "generators": n,
+                "seconds": secs,
+                "mb_per_s": {m: n * size_mib / s for m, s in secs.items()},
+                "copy_mb_per_s": size_mib / copy,
+                "publish_ms": 1000 * pub,
+                "local_vs": {m: secs[m] / secs.get(local, nan) for m in args.methods if m != local},
+            }
+        )
+    return rows
+
+
+def print_table(rows: list[dict[str, Any]], args: argparse.Namespace, console: Console) -> None:
+    local = LOCAL[args.device]
+    others = [m for m in args.methods if m != local]
+    table = Table(title=f"Weight sync ({args.device} weights): aggregate MB/s per transport, side by side")
+    cols = ["MiB", "gens", *(f"{m}\nMB/s" for m in args.methods), "in-process\ncopy MB/s"]
+    cols += [f"{local} /\n{m}" for m in others if local in args.methods] + [f"{local} s", "publish\nms"]
+    for col in cols:
+        table.add_column(col, justify="right")
+    for r in rows:
+        cells = [f"{r['mib']:.0f}", str(r["generators"]), *(f"{r['mb_per_s'][m]:.0f}" for m in args.methods)]
+        cells.append(f"{r['copy_mb_per_s']:.0f}")
+        if local in args.methods:
+            cells += [f"{r['local_vs'][m]:.1f}x" for m in others]
+        cells += [f"{r['seconds'].get(local, float('nan')):.3f}", f"{r['publish_ms']:.0f}"]
+        table.add_row(*cells)
+    console.print(table)
+    console.print(hardware(args.device))
+    console.print(
+        f"median of {args.reps} reps after 1 warm-up; bucket {args.bucket_mb} MiB, {args.concurrency} concurrent "
+        "RDMA reads per generator. MB/s (MiB/s) = generators x size / wall time until all generators hold the "
+        f"version. rdma and {local} read the same `auto` publisher (each generator forces one); 'endpoint' = "
+        "safetensors bytes from an actor in the trainer process; 'state_dict' = the trainer endpoint returns "
+        "its tensors and each generator copies them in. 'in-process copy' = one copy_ of the state dict inside "
+        f"the trainer. '{local} / X' = X's time / {local}'s time. 'publish ms' = trainer-side copy into a slot."
+    )
+
+
+async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    console = Console(width=190)
     failures: list[Any] = []
     monarch.actor.unhandled_fault_hook = failures.append
-    max_gens = max(args.generators)
-    base = {"bucket_mb": args.bucket_mb, "max_concurrent_reads": args.concurrency, "read_timeout_s": 3600}
-    rows = []
+    rows: list[dict[str, Any]] = []
     for size in args.sizes:
-        med: dict[tuple[str, int], float] = {}
-        skipped: set[tuple[int, int]] = set()
-        publish_s: list[float] = []
-        copy_s: list[float] = []
+        out: dict[str, Any] = {"cells": {}, "publish_s": [], "copy_s": [], "skipped": []}
         nbytes = 0
-        # plane, state_dict and the in-process copy alternate within each rep (robust to load drift);
-        # the safetensors endpoint needs a different publisher, so it runs as its own block.
+        # The seqlock transports and state_dict share one `auto` publisher; endpoint needs its own.
         blocks = [[m for m in args.methods if m != "endpoint"], [m for m in args.methods if m == "endpoint"]]
         for b, block in enumerate(filter(None, blocks)):
             # Fresh procs per block, so memory held by the previous block is really returned.
@@ -228,73 +316,26 @@ async def run(args: argparse.Namespace) -> None:
                 per_host={"procs": 1}, name=f"bench_trainer_{tag}", bootstrap=quiet
             )
             g_procs = this_host().spawn_procs(
-                per_host={"procs": max_gens}, name=f"bench_gens_{tag}", bootstrap=quiet
+                per_host={"procs": max(args.generators)}, name=f"bench_gens_{tag}", bootstrap=quiet
             )
             trainer = t_procs.spawn("trainer", BenchTrainer)
             gens = g_procs.spawn("gens", BenchGenerator)
             try:
-                nbytes = await run_block(
-                    size, block, args, base, trainer, gens, med, skipped, publish_s, copy_s, console
-                )
+                nbytes = await run_block(block, size, args, trainer, gens, out, console)
             finally:
                 await g_procs.stop()
                 await t_procs.stop()
-        mb = nbytes / MIB
-        nan = float("nan")
-        copy = statistics.median(copy_s) if copy_s else nan
-        pub = statistics.median(publish_s) if publish_s else nan
-        for n in args.generators:
-            plane, ep, sd = (med.get((m, n), nan) for m in ("plane", "endpoint", "state_dict"))
-            rows.append(
-                (
-                    f"{mb:.0f}",
-                    f"{n} (memory: skipped a block)" if (size, n) in skipped else str(n),
-                    f"{plane:.3f}",
-                    f"{n * mb / plane:.0f}",
-                    f"{n * mb / sd:.0f}",
-                    f"{n * mb / ep:.0f}",
-                    f"{mb / copy:.0f}",
-                    f"{sd / plane:.1f}x",
-                    f"{ep / plane:.1f}x",
-                    f"{n * copy / plane:.2f}",
-                    f"{1000 * pub:.0f}",
-                )
-            )
-    table = Table(title="Weight sync: plane (RDMA) vs state dict through an endpoint vs in-process copy")
-    for col in (
-        "MiB",
-        "gens",
-        "plane s",
-        "plane MB/s",
-        "endpoint\nstate_dict MB/s",
-        "endpoint\nsafetensors MB/s",
-        "in-process\ncopy MB/s",
-        "plane /\nstate_dict",
-        "plane /\nsafetensors",
-        "plane /\ncopy",
-        "publish\nms",
-    ):
-        table.add_column(col, justify="right")
-    for r in rows:
-        table.add_row(*r)
-    console.print(table)
-    console.print(hardware())
-    console.print(
-        f"median of {args.reps} reps after 1 warm-up; bucket {args.bucket_mb} MiB, {args.concurrency} concurrent "
-        "reads per generator. MB/s (MiB/s) = generators x size / wall time until all generators hold the "
-        "version. 'endpoint state_dict' = the trainer endpoint returns its tensors (Monarch pickling) and "
-        "each generator copies them in (the baseline; alternates with the plane in every rep); 'endpoint "
-        "safetensors' = the plane's endpoint transport (safetensors bytes from an actor in the trainer process). "
-        "'in-process copy' = one copy_ of the state dict inside the trainer, "
-        "measured between the plane's reps; 'plane / copy' compares aggregate rates. 'publish ms' = "
-        "trainer-side copy into a slot (independent of the number of generators)."
-    )
+        rows += rows_for(nbytes / MIB, args, out)
+    print_table(rows, args, console)
     if failures:
         console.print(f"[red]mesh failures: {failures}")
+        raise SystemExit(1)
+    return rows
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the weights live")
     p.add_argument("--sizes", type=int, nargs="+", default=[16, 128, 512], help="model sizes in MiB")
     p.add_argument("--generators", type=int, nargs="+", default=[1, 2, 4], help="generator counts")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions per cell (after 1 warm-up)")
@@ -306,22 +347,32 @@ def main() -> None:
         "--tcp-parallelism",
         type=int,
         default=None,
-        help="sets MONARCH_RDMA_TCP_FALLBACK_PARALLELISM for the spawned procs",
+        help="sets MONARCH_RDMA_TCP_FALLBACK_PARALLELISM for the procs",
     )
     p.add_argument(
         "--methods",
         nargs="+",
-        default=["plane", "endpoint", "state_dict"],
-        choices=["plane", "endpoint", "state_dict"],
-        help="what to run",
+        default=None,
+        choices=["rdma", "shm", "cuda_ipc", "endpoint", "state_dict"],
+        help="what to run (default: rdma, the device's same-host transport, endpoint, state_dict)",
     )
     p.add_argument("--quick", action="store_true", help="16 MiB, 1 and 2 generators, 2 reps")
+    p.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = p.parse_args()
     if args.quick:
         args.sizes, args.generators, args.reps = [16], [1, 2], 2
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda needs a CUDA GPU (torch.cuda.is_available() is False)")
+    args.methods = args.methods or ["rdma", LOCAL[args.device], "endpoint", "state_dict"]
+    wrong = {"cpu": "cuda_ipc", "cuda": "shm"}[args.device]
+    if wrong in args.methods:
+        p.error(f"{wrong} does not apply to --device {args.device}")
     if args.tcp_parallelism is not None:
         os.environ["MONARCH_RDMA_TCP_FALLBACK_PARALLELISM"] = str(args.tcp_parallelism)
-    asyncio.run(run(args))
+    rows = asyncio.run(run(args))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": args.device, "hardware": hardware(args.device), "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

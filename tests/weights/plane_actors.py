@@ -7,6 +7,7 @@ bitwise without shipping the trainer's tensors back.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 import zlib
@@ -18,6 +19,7 @@ from monarch.actor import Actor, endpoint
 
 from composer_mesh.mesh.weights.config import WeightPlaneConfig
 from composer_mesh.mesh.weights.plane import WeightPublisher, WeightSubscriber
+from composer_mesh.mesh.weights.shm import segment_names
 
 Spec = dict[str, tuple[tuple[int, ...], str]]  # name -> (shape, dtype name)
 
@@ -64,6 +66,7 @@ def expected_tensor(name: str, shape: tuple[int, ...], dtype: str, version: int)
 
 
 def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a, b = a.cpu(), b.cpu()
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
     return torch.equal(
@@ -108,16 +111,27 @@ class SlowPublisher(WeightPublisher):
 class PlaneTrainer(Actor):
     """Holds parameters filled per version and a publisher over them."""
 
-    def __init__(self, spec: Spec, config: dict[str, Any]) -> None:
+    def __init__(self, spec: Spec, config: dict[str, Any], device: str = "cpu") -> None:
         self.spec = spec
         self.params: dict[str, torch.Tensor] = {}
         for n, (shape, dt) in spec.items():
             if n == "lm_head.weight":  # non-contiguous source tensor
-                self.params[n] = torch.zeros(shape[::-1], dtype=getattr(torch, dt)).t()
+                self.params[n] = torch.zeros(shape[::-1], dtype=getattr(torch, dt), device=device).t()
             else:
-                self.params[n] = torch.zeros(shape, dtype=getattr(torch, dt))
+                self.params[n] = torch.zeros(shape, dtype=getattr(torch, dt), device=device)
         self.pub = SlowPublisher(self.params, WeightPlaneConfig(**config))
         self._slow_task: asyncio.Task[Any] | None = None
+
+    @endpoint
+    async def info(self) -> dict[str, Any]:
+        """Where the publisher lives and which shared-memory segments it holds (leak checks)."""
+        return {"pid": os.getpid(), "id": self.pub.id, "offers": self.pub.offers, "segments": segment_names(self.pub.id)}
+
+    @endpoint
+    async def close(self) -> list[str]:
+        """Close the publisher; returns its shared-memory segments still present (expected: none)."""
+        self.pub.close()
+        return segment_names(self.pub.id)
 
     def _publish_next(self) -> Any:
         fill(self.params, self.spec, self.pub.version + 1)
@@ -171,11 +185,12 @@ class PlaneGenerator(Actor):
     """A generator stand-in: model tensors, a subscriber, and a request loop that swaps weights between
     requests while pulls run concurrently."""
 
-    def __init__(self, spec: Spec, config: dict[str, Any]) -> None:
+    def __init__(self, spec: Spec, config: dict[str, Any], device: str = "cpu") -> None:
         self.spec = spec
+        self.device = device
         self.config = WeightPlaneConfig(**config)
-        self.model = {n: torch.zeros(s, dtype=getattr(torch, d)) for n, (s, d) in spec.items()}
-        self.sub = WeightSubscriber(self.config, expected=self.model)
+        self.model = {n: torch.zeros(s, dtype=getattr(torch, d), device=device) for n, (s, d) in spec.items()}
+        self.sub = WeightSubscriber(self.config, expected=self.model, device=device)
 
     @endpoint
     async def sync(self, manifest: Any, latest: bool = False) -> dict[str, Any]:
@@ -186,6 +201,8 @@ class PlaneGenerator(Actor):
         return {
             "version": pulled.version,
             "retries": pulled.retries,
+            "transport": pulled.transport,
+            "reason": self.sub.transport_reason,
             "bad_staged": bad_staged,
             "bad_model": mismatches(self.model, self.spec, applied),
         }
@@ -193,20 +210,25 @@ class PlaneGenerator(Actor):
     @endpoint
     async def pull_with(self, manifest: Any, overrides: dict[str, Any]) -> dict[str, Any]:
         """Pull with a fresh subscriber using config overrides (e.g. allow_newer=False)."""
-        sub = WeightSubscriber(self.config.model_copy(update=overrides), expected=self.model)
-        pulled = await sub.pull(manifest)
-        return {
-            "version": pulled.version,
-            "retries": pulled.retries,
-            "bad_staged": mismatches(pulled.tensors, self.spec, pulled.version),
-        }
+        sub = WeightSubscriber(self.config.model_copy(update=overrides), expected=self.model, device=self.device)
+        try:
+            pulled = await sub.pull(manifest)
+            return {
+                "version": pulled.version,
+                "retries": pulled.retries,
+                "transport": pulled.transport,
+                "reason": sub.transport_reason,
+                "bad_staged": mismatches(pulled.tensors, self.spec, pulled.version),
+            }
+        finally:
+            sub.close()
 
     @endpoint
     async def expect_other_spec(self, manifest: Any, spec: Spec) -> str:
         """Pull into a subscriber that expects `spec`; returns the error text."""
         expected = {n: torch.zeros(s, dtype=getattr(torch, d)) for n, (s, d) in spec.items()}
         try:
-            await WeightSubscriber(self.config, expected=expected).pull(manifest)
+            await WeightSubscriber(self.config, expected=expected, device=self.device).pull(manifest)
         except ValueError as e:
             return f"{type(e).__name__}: {e}"
         return "no error"

@@ -1,4 +1,5 @@
-"""Weight plane on real Monarch proc meshes: a trainer proc and three generator procs, TCP-fallback RDMA.
+"""Weight plane on real Monarch proc meshes: a trainer proc and three generator procs, over every transport
+this machine has (rdma over the TCP fallback, shm, endpoint; cuda_ipc where a GPU is present).
 
 Content is a deterministic function of (tensor, version), so every check is bitwise and proves the
 generator holds exactly one version (never a mix).
@@ -7,7 +8,10 @@ generator holds exactly one version (never a mix).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
+import os
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,13 +21,16 @@ import torch
 from monarch.actor import ActorError, this_host
 
 from composer_mesh.mesh.weights.config import WeightPlaneConfig
+from composer_mesh.mesh.weights.hostid import HostIdentity, this_host_identity
 from composer_mesh.mesh.weights.plane import (
     ManifestMismatchError,
     StaleVersionError,
+    TransportUnavailableError,
     WeightPublisher,
     WeightSubscriber,
     WeightTransferError,
 )
+from composer_mesh.mesh.weights.shm import PREFIX, SHM_DIR, segment_names
 from weights.plane_actors import PlaneGenerator, PlaneTrainer, expected_tensor, model_spec
 
 FAULTS: list[Any] = []
@@ -33,6 +40,18 @@ N_GENERATORS = 3
 # 1 MiB chunks: the ~2.2 MB model spans three chunks with tensors straddling the boundary.
 BASE = {"bucket_mb": 1, "read_timeout_s": 60}
 _names = (f"p{i}" for i in itertools.count())
+GPU = pytest.mark.gpu  # tests/conftest.py skips these, with the reason, where CUDA is not available
+SEQLOCK = ["rdma", "shm", pytest.param("cuda_ipc", marks=GPU)]  # transports with slots + seqlock headers
+EVERY = [*SEQLOCK, "endpoint"]
+
+
+def device_of(transport: str) -> str:
+    return "cuda" if transport == "cuda_ipc" else "cpu"
+
+
+def leftover_segments(pid: int) -> list[str]:
+    prefix = f"{PREFIX}-{this_host_identity().tag()}-{pid}-"
+    return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(prefix))
 
 
 def quiet() -> None:
@@ -53,17 +72,26 @@ def meshes() -> Iterator[tuple[Any, Any]]:
     gen_procs = this_host().spawn_procs(per_host={"procs": N_GENERATORS}, name="wp_gens", bootstrap=quiet)
     trainer_procs.initialized.get()
     gen_procs.initialized.get()
+    probe = trainer_procs.spawn("wp_probe", PlaneTrainer, SPEC, BASE)  # auto on CPU: holds a shm segment
+    trainer_pid = probe.info.call_one().get()["pid"]
+    assert leftover_segments(trainer_pid) != []
     yield trainer_procs, gen_procs
     trainer_procs.stop().get()
     gen_procs.stop().get()
     monarch.actor.unhandled_fault_hook = previous_hook
+    # Publishers never closed by the tests are unlinked when their proc exits (atexit).
+    deadline = time.monotonic() + 15
+    while leftover_segments(trainer_pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert leftover_segments(trainer_pid) == [], "shared-memory segments leaked by the trainer proc"
 
 
 def spawn(meshes: tuple[Any, Any], **config: Any) -> tuple[Any, Any]:
     cfg = {**BASE, **config}
+    device = device_of(cfg.get("transport", "auto"))
     trainer_procs, gen_procs = meshes
-    trainer = trainer_procs.spawn(next(_names), PlaneTrainer, SPEC, cfg)
-    gens = gen_procs.spawn(next(_names), PlaneGenerator, SPEC, cfg)
+    trainer = trainer_procs.spawn(next(_names), PlaneTrainer, SPEC, cfg, device)
+    gens = gen_procs.spawn(next(_names), PlaneGenerator, SPEC, cfg, device)
     return trainer, gens
 
 
@@ -71,8 +99,11 @@ def one(gens: Any) -> Any:
     return gens.slice(procs=0)
 
 
-async def test_mixed_dtypes_exact_on_every_generator_after_each_sync(meshes: tuple[Any, Any]) -> None:
-    trainer, gens = spawn(meshes)
+@pytest.mark.parametrize("transport", EVERY)
+async def test_mixed_dtypes_exact_on_every_generator_after_each_sync(
+    meshes: tuple[Any, Any], transport: str
+) -> None:
+    trainer, gens = spawn(meshes, transport=transport)
     for expected_version in (1, 2, 3):
         manifest = await trainer.publish.call_one()
         assert manifest.version == expected_version
@@ -80,13 +111,16 @@ async def test_mixed_dtypes_exact_on_every_generator_after_each_sync(meshes: tup
         results = list((await gens.sync.call(manifest)).values())  # 3 generators pull concurrently
         assert len(results) == N_GENERATORS
         for r in results:
-            assert r["version"] == expected_version
+            assert r["version"] == expected_version and r["transport"] == transport
             assert r["bad_staged"] == [] and r["bad_model"] == []
     assert FAULTS == []
 
 
-async def test_update_published_while_generators_read_and_generate(meshes: tuple[Any, Any]) -> None:
-    trainer, gens = spawn(meshes)
+@pytest.mark.parametrize("transport", EVERY)
+async def test_update_published_while_generators_read_and_generate(
+    meshes: tuple[Any, Any], transport: str
+) -> None:
+    trainer, gens = spawn(meshes, transport=transport)
     manifest = await trainer.publish.call_one()
     await gens.sync.call(manifest)
     # Trainer publishes 40 versions back to back while every generator serves requests and keeps pulling.
@@ -110,15 +144,17 @@ async def test_update_published_while_generators_read_and_generate(meshes: tuple
     assert all(r["bad_model"] == [] and r["version"] == 42 for r in (await gens.sync.call(final)).values())
 
 
+@pytest.mark.parametrize("transport", SEQLOCK)
 async def test_read_overlapping_a_publish_into_its_slot_retries_to_a_consistent_version(
-    meshes: tuple[Any, Any],
+    meshes: tuple[Any, Any], transport: str
 ) -> None:
-    trainer, gens = spawn(meshes)
+    trainer, gens = spawn(meshes, transport=transport)
     m1 = await trainer.publish.call_one()  # slot 1
     await trainer.publish.call_one()  # v2 -> slot 0
     assert await trainer.begin_slow_publish.call_one() == 3  # v3 half written into slot 1 (m1's slot)
     torn = await one(gens).pull_with.call_one(m1, {})
     assert torn["version"] == 2 and torn["retries"] >= 1 and torn["bad_staged"] == []
+    assert torn["transport"] == transport
     with pytest.raises(ActorError) as err:
         await one(gens).pull_with.call_one(m1, {"allow_newer": False})
     assert isinstance(err.value.exception, StaleVersionError)
@@ -127,8 +163,9 @@ async def test_read_overlapping_a_publish_into_its_slot_retries_to_a_consistent_
     assert r["version"] == 3 and r["retries"] == 0 and r["bad_model"] == []
 
 
-async def test_single_buffer_read_waits_for_the_writer(meshes: tuple[Any, Any]) -> None:
-    trainer, gens = spawn(meshes, double_buffer=False, max_retries=8)
+@pytest.mark.parametrize("transport", SEQLOCK)
+async def test_single_buffer_read_waits_for_the_writer(meshes: tuple[Any, Any], transport: str) -> None:
+    trainer, gens = spawn(meshes, transport=transport, double_buffer=False, max_retries=8)
     m1 = await trainer.publish.call_one()
     assert await trainer.begin_slow_publish.call_one() == 2  # the only slot is half written
     pull = asyncio.ensure_future(one(gens).pull_with.call_one(m1, {}))
@@ -170,6 +207,60 @@ async def test_bad_manifests_and_params_name_the_tensor(meshes: tuple[Any, Any])
     assert "'embed.weight'" in msg and "(3, 3)" in msg
 
 
+# ----- same-host transports: the auto rule, forced transports that cannot work, cleanup
+
+
+async def test_auto_picks_shm_for_procs_on_this_host_and_close_unlinks(meshes: tuple[Any, Any]) -> None:
+    trainer, gens = spawn(meshes)  # transport: auto on both sides, CPU weights
+    info = await trainer.info.call_one()
+    assert info["offers"] == ("shm", "rdma") and len(info["segments"]) == 1
+    manifest = await trainer.publish.call_one()
+    assert manifest.transport == "auto" and manifest.host == this_host_identity()
+    for r in (await gens.sync.call(manifest)).values():
+        assert r["transport"] == "shm" and r["reason"] == "auto: on the publisher's host"
+        assert r["version"] == 1 and r["bad_staged"] == [] and r["bad_model"] == []
+    assert await trainer.close.call_one() == []  # close() unlinked the segment
+    assert info["segments"][0] not in os.listdir(SHM_DIR)
+    with pytest.raises(ActorError) as err:  # a mapped subscriber sees the closed headers, not stale data
+        await one(gens).sync.call_one(manifest)
+    assert isinstance(err.value.exception, WeightTransferError) and "is closed" in str(err.value.exception)
+
+
+async def test_other_host_identity_forced_shm_errors_with_the_reason_auto_falls_back(
+    meshes: tuple[Any, Any],
+) -> None:
+    elsewhere = HostIdentity("gpu-node-17", "0123456789abcdef")
+    trainer, gens = spawn(meshes, transport="shm")
+    moved = dataclasses.replace(await trainer.publish.call_one(), host=elsewhere)
+    with pytest.raises(ActorError) as err:
+        await one(gens).pull_with.call_one(moved, {})
+    exc = err.value.exception
+    assert isinstance(exc, TransportUnavailableError)
+    assert "transport 'shm' needs the publisher on this host" in str(exc)
+    assert "publisher on host gpu-node-17 (boot 01234567)" in str(exc) and this_host_identity().hostname in str(exc)
+    trainer, gens = spawn(meshes)  # auto: the same situation falls back to rdma, still exact
+    moved = dataclasses.replace(await trainer.publish.call_one(), host=elsewhere)
+    r = await one(gens).pull_with.call_one(moved, {})
+    assert r["transport"] == "rdma" and "not shm: publisher on host gpu-node-17" in r["reason"]
+    assert r["version"] == 1 and r["bad_staged"] == []
+
+
+async def test_unopenable_segment_private_dev_shm_auto_falls_back_forced_errors(meshes: tuple[Any, Any]) -> None:
+    trainer, gens = spawn(meshes)
+    m = await trainer.publish.call_one()
+    assert m.shm is not None
+    hidden = dataclasses.replace(m, shm=dataclasses.replace(m.shm, name=m.shm.name + "-not-here"))
+    r = await one(gens).pull_with.call_one(hidden, {})
+    assert r["transport"] == "rdma" and "cannot open shared-memory segment" in r["reason"]
+    assert r["bad_staged"] == []
+    with pytest.raises(ActorError) as err:
+        await one(gens).pull_with.call_one(hidden, {"transport": "shm"})
+    assert "transport 'shm' cannot work here: cannot open shared-memory segment" in str(err.value.exception)
+    namesake = dataclasses.replace(m, shm=dataclasses.replace(m.shm, token=b"\0" * 16))
+    r = await one(gens).pull_with.call_one(namesake, {})
+    assert r["transport"] == "rdma" and "token differs" in r["reason"]
+
+
 # ----- in-process (controller context, no proc meshes): API edges
 
 
@@ -198,7 +289,7 @@ async def test_in_process_round_trip_and_apply_rules() -> None:
 
 def test_pull_blocking_for_sync_actors() -> None:
     params = _params()
-    for transport in ("rdma", "endpoint"):
+    for transport in ("rdma", "shm", "endpoint"):
         cfg = WeightPlaneConfig(transport=transport)
         pub = WeightPublisher(params, cfg)
         pub.publish(params)
@@ -209,6 +300,7 @@ def test_pull_blocking_for_sync_actors() -> None:
             for n, t in params.items()
         )
         pub.close()
+        assert segment_names(pub.id) == []
 
 
 async def test_read_failure_names_chunk_tensors_and_size() -> None:
@@ -230,5 +322,5 @@ def test_config_rejects_unknown_fields_and_values() -> None:
         WeightPlaneConfig(timeout=3)
     with pytest.raises(ValueError, match="bucket_mb"):
         WeightPlaneConfig(bucket_mb=0)
-    assert WeightPlaneConfig().resolved_transport() == "rdma"
-    assert WeightPlaneConfig(transport="endpoint").resolved_transport() == "endpoint"
+    assert WeightPlaneConfig().transport == "auto"
+    assert WeightPlaneConfig(transport="cuda_ipc").transport == "cuda_ipc"

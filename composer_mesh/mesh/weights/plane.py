@@ -1,23 +1,27 @@
-"""Weight plane: the trainer publishes versioned weights, generators pull them with one-sided reads.
+"""Weight plane: a publisher writes versioned weights into slots, subscribers copy them out with seqlock reads.
 
 Protocol (details and reasoning in docs/weights.md):
 
-* The trainer (`WeightPublisher`) owns `num_slots` staging slots (2 with `double_buffer`), each ONE flat
+* The publisher (`WeightPublisher`) owns `num_slots` staging slots (2 with `double_buffer`), each ONE flat
   byte buffer that holds every tensor at a fixed, aligned offset, plus one int64 header per slot. The slots
-  are registered once as `RDMABuffer`s (in chunks of `bucket_mb`) and never reallocated, so handles stay
-  valid for the life of the publisher.
+  are allocated once and never move: in POSIX shared memory for CPU weights when a same-host transport is
+  served, registered as `RDMABuffer`s (in chunks of `bucket_mb`) for RDMA, exported as CUDA IPC handles for
+  CUDA weights; handles stay valid for the life of the publisher.
 * `publish(params)` writes version v into slot `v % num_slots`: header := 2v+1 (writing), copy every
-  tensor into the slot, header := 2v (stable). Training keeps its own parameters; generators only ever read
-  the slots, so the trainer's cost is one memcpy per version, whatever the number of generators.
-* A generator (`WeightSubscriber`) reads the slot's chunks concurrently into its own staging buffer, then
-  reads the header again (seqlock check). If the header still says "v stable", no write touched the slot
-  since v was completed (versions only grow), so the copy is exactly version v. Otherwise the read was torn
-  or stale: it re-reads the headers, picks the newest stable slot and retries, at most `max_retries` times.
+  tensor into the slot, header := 2v (stable). The publisher's own parameters are never shared; subscribers
+  only read the slots, so the cost per version is one memcpy, whatever the number of subscribers.
+* A subscriber (`WeightSubscriber`) copies the slot into its own staging buffer (RDMA reads, memcpy from
+  shared memory, or a device copy from CUDA IPC memory), then reads the header again (seqlock check). If
+  it still says "v stable", no write touched the slot since v was completed (versions only grow), so the
+  copy is exactly version v. Otherwise the read was torn or stale: it re-reads the headers, picks the
+  newest stable slot and retries, at most `max_retries` times.
 * The caller swaps staged weights into its model between requests (`apply_to`), so pulling never disturbs
-  in-flight generation.
+  work in flight.
 
-The `endpoint` transport keeps the same slots and interface but ships the newest stable slot as
-safetensors bytes through a small actor that lives in the trainer's process.
+Which transport a subscriber uses is decided per publisher on its first pull (`transports.choose`): the
+manifest says where the slots are (host, GPU) and what is served. The `endpoint` transport keeps the same
+slots and interface but ships the newest stable slot as safetensors bytes through a small actor that
+lives in the publisher's process.
 
 Monarch is imported lazily (inside functions), so importing this module never imports Monarch before
 `composer_mesh.mesh.runtime` has set its environment. The `weights:` section's settings live in
@@ -29,105 +33,51 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import logging
+import os
 import struct
 import threading
 import time
 import uuid
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from composer_mesh.mesh.weights.config import WeightPlaneConfig
+from composer_mesh.mesh.weights.cuda_ipc import CudaIpcHandle, export_slots, release_slots
+from composer_mesh.mesh.weights.errors import (
+    ManifestMismatchError,
+    StaleVersionError,
+    TornReadError,
+    TransportUnavailableError,
+    WeightPlaneError,
+    WeightTransferError,
+)
+from composer_mesh.mesh.weights.hostid import device_gpu_uuid, this_host_identity
+from composer_mesh.mesh.weights.manifest import PulledWeights, TensorSpec, WeightManifest
+from composer_mesh.mesh.weights.rdma import quiet_tcp_fallback
+from composer_mesh.mesh.weights.shm import ShmSegment, full_fence
+from composer_mesh.mesh.weights.transports import SAME_HOST, Choice, SlotReader, choose, publisher_offers
 
+__all__ = [
+    "ManifestMismatchError",
+    "PulledWeights",
+    "StaleVersionError",
+    "TensorSpec",
+    "TornReadError",
+    "TransportUnavailableError",
+    "WeightManifest",
+    "WeightPlaneError",
+    "WeightPublisher",
+    "WeightSubscriber",
+    "WeightTransferError",
+]
+
+_log = logging.getLogger(__name__)
 _ALIGN = 64  # byte alignment of every tensor inside a slot (any dtype view of the flat buffer is legal)
 _MIB = 1 << 20
-
-
-# --------------------------------------------------------------------------------------------- errors
-
-
-class WeightPlaneError(RuntimeError):
-    """Base class of weight-plane failures."""
-
-
-class ManifestMismatchError(WeightPlaneError, ValueError):
-    """The published tensors do not match what this side expects (names, shapes or dtypes)."""
-
-
-class StaleVersionError(WeightPlaneError):
-    """The requested version was overwritten before it could be read and `allow_newer` is off."""
-
-
-class TornReadError(WeightPlaneError):
-    """Every retry overlapped a publish; no consistent version could be read."""
-
-
-class WeightTransferError(WeightPlaneError):
-    """A read (RDMA or endpoint) failed or timed out."""
-
-
-# ------------------------------------------------------------------------------------------- manifest
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """Where one tensor lives inside a slot."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str  # torch dtype name without the "torch." prefix, e.g. "bfloat16"
-    offset: int  # byte offset inside the slot
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class WeightManifest:
-    """What a generator needs to pull one version: small and picklable (no tensor data).
-
-    `handles[slot][chunk]` are RDMABuffer handles (rdma transport); `server` is the endpoint actor
-    (endpoint transport). The controller passes this from the trainer to the generators.
-    """
-
-    publisher_id: str
-    version: int
-    slot: int
-    transport: Literal["rdma", "endpoint"]
-    tensors: tuple[TensorSpec, ...]
-    total_bytes: int
-    chunks: tuple[tuple[int, int], ...]  # (byte offset, byte size) of each chunk of a slot
-    num_slots: int
-    handles: tuple[tuple[Any, ...], ...] = ()
-    header: Any = None
-    server: Any = None
-
-    @property
-    def num_tensors(self) -> int:
-        return len(self.tensors)
-
-    def layout_key(self) -> tuple[Any, ...]:
-        """Identity of the layout: two manifests with equal keys fit the same staging buffer."""
-        return (self.total_bytes, tuple((t.name, t.shape, t.dtype, t.offset) for t in self.tensors))
-
-    def tensors_in(self, start: int, size: int) -> list[str]:
-        """Names of the tensors overlapping the byte range [start, start + size)."""
-        end = start + size
-        return [t.name for t in self.tensors if t.offset < end and t.offset + t.nbytes > start]
-
-
-@dataclass
-class PulledWeights:
-    """Result of one pull. `tensors` are views into the subscriber's staging buffer: valid until the next
-    pull, so copy them (`WeightSubscriber.apply_to`) before pulling again."""
-
-    version: int
-    tensors: dict[str, torch.Tensor]
-    nbytes: int
-    seconds: float
-    retries: int
-    transport: str
 
 
 # ------------------------------------------------------------------------------------------- helpers
@@ -142,13 +92,6 @@ def _dtype(name: str) -> torch.dtype:
     if not isinstance(dt, torch.dtype):
         raise ManifestMismatchError(f"weight manifest: unknown dtype {name!r}")
     return dt
-
-
-def _quiet_tcp_fallback() -> None:
-    """Monarch warns once per process when RDMA falls back to TCP; that is expected here."""
-    from monarch.rdma import RDMATcpFallbackWarning
-
-    warnings.filterwarnings("ignore", category=RDMATcpFallbackWarning)
 
 
 def _build_layout(params: Mapping[str, torch.Tensor]) -> tuple[tuple[TensorSpec, ...], int]:
@@ -220,15 +163,16 @@ _LOCAL_PUBLISHERS: dict[str, WeightPublisher] = {}  # publisher_id -> publisher,
 
 
 class WeightPublisher:
-    """Trainer side. Build once (registers the slots), then `publish(params)` after each optimizer step.
+    """Publisher side. Build once (allocates and shares the slots), then `publish(params)` per new version.
 
-    Needs a Monarch context (inside an actor, or the controller). Not thread-safe: call `publish` from
-    one thread at a time.
+    Needs a Monarch context (inside an actor, or the controller) for the rdma and endpoint transports.
+    A forced transport that cannot serve these params raises TransportUnavailableError here. Not
+    thread-safe: call `publish` from one thread at a time.
     """
 
     def __init__(self, params: Mapping[str, torch.Tensor], config: WeightPlaneConfig | None = None) -> None:
         self.config = config or WeightPlaneConfig()
-        self.transport = self.config.resolved_transport()
+        self.transport = self.config.transport
         self.id = uuid.uuid4().hex
         self._specs, self._total = _build_layout(params)
         self._signature = {s.name: (s.shape, s.dtype) for s in self._specs}
@@ -238,29 +182,57 @@ class WeightPublisher:
                 f"weight plane: params live on several devices {sorted(map(str, devices))}; use one"
             )
         device = devices.pop()
+        self.offers = publisher_offers(self.transport, device)
         self.num_slots = 2 if self.config.double_buffer else 1
-        # Stable storage for the life of the publisher: registered handles point at these bytes.
-        self._slots = [
-            torch.zeros(self._total, dtype=torch.uint8, device=device) for _ in range(self.num_slots)
-        ]
-        self._slot_views = [_views(s, self._specs) for s in self._slots]
-        self._header = torch.zeros(self.num_slots, dtype=torch.int64)  # CPU: 2v stable, 2v+1 writing, 0 empty
         self._chunks = _chunks(self._total, self.config.bucket_mb * _MIB)
         self._version = 0
+        self._closed = False
         self._handles: tuple[tuple[Any, ...], ...] = ()
         self._header_handle: Any = None
         self._server: Any = None
         self._lock = threading.Lock()  # guards the endpoint server's serialization cache
         self._cache: tuple[int, bytes] | None = None
-        if self.transport == "rdma":
+        self._shm: ShmSegment | None = None
+        self._ipc: tuple[CudaIpcHandle, ...] = ()
+        self._device_uuid = device_gpu_uuid(device)
+        # Stable storage for the life of the publisher: shared handles point at these bytes.
+        self._slots, self._header = self._allocate(device)  # header: 2v stable, 2v+1 writing, 0 empty
+        self._slot_views = [_views(s, self._specs) for s in self._slots]
+        self._share()
+
+    def _allocate(self, device: torch.device) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Slots and headers; in shared memory when a same-host transport is served (headers only for
+        CUDA weights). 'auto' without usable shared memory drops to rdma alone, with a warning."""
+        if any(t in SAME_HOST for t in self.offers):
+            try:
+                self._shm = ShmSegment(self.id, self.num_slots, self._total, with_slots=device.type == "cpu")
+            except TransportUnavailableError as e:
+                if self.transport != "auto":
+                    raise TransportUnavailableError(f"transport {self.transport!r}: {e}") from e
+                warnings.warn(f"weight plane: no shared memory ({e}); serving rdma only", stacklevel=3)
+                self.offers = tuple(t for t in self.offers if t not in SAME_HOST)
+        if self._shm is not None and self._shm.slots:
+            slots = list(self._shm.slots)
+        else:
+            slots = [
+                torch.zeros(self._total, dtype=torch.uint8, device=device) for _ in range(self.num_slots)
+            ]
+        header = self._shm.header if self._shm is not None else torch.zeros(self.num_slots, dtype=torch.int64)
+        return slots, header
+
+    def _share(self) -> None:
+        """Hand out what each served transport needs: IPC handles, RDMA registrations, the endpoint actor."""
+        if "cuda_ipc" in self.offers:
+            self._ipc = export_slots(self.id, self._slots)
+        if "rdma" in self.offers:
             from monarch.rdma import RDMABuffer
 
-            _quiet_tcp_fallback()
+            quiet_tcp_fallback()
             self._header_handle = RDMABuffer(self._header)
             self._handles = tuple(
                 tuple(RDMABuffer(slot[o : o + n]) for o, n in self._chunks) for slot in self._slots
             )
-        else:
+        if "endpoint" in self.offers:
             from monarch.actor import this_proc
 
             _LOCAL_PUBLISHERS[self.id] = self
@@ -277,10 +249,13 @@ class WeightPublisher:
 
     def publish(self, params: Mapping[str, torch.Tensor]) -> WeightManifest:
         """Copy `params` into the next slot as version `version + 1` and return its manifest."""
+        if self._closed:
+            raise WeightPlaneError("WeightPublisher.publish: the publisher is closed")
         _check_against(self._specs, _signature(params), "WeightPublisher.publish")
         version = self._version + 1
         slot = version % self.num_slots
         self._header[slot] = 2 * version + 1  # writing: readers of this slot will see a torn read
+        full_fence()  # the odd header is visible before any byte of the new version (shared memory)
         self._write_slot(slot, params)
         self._header[slot] = 2 * version  # stable
         self._version = version
@@ -310,11 +285,18 @@ class WeightPublisher:
             handles=self._handles,
             header=self._header_handle,
             server=self._server,
+            offers=self.offers,
+            host=this_host_identity(),
+            pid=os.getpid(),
+            device_uuid=self._device_uuid,
+            shm=self._shm.layout if self._shm is not None else None,
+            ipc=self._ipc,
         )
 
     def close(self) -> None:
-        """Release the registered buffers; readers holding old manifests then get WeightTransferError
-        (rdma) or WeightPlaneError "publisher is closed" (endpoint; the server actor stays, idle)."""
+        """Release the slots and everything that shares them; readers holding old manifests then get
+        WeightTransferError (rdma, shm, cuda_ipc) or WeightPlaneError "publisher is closed" (endpoint;
+        the server actor stays, idle). The shared-memory segment is unlinked."""
         for per_slot in self._handles:
             for h in per_slot:
                 h.drop()  # eager: Monarch starts the release without being awaited
@@ -323,6 +305,12 @@ class WeightPublisher:
         self._handles, self._header_handle = (), None
         self._cache = None
         _LOCAL_PUBLISHERS.pop(self.id, None)
+        release_slots(self.id)
+        if self._shm is not None:
+            self._shm.close()  # headers := closed, unlink; mapped subscribers fail on their next check
+        self._closed = True
+        self._slots, self._slot_views, self._ipc = [], [], ()
+        self._header = self._header.clone()  # drops the last view of the shared mapping
 
     # ----- endpoint transport (runs in the server actor's thread, same process)
 
@@ -413,8 +401,8 @@ def _parse_safetensors(data: bytes) -> tuple[dict[str, Any], dict[str, tuple[str
 
 
 class WeightSubscriber:
-    """Generator side: `await pull(manifest)` into private staging, then `apply_to(model_tensors)` between
-    requests. `expected` (name -> tensor, e.g. the model's state dict) makes mismatching manifests fail
+    """Subscriber side: `await pull(manifest)` into private staging, then `apply_to(model_tensors)` between
+    requests. `device` is where staging lives (and, for 'auto', which GPU this subscriber is on). `expected` (name -> tensor, e.g. the model's state dict) makes mismatching manifests fail
     with the tensor's name; without it the first manifest defines the layout.
     """
 
@@ -432,12 +420,47 @@ class WeightSubscriber:
         self._views: dict[str, torch.Tensor] = {}
         self._pulling = False
         self._layout: tuple[Any, ...] | None = None
-        self._header_buf = torch.zeros(2, dtype=torch.int64)
+        self._choice: Choice | None = None
+        self._choice_for: str | None = None  # publisher id the choice was made for
         self.staged_version: int | None = None  # version sitting in staging
         self.version: int | None = None  # version last applied with apply_to
         self.last: PulledWeights | None = None
-        if self.config.resolved_transport() == "rdma":
-            _quiet_tcp_fallback()
+
+    @property
+    def transport(self) -> str | None:
+        """The transport in use ('rdma', 'shm', 'cuda_ipc', 'endpoint'); None before the first pull."""
+        return self._choice.transport if self._choice is not None else None
+
+    @property
+    def transport_reason(self) -> str:
+        """Why that transport (e.g. "auto: not shm: publisher on host a (boot ...), this subscriber on ...")."""
+        return self._choice.reason if self._choice is not None else ""
+
+    def _choose(self, m: WeightManifest) -> Choice:
+        """Decide the transport once per publisher (opening shared memory / IPC handles once)."""
+        if self._choice is None or self._choice_for != m.publisher_id:
+            self.close()
+            self._choice = choose(
+                m,
+                self.config.transport,
+                self._device,
+                self.config.max_concurrent_reads,
+                self.config.read_timeout_s,
+            )
+            self._choice_for = m.publisher_id
+            _log.info(
+                "weight plane: publisher %s -> %s (%s)",
+                m.publisher_id[:8],
+                self._choice.transport,
+                self._choice.reason,
+            )
+        return self._choice
+
+    def close(self) -> None:
+        """Release the transport's mappings (shared memory, IPC handles); the next pull opens them again."""
+        if self._choice is not None and self._choice.reader is not None:
+            self._choice.reader.close()
+        self._choice, self._choice_for = None, None
 
     def _prepare(self, m: WeightManifest) -> None:
         where = f"weight manifest v{m.version} from publisher {m.publisher_id[:8]}"
@@ -452,8 +475,6 @@ class WeightSubscriber:
             self._views = _views(self._staging, m.tensors)
             self._specs = m.tensors
             self._layout = m.layout_key()
-        if self._header_buf.numel() != m.num_slots:
-            self._header_buf = torch.zeros(m.num_slots, dtype=torch.int64)
 
     async def pull(self, manifest: WeightManifest, latest: bool = False) -> PulledWeights:
         """Fetch `manifest.version` into staging, bitwise exact. If that version was overwritten meanwhile
@@ -466,12 +487,13 @@ class WeightSubscriber:
         self._pulling = True
         try:
             self._prepare(manifest)
+            choice = self._choose(manifest)
             self.staged_version = None
             t0 = time.perf_counter()
-            if manifest.transport == "endpoint":
+            if choice.reader is None:
                 version, retries = await self._pull_endpoint(manifest), 0
             else:
-                version, retries = await self._pull_rdma(manifest, latest)
+                version, retries = await self._pull_seqlock(manifest, choice.reader, latest)
         finally:
             self._pulling = False
         if version < manifest.version:  # cannot happen unless a publisher restarted its counter
@@ -483,7 +505,7 @@ class WeightSubscriber:
             nbytes=manifest.total_bytes,
             seconds=time.perf_counter() - t0,
             retries=retries,
-            transport=manifest.transport,
+            transport=choice.transport,
         )
         return self.last
 
@@ -515,36 +537,7 @@ class WeightSubscriber:
             return None
         return self.apply_to(dest)
 
-    # ----- rdma
-
-    async def _read_chunks(self, m: WeightManifest, slot: int, version: int) -> None:
-        assert self._staging is not None
-        sem = asyncio.Semaphore(self.config.max_concurrent_reads)
-        timeout = self.config.read_timeout_s
-
-        async def one(i: int) -> None:
-            off, size = m.chunks[i]
-            async with sem:
-                try:
-                    await m.handles[slot][i].read_into(self._staging[off : off + size], timeout=timeout)
-                except Exception as e:
-                    names = m.tensors_in(off, size)
-                    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-                    raise WeightTransferError(
-                        f"RDMA read of v{version} slot {slot} chunk {i} ({size / _MIB:.1f} MiB, tensors {shown}) "
-                        f"failed (timeout {timeout}s): {type(e).__name__}: {e}"
-                    ) from e
-
-        await asyncio.gather(*(one(i) for i in range(len(m.chunks))))
-
-    async def _read_header(self, m: WeightManifest) -> list[int]:
-        try:
-            await m.header.read_into(self._header_buf, timeout=self.config.read_timeout_s)
-        except Exception as e:
-            raise WeightTransferError(
-                f"RDMA read of the version header of publisher {m.publisher_id[:8]} failed: {type(e).__name__}: {e}"
-            ) from e
-        return self._header_buf.tolist()
+    # ----- seqlock transports (rdma, shm, cuda_ipc)
 
     @staticmethod
     def _newest(heads: Sequence[int]) -> tuple[int, int] | None:
@@ -552,15 +545,16 @@ class WeightSubscriber:
         stable = [(v, s) for s, h in enumerate(heads) if (v := _stable_version(h)) is not None]
         return max(stable) if stable else None
 
-    async def _pull_rdma(self, m: WeightManifest, latest: bool) -> tuple[int, int]:
+    async def _pull_seqlock(self, m: WeightManifest, reader: SlotReader, latest: bool) -> tuple[int, int]:
+        assert self._staging is not None
         slot, version = m.slot, m.version  # complete before the manifest existed: no header read needed
         if latest:
-            newest = self._newest(await self._read_header(m))
+            newest = self._newest(await reader.read_header())
             if newest is not None and newest[0] > version:
                 version, slot = newest
         for attempt in range(self.config.max_retries + 1):
-            await self._read_chunks(m, slot, version)
-            after = await self._read_header(m)
+            await reader.read_slot(slot, version, self._staging)
+            after = await reader.read_header()
             if after[slot] == 2 * version:  # seqlock check: untouched since `version` was completed
                 return version, attempt
             # Torn or stale: find the newest stable version and try that one.
@@ -572,7 +566,7 @@ class WeightSubscriber:
             if attempt == self.config.max_retries:
                 break
             await asyncio.sleep(_backoff(attempt))
-            newest = self._newest(await self._read_header(m))
+            newest = self._newest(await reader.read_header())
             if newest is not None:
                 version, slot = newest
         raise TornReadError(
