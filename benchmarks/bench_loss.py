@@ -28,15 +28,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GIB = 1024**3
 
 sys.path.insert(0, ROOT)
-from machine import cpu_model  # noqa: E402
+from machine import available_memory_gib, cpu_model, maxrss_bytes, total_memory_gib  # noqa: E402
 
 from composer_mesh.loss.config import LossConfig  # noqa: E402  (cheap: no torch import)
-
-
-def _maxrss_bytes() -> int:
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 def run_case(
@@ -56,7 +50,7 @@ def run_case(
     mask = torch.ones(1, tokens, dtype=torch.bool)
     params = DistillParams(beta=beta, chunk_tokens=chunk)
     fn = distill_loss_chunked if impl == "chunked" else distill_loss_naive
-    base = _maxrss_bytes()
+    base = maxrss_bytes()
     times = []
     loss_value = 0.0
     grad_norm = 0.0
@@ -72,7 +66,7 @@ def run_case(
         assert student.grad is not None
         grad_norm = float(student.grad.norm())
         del out
-    peak = _maxrss_bytes()
+    peak = maxrss_bytes()
     return {
         "time_s": statistics.median(times),
         "peak_bytes": float(peak),
@@ -83,33 +77,11 @@ def run_case(
     }
 
 
-def _mem_available() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
-def _hardware() -> str:
-    cpu = cpu_model()
-    total = 0
-    try:
-        with open("/proc/meminfo") as f:
-            total = int(f.readline().split()[1]) * 1024
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} logical CPUs, {total / GIB:.1f} GiB RAM"
-
-
 def _spawn(impl: str, vocab: int, args: argparse.Namespace) -> dict[str, float] | str:
     # rough need of the naive reference: inputs (2) + grad (1) + ~12 full float32 intermediates
     need = (15 if impl == "naive" else 5) * args.tokens * vocab * 4
-    avail = _mem_available()
-    if avail and need > avail:
+    avail = available_memory_gib() * GIB
+    if need > avail:
         return f"skipped: needs ~{need / GIB:.1f} GiB, {avail / GIB:.1f} GiB available"
     cmd = [
         sys.executable,
@@ -172,7 +144,7 @@ def main() -> None:
 
     import torch
 
-    print(f"hardware: {_hardware()}")
+    print(f"hardware: {cpu_model()}, {os.cpu_count()} logical CPUs, {total_memory_gib():.1f} GiB RAM")
     print(
         f"versions: python {platform.python_version()}, torch {torch.__version__}, "
         f"torch threads per case {args.threads or torch.get_num_threads()}, "

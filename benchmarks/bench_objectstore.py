@@ -42,7 +42,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
-from machine import cpu_model, package_versions, total_memory_gib  # noqa: E402
+from machine import available_memory_gib, cpu_model, package_versions, total_memory_gib  # noqa: E402
 
 from composer_mesh.mesh.objectstore import DiLoCoConfig  # noqa: E402
 from composer_mesh.mesh.objectstore.manager import ObjectStoreManager  # noqa: E402
@@ -236,15 +236,6 @@ def environment() -> list[str]:
     ]
 
 
-def available_gib() -> float:
-    try:
-        with open("/proc/meminfo") as f:
-            info = {line.split(":")[0]: int(line.split()[1]) for line in f}
-        return info["MemAvailable"] / 2**20
-    except (OSError, KeyError, ValueError):
-        return float("inf")
-
-
 def needed_gib(kind: str, size_mib: int, n: int) -> float:
     """Rough peak: inputs + per-replica result/accumulator + read buffer, plus moto's copy of the objects."""
     per = size_mib / 1024
@@ -274,7 +265,7 @@ def main() -> None:
             for size in sizes:
                 numel = size * MIB // 4
                 for n in counts:
-                    need, have = needed_gib(kind, size, n), available_gib()
+                    need, have = needed_gib(kind, size, n), available_memory_gib()
                     if need > have - 1.0:
                         print(f"  {kind:4} {size:4d} MiB N={n} SKIPPED: needs ~{need:.1f} GiB, {have:.1f} GiB "
                               "available (shared machine)", flush=True)

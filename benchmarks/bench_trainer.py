@@ -45,7 +45,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GIB = 1024**3
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from machine import cpu_model, package_versions, total_memory_gib  # noqa: E402
+from machine import available_memory_gib, cpu_model, maxrss_bytes, package_versions, total_memory_gib  # noqa: E402
 
 # Qwen2Config shapes. qwen0.5b is Qwen2.5-0.5B's shape (494M parameters, tied embeddings).
 PRESETS: dict[str, dict[str, Any]] = {
@@ -118,12 +118,6 @@ def make_batch(rollouts: int, prompt: int, completion: int, vocab: int, group_si
 
 
 # ---- inside a child: one case ---------------------------------------------------------------------------------
-
-
-def _maxrss_bytes() -> int:
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 def _model_config(spec: dict[str, Any]) -> Any:
@@ -206,7 +200,7 @@ def run_case(spec: dict[str, Any]) -> dict[str, Any]:
     try:
         step, model = (_ours if spec["impl"] == "ours" else _bare)(spec, batch)
         gc.collect()
-        base = torch.cuda.memory_allocated() if cuda else _maxrss_bytes()
+        base = torch.cuda.memory_allocated() if cuda else maxrss_bytes()
         times, info = [], {}
         for i in range(spec["steps"] + 1):
             if cuda:
@@ -223,7 +217,7 @@ def run_case(spec: dict[str, Any]) -> dict[str, Any]:
         if "can't allocate memory" in str(e):
             return {"status": "OOM"}
         raise
-    peak = torch.cuda.max_memory_allocated() if cuda else _maxrss_bytes() - base
+    peak = torch.cuda.max_memory_allocated() if cuda else maxrss_bytes() - base
     out.update(
         time_s=statistics.median(times), peak_bytes=float(peak), base_bytes=float(base), **info,
         device_name=torch.cuda.get_device_name() if cuda else cpu_model(),
@@ -240,17 +234,6 @@ def child_main(spec_json: str) -> None:
 
 
 # ---- the parent: cases, sweep, tables ---------------------------------------------------------------------------
-
-
-def _mem_available() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 class Cases:
@@ -278,8 +261,7 @@ class Cases:
         if impl == "bare" and self.args.device == "cpu":
             # full float32 logits, their log_softmax, its gradient and the logits' gradient
             need = 4 * rollouts * (self.args.prompt + self.args.completion) * self.args.vocab * 4
-            avail = _mem_available()
-            if avail and need > 0.8 * avail:
+            if need > 0.8 * available_memory_gib() * GIB:
                 return f"skipped (needs ~{need / GIB:.0f} GiB)"
         return None
 

@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import monarch
 import monarch.actor
 import torch
-from machine import cpu_model, total_memory_gib
+from machine import available_memory_gib, cpu_model, total_memory_gib
 from monarch.actor import Actor, endpoint, this_host
 from rich.console import Console
 from rich.table import Table
@@ -170,14 +170,6 @@ class BenchGenerator(Actor):
         return len(sd)
 
 
-def available_gib() -> float:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) / 2**20
-    return float("inf")
-
-
 def hardware(device: str) -> str:
     cpu, mem = cpu_model(), total_memory_gib()
     from monarch.rdma import get_rdma_backend
@@ -227,7 +219,7 @@ async def run_block(
     for n in args.generators:
         sub = gens.slice(procs=slice(0, n))
         await gens.reset.call(base, block, args.device)  # frees every generator's staging from the last round
-        need, have = (4 + max(3, len(seqlock) + 2) * n) * nbytes / 2**30, available_gib()  # staging + messages
+        need, have = (4 + max(3, len(seqlock) + 2) * n) * nbytes / 2**30, available_memory_gib()  # staging + messages
         if args.device == "cpu" and need > have - 1.0:  # shared machine: skip rather than get OOM-killed
             console.log(f"{size} MiB, {n} gen, {block}: SKIPPED, needs ~{need:.1f} GiB, {have:.1f} free")
             out["skipped"].append([size, n, block])

@@ -23,6 +23,25 @@ def total_memory_gib() -> float:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
 
 
+def available_memory_gib() -> float:
+    """MemAvailable from /proc/meminfo (inf where unknown): what a case may use before it should be skipped."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) / 2**20  # the file reports KiB
+    except (OSError, ValueError):
+        pass
+    return float("inf")
+
+
+def maxrss_bytes() -> int:
+    """This process's peak RSS (`ru_maxrss`, which sees torch's CPU allocations, unlike tracemalloc)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
 def package_versions(*names: str) -> dict[str, str]:
     """Installed distribution versions ('?' when absent)."""
     out = {}

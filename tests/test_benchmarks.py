@@ -3,26 +3,31 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def run_quick(script: str, out: Path, timeout: float, *args: str) -> tuple[str, dict[str, Any]]:
+    """Run `benchmarks/<script> --quick ... --json out` offline; (its stdout, the JSON it wrote)."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / script), "--quick", *args, "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False,
+                          env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout, json.loads(out.read_text())
+
+
 @pytest.mark.slow  # ~50 s on 2 cores: seven fresh processes that each import torch and transformers
 def test_bench_trainer_quick_writes_both_implementations(tmp_path: Path) -> None:
-    out = tmp_path / "bench_trainer.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_trainer.py"), "--quick", "--device", "cpu",
-           "--json", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240, check=False,
-                          env=dict(os.environ, HF_HUB_OFFLINE="1"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "ours/bare tok/s" in proc.stdout and "KiB/token" in proc.stdout
-    result = json.loads(out.read_text())
+    stdout, result = run_quick("bench_trainer.py", tmp_path / "bench_trainer.json", 240, "--device", "cpu")
+    assert "ours/bare tok/s" in stdout and "KiB/token" in stdout
     assert result["hardware"] and result["versions"] and result["params"] > 0
     sweep = result["sweep"]
     for impl in ("bare", "ours"):
@@ -40,14 +45,8 @@ def test_bench_trainer_quick_writes_both_implementations(tmp_path: Path) -> None
 
 @pytest.mark.slow  # ~40 s on 2 cores: the HF implementations, then a vLLM engine in a child when vllm imports
 def test_bench_generate_quick_writes_every_implementation(tmp_path: Path) -> None:
-    out = tmp_path / "bench_generate.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_generate.py"), "--quick", "--device", "cpu",
-           "--json", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
-                          env=dict(os.environ, HF_HUB_OFFLINE="1"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "ours/generate" in proc.stdout and "hardware:" in proc.stdout
-    result = json.loads(out.read_text())
+    stdout, result = run_quick("bench_generate.py", tmp_path / "bench_generate.json", 300, "--device", "cpu")
+    assert "ours/generate" in stdout and "hardware:" in stdout
     assert result["hardware"] and result["versions"] and result["params"] > 0
     rows = result["rows"]
     batches = result["settings"]["batches"]
@@ -60,3 +59,15 @@ def test_bench_generate_quick_writes_every_implementation(tmp_path: Path) -> Non
     vllm = [r for r in rows if r["impl"] == "vllm"]
     assert sorted(r["batch"] for r in vllm) == sorted(batches)  # a rate, or why there is none
     assert all(r["tokens_per_s"] > 0 if r["status"] == "ok" else r["status"] for r in vllm)
+
+
+@pytest.mark.slow  # ~30 s on 2 cores: two blocks of fresh proc meshes
+def test_bench_weight_sync_quick_runs_every_cpu_transport(tmp_path: Path) -> None:
+    """Every CPU transport side by side; only that each method moved the version to every generator."""
+    stdout, result = run_quick("bench_weight_sync.py", tmp_path / "bench_weight_sync.json", 300)
+    assert "Weight sync (cpu weights)" in stdout
+    assert result["device"] == "cpu" and result["hardware"]
+    assert [r["generators"] for r in result["rows"]] == [1, 2]
+    for row in result["rows"]:
+        assert set(row["mb_per_s"]) == {"rdma", "shm", "endpoint", "state_dict"}
+        assert all(math.isfinite(v) and v > 0 for v in row["mb_per_s"].values()), row
