@@ -24,9 +24,8 @@ from composer_mesh.loss.distill import (
     DistillOutput,
     DistillParams,
     TAIDState,
-    checked_topk_ids,
     distill_loss_chunked,
-    distill_topk_selected,
+    distill_loss_topk,
     taid_current_t,
     taid_update,
 )
@@ -41,8 +40,8 @@ from composer_mesh.loss.grpo import (
 from composer_mesh.loss.hidden import (
     HiddenStates,
     hidden_distill_dense,
+    hidden_distill_topk,
     hidden_token_logprobs,
-    hidden_topk_logits,
 )
 from composer_mesh.loss.preference import ReplayPairs, dpo_loss, replay_metrics, sequence_logps, simpo_loss
 
@@ -316,20 +315,14 @@ class LossAccumulator:
             return None
         params = DistillParams.from_config(self.config, self.taid_t)
         student, n = batch.logits, self.totals.distill_tokens
+        hidden = isinstance(student, HiddenStates)
         if batch.teacher_logits is not None:
-            if isinstance(student, HiddenStates):
-                out = hidden_distill_dense(student, batch.teacher_logits, sel, params, n)
-            else:
-                out = distill_loss_chunked(student, batch.teacher_logits, sel, params, n)
+            dense = hidden_distill_dense if hidden else distill_loss_chunked
+            out = dense(student, batch.teacher_logits, sel, params, n)
         else:
             assert batch.teacher_topk_ids is not None and batch.teacher_topk_logprobs is not None
-            lps = batch.teacher_topk_logprobs
-            ids = checked_topk_ids(batch.teacher_topk_ids, lps, sel, student.shape[-1])
-            if isinstance(student, HiddenStates):
-                student_k = hidden_topk_logits(student, ids, sel)
-            else:
-                student_k = student.gather(-1, ids)[sel]
-            out = distill_topk_selected(student_k, lps.detach()[sel], params, n)
+            topk = hidden_distill_topk if hidden else distill_loss_topk
+            out = topk(student, batch.teacher_topk_ids, batch.teacher_topk_logprobs, sel, params, n)
         self._diag.distill.append(out)
         return out.loss
 

@@ -27,7 +27,13 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from composer_mesh.loss.chunks import DEFAULT_CHUNK_ELEMENTS, chunk_tokens, compute_dtype, flat_chunks
-from composer_mesh.loss.distill import DistillOutput, DistillParams, _chunk_loss_and_grad
+from composer_mesh.loss.distill import (
+    DistillOutput,
+    DistillParams,
+    _chunk_loss_and_grad,
+    checked_topk_ids,
+    distill_topk_selected,
+)
 
 
 @dataclass
@@ -191,9 +197,10 @@ class _HeadDistill(torch.autograd.Function):
         grads = _HeadGrads(h, weight, bias, ctx.needs_input_grad[:3], dt) if any(ctx.needs_input_grad[:3]) else None
         diag = [torch.empty(n, dtype=dt, device=h.device) for _ in range(3)]
         clipped = torch.empty(n, dtype=torch.bool, device=h.device)
+        w = weight.to(h.dtype) if grads is None else grads.w  # cast once, not per chunk
         with _no_autocast(h.device):
             for s, e in flat_chunks(n, params.tokens_per_chunk(weight.shape[0])):
-                z = _head_logits(h[s:e], weight.to(h.dtype) if grads is None else grads.w, bias, scale, dt)
+                z = _head_logits(h[s:e], w, bias, scale, dt)
                 gz = torch.empty_like(z) if grads is not None else None
                 loss, entropy, gate, clip = _chunk_loss_and_grad(z, teacher[s:e], params, gz, weights[s:e])
                 diag[0][s:e], diag[1][s:e], diag[2][s:e], clipped[s:e] = loss, entropy, gate, clip
@@ -254,3 +261,13 @@ def hidden_topk_logits(states: HiddenStates, ids: Tensor, sel: Tensor) -> Tensor
     if not parts:
         return torch.zeros(0, ids.shape[-1], dtype=compute_dtype(h), device=h.device)
     return torch.cat(parts).to(compute_dtype(h))
+
+
+def hidden_distill_topk(
+    states: HiddenStates, topk_ids: Tensor, topk_logprobs: Tensor, sel: Tensor, params: DistillParams,
+    denominator: int | None = None,
+) -> DistillOutput:
+    """`distill.distill_loss_topk` for a student given as hidden states: only the k head rows a token needs."""
+    sel = sel.bool()
+    ids = checked_topk_ids(topk_ids, topk_logprobs, sel, states.shape[-1])
+    return distill_topk_selected(hidden_topk_logits(states, ids, sel), topk_logprobs.detach()[sel], params, denominator)

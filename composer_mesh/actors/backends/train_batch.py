@@ -142,10 +142,7 @@ def completion_logprobs(
     *, head: Head = "full", packed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probs [B, T] of each completion token under softmax(logits / temperature), mask [B, T])."""
-    lay = layout(prompts, completions, next(model.parameters()).device, packed)
-    student = student_forward(model, lay, head=head, temperature=temperature)
-    ids = pad(completions, 0, torch.long, lay.mask.device)
-    return student_logprobs(student, ids, lay.mask, LossConfig().loss_chunk_elements), lay.mask
+    return StudentPass(model, LossConfig(), temperature, head=head, packed=packed).logprobs(model, prompts, completions)
 
 
 # ---- the batch as rows -----------------------------------------------------------------------------------------
