@@ -29,12 +29,15 @@ from composer_mesh.mesh.launch import LaunchError, MeshFailureError
 from composer_mesh.orchestration.config import RunConfig
 from composer_mesh.orchestration.loop import LagGate, PromptSource, RLLoop, merge_signals
 from composer_mesh.orchestration.metrics import RunSummary, StepRecord
+from composer_mesh.orchestration.schedule import Chunk, GroupResult, StepScheduler, row_seed
 from composer_mesh.roles import ROLES, Role, RoleMesh
 from composer_mesh.topology import Topology, TopologyError, load_topology
 
 __all__ = [
     "ROLES",
+    "Chunk",
     "GenerationRequest",
+    "GroupResult",
     "LagGate",
     "LaunchError",
     "LossConfig",
@@ -51,6 +54,7 @@ __all__ = [
     "RunSummary",
     "ScoredGroup",
     "StepRecord",
+    "StepScheduler",
     "TeacherRequest",
     "TeacherSignals",
     "TeacherTrace",
@@ -64,5 +68,6 @@ __all__ = [
     "load_topology",
     "merge_signals",
     "print_summary",
+    "row_seed",
     "run_topology",
 ]

@@ -2,9 +2,11 @@
 
     python examples/grpo_async.py topologies/local.yaml --steps 20
 
-Generation runs in its own task per generator and overlaps training; rollouts older than
-`max_policy_lag` versions are dropped and counted. Swap the teachers binding in the topology
-(hf / vllm / openrouter) and this script does not change.
+The `StepScheduler` paces generation by the policy-lag bound: a step's prompts are sampled only once the
+generators hold weights at most `max_policy_lag` versions behind the version that will train on them, so
+nothing is generated to be thrown away (lag 0 = synchronous). Each generator takes chunks of admitted steps;
+each chunk is scored and sent to the teachers while the generator goes on. Swap the teachers binding in the
+topology (hf / vllm / openrouter) and this script does not change.
 """
 
 from __future__ import annotations
@@ -14,14 +16,17 @@ import asyncio
 import time
 
 from composer_mesh.api import (
+    Chunk,
     GenerationRequest,
-    LagGate,
+    GroupResult,
     PromptSource,
+    StepScheduler,
     TeacherRequest,
     TrainBatch,
     launch,
     load_topology,
     merge_signals,
+    row_seed,
 )
 
 
@@ -29,8 +34,6 @@ async def main(path: str, steps: int) -> None:
     topo = load_topology(path)
     cfg = topo.run
     prompts = PromptSource(cfg.task, seed=cfg.seed)
-    gate = LagGate(cfg.max_policy_lag)
-    queue: asyncio.Queue[TrainBatch] = asyncio.Queue(maxsize=cfg.rollout_queue_size)
 
     async with launch(topo) as mesh:
         # Build models everywhere at once; the trainer publishes version 1 and generators pull it.
@@ -38,37 +41,47 @@ async def main(path: str, steps: int) -> None:
             mesh.trainer.setup.call_one(), mesh.generators.setup.call(), mesh.teachers.setup.call()
         )
         await mesh.generators.update_weights.call(manifest)
-        version = manifest.version
         generators = mesh.procs("generators")  # one handle per generator proc
+        schedule = StepScheduler(prompts.take, steps=steps, groups_per_step=cfg.prompts_per_step,
+                                 generators=len(generators), max_policy_lag=cfg.max_policy_lag)
 
-        async def rollouts(generator) -> None:
+        async def complete(chunk: Chunk, groups) -> None:
+            flat = [r for g in groups for r in g.rollouts]
+            scored, answers = await asyncio.gather(
+                mesh.rewarder.score.call_one(groups),
+                mesh.teachers.signals.call(TeacherRequest(rollouts=flat, prompts=[g.prompt for g in groups],
+                                                          max_new_tokens=cfg.max_new_tokens)),
+            )
+            signals = merge_signals(list(answers.values()), len(flat))
+            n = cfg.samples_per_prompt
+            await schedule.finish(chunk, [
+                GroupResult(chunk.first + i, g, signals.distributions[i * n:(i + 1) * n],
+                            [t for t in signals.traces if t.prompt_id == g.group.prompt.prompt_id])
+                for i, g in enumerate(scored)
+            ])
+
+        async def generate(generator) -> None:
             while True:
-                request = GenerationRequest(prompts.take(cfg.prompts_per_step), cfg.samples_per_prompt,
-                                            cfg.max_new_tokens, cfg.temperature)
+                chunk = await schedule.next_chunk()  # waits while the lag bound admits nothing new
+                request = GenerationRequest(chunk.prompts, cfg.samples_per_prompt, cfg.max_new_tokens,
+                                            cfg.temperature, seed=row_seed(cfg.seed, chunk.first, cfg.samples_per_prompt))
                 groups = await generator.generate.call_one(request)
-                flat = [r for g in groups for r in g.rollouts]
-                scored, answers = await asyncio.gather(
-                    mesh.rewarder.score.call_one(groups),
-                    mesh.teachers.signals.call(TeacherRequest(rollouts=flat, prompts=[g.prompt for g in groups],
-                                                              max_new_tokens=cfg.max_new_tokens)),
-                )
-                signals = merge_signals(list(answers.values()), len(flat))
-                await queue.put(TrainBatch(scored, signals.distributions, signals.traces))
+                tasks.append(asyncio.create_task(complete(chunk, groups)))
 
-        tasks = [asyncio.create_task(rollouts(g)) for g in generators]
+        tasks = [asyncio.create_task(generate(g)) for g in generators]
         try:
-            step = 0
-            while step < steps:
-                batch = await queue.get()
-                if not gate.admit(batch, version):
-                    continue
+            for step in range(1, steps + 1):
+                results, _ = await schedule.take(step)
+                batch = TrainBatch([r.group for r in results], [d for r in results for d in r.distributions],
+                                   [t for r in results for t in r.traces])
                 t0 = time.perf_counter()
                 metrics, manifest = await mesh.trainer.train_step.call_one(batch)
                 await mesh.generators.update_weights.call(manifest)  # one-sided pulls, in parallel
-                version, step = manifest.version, step + 1
-                print(f"step {step:3d}  v{version}  reward {metrics.metrics['reward_mean']:.2f}  "
+                await schedule.synced(step)  # admits the next step's prompts
+                lag = manifest.version - 1 - min(r.weight_version for r in batch.rollouts())
+                print(f"step {step:3d}  v{manifest.version}  reward {metrics.metrics['reward_mean']:.2f}  "
                       + "  ".join(f"{k} {v:.3f}" for k, v in metrics.channels.items())
-                      + f"  dropped {gate.dropped_batches}  {time.perf_counter() - t0:.2f}s")
+                      + f"  lag {lag}  {time.perf_counter() - t0:.2f}s")
         finally:
             for t in tasks:
                 t.cancel()

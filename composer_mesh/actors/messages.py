@@ -37,7 +37,9 @@ class GenerationRequest:
 class Rollout:
     """One sampled completion with the sampling policy's per-token log-probs.
 
-    `weight_version` is the version of the generator weights that produced every token of it.
+    `weight_version` is the OLDEST weight version that produced any of its tokens: a rollout's policy lag counts
+    from it. `token_versions[t]` is the version that produced token t when weights changed while it was being
+    sampled (in-flight weight updates); None when one version produced every token.
     """
 
     prompt_id: str
@@ -48,6 +50,7 @@ class Rollout:
     text: str = ""
     finish_reason: str = "length"
     generator: str = ""
+    token_versions: list[int] | None = None
 
     def __post_init__(self) -> None:
         if len(self.completion_ids) != len(self.logprobs):
@@ -55,6 +58,17 @@ class Rollout:
                 f"Rollout {self.prompt_id!r}: completion_ids has {len(self.completion_ids)} tokens "
                 f"but logprobs has {len(self.logprobs)}"
             )
+        if self.token_versions is not None:
+            if len(self.token_versions) != len(self.completion_ids):
+                raise ValueError(
+                    f"Rollout {self.prompt_id!r}: token_versions has {len(self.token_versions)} entries "
+                    f"for {len(self.completion_ids)} tokens"
+                )
+            if self.token_versions and min(self.token_versions) != self.weight_version:
+                raise ValueError(
+                    f"Rollout {self.prompt_id!r}: weight_version {self.weight_version} is not the oldest of "
+                    f"token_versions (min {min(self.token_versions)})"
+                )
 
 
 @dataclass
@@ -131,12 +145,15 @@ class TeacherTrace:
     """A full teacher completion for one prompt (channel 3: chosen = teacher, rejected = student).
 
     `completion_ids` are in the student's vocabulary (re-tokenised from `text` when the teacher's tokenizer differs).
+    A trace with a `reward` makes a replay pair only when it scores above the student rollout it would be
+    preferred to (None: not scored, always paired).
     """
 
     teacher: str
     prompt_id: str
     text: str
     completion_ids: list[int]
+    reward: float | None = None  # the rewarder's score of `text`; a replay pair needs it above the rejected's
 
 
 @dataclass

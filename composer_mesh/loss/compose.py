@@ -187,11 +187,13 @@ class _Diagnostics:
 
 def _flat_terms(terms: PolicyTerms, mask: Tensor) -> PolicyTerms:
     """The unpadded tokens' values, flattened and detached."""
-    kl = terms.kl_ref[mask] if terms.kl_ref is not None else None
+    def pick(x: Tensor | None) -> Tensor | None:
+        return x[mask] if x is not None else None
+
     return PolicyTerms(
         terms.per_token.detach()[mask], terms.ratio[mask], terms.clipped_low[mask], terms.clipped_high[mask],
-        terms.dppo_masked[mask], terms.dppo_masked_low[mask], terms.dppo_masked_high[mask], kl,
-        terms.mismatch_kl[mask],
+        terms.dppo_masked[mask], terms.dppo_masked_low[mask], terms.dppo_masked_high[mask], pick(terms.kl_ref),
+        terms.mismatch_kl[mask], pick(terms.tis_weight), pick(terms.tis_truncated),
     )
 
 
@@ -199,10 +201,13 @@ def _cat_terms(parts: list[PolicyTerms]) -> PolicyTerms:
     def cat(name: str) -> Tensor:
         return torch.cat([getattr(p, name) for p in parts])
 
-    kl = cat("kl_ref") if all(p.kl_ref is not None for p in parts) else None
+    def cat_optional(name: str) -> Tensor | None:
+        return cat(name) if all(getattr(p, name) is not None for p in parts) else None
+
     return PolicyTerms(
         cat("per_token"), cat("ratio"), cat("clipped_low"), cat("clipped_high"), cat("dppo_masked"),
-        cat("dppo_masked_low"), cat("dppo_masked_high"), kl, cat("mismatch_kl"),
+        cat("dppo_masked_low"), cat("dppo_masked_high"), cat_optional("kl_ref"), cat("mismatch_kl"),
+        cat_optional("tis_weight"), cat_optional("tis_truncated"),
     )
 
 

@@ -15,12 +15,14 @@ Normalization = Literal["token", "sequence"]
 SdpoWrapper = Literal["none", "taid", "entropy_opd"]
 DpoVariant = Literal["dpo", "simpo"]
 EntropyGate = Literal["hard", "linear"]
+OffPolicyCorrection = Literal["none", "tis"]
 
 _CHOICES: dict[str, tuple[str, ...]] = {
     "normalization": ("token", "sequence"),
     "sdpo_wrapper": ("none", "taid", "entropy_opd"),
     "dpo_variant": ("dpo", "simpo"),
     "entropy_opd_gate": ("hard", "linear"),
+    "off_policy_correction": ("none", "tis"),
 }
 
 # A chunked loss loop holds about this many float32 values per working buffer (see `loss/chunks.py`).
@@ -99,6 +101,22 @@ class LossConfig(BaseModel):
     dppo_mask_high: float = Field(
         0.2,
         description="DPPO: mask a token with advantage > 0 when p_theta - p_old > dppo_mask_high (a probability difference).",
+    )
+    off_policy_correction: OffPolicyCorrection = Field(
+        "none",
+        description="'none': PPO clip of pi_theta/pi_sampler (a token whose ratio left the clip range gives no "
+        "gradient). 'tis': decoupled PPO (AReaL, arXiv:2505.24298, eq. 5) with the trainer's current policy, "
+        "detached, as the proximal policy and the behaviour weight pi_prox/pi_sampler truncated at tis_cap (TIS, "
+        "Yao et al. 2025, https://fengyao.notion.site/off-policy-rl): loss_t = -min(pi_prox/pi_sampler, tis_cap) "
+        "* min(r*A, clip(r)*A), r = pi_theta/pi_prox. With one optimizer step per batch r = 1, the clip is "
+        "inactive and the gradient is -min(pi_theta/pi_sampler, tis_cap)*A*grad log pi_theta: every token keeps "
+        "a truncated gradient, which is what asynchronous training (policy lag > 0) needs. The clip_frac "
+        "metrics then count the (inactive) clip of r, not of pi_theta/pi_sampler.",
+    )
+    tis_cap: float = Field(
+        2.0,
+        description="TIS truncation C > 0 (off_policy_correction='tis'): the behaviour weight "
+        "pi_prox/pi_sampler is capped at C, so a stale token's gradient is at most C*|A|*|grad log pi_theta|.",
     )
 
     # ---- channel 2: self-distillation (generalized JSD, TAID, entropy-aware OPD) ------------------
@@ -215,7 +233,7 @@ class LossConfig(BaseModel):
             raise ValueError(f"taid_t must be in [0, 1] or null, got {value!r}")
         return value
 
-    @field_validator("sdpo_temperature", "entropy_opd_h_max")
+    @field_validator("sdpo_temperature", "entropy_opd_h_max", "tis_cap")
     @classmethod
     def _positive(cls, value: float, info: ValidationInfo) -> float:
         if not math.isfinite(value) or value <= 0:

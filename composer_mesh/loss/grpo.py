@@ -7,6 +7,16 @@
 - optional DPPO mask (PRIME-RL default loss, arXiv:2602.04879): drop the policy term where A>0 and
   p_theta - p_old > dppo_mask_high, or A<=0 and p_theta - p_old < -dppo_mask_low (probability differences).
 - optional KL to a reference: kl_beta * k3, k3 = exp(ref - logp) - (ref - logp) - 1 (GRPO, TRL).
+- off-policy correction `off_policy_correction="tis"`: decoupled PPO (AReaL, Fu et al. 2025, arXiv:2505.24298,
+  eq. 5) whose proximal policy is the trainer's current policy, detached, prox = sg(log pi_theta), and whose
+  behaviour importance weight is truncated (TIS, Yao et al. 2025, https://fengyao.notion.site/off-policy-rl):
+  r = exp(logp - prox) (value 1, gradient that of logp), w = min(exp(prox - old), tis_cap) (detached),
+  loss_t = -w * min(r*A, clip(r, 1-eps_low, 1+eps_high)*A).
+  The trainer takes one optimizer step per batch, so r = 1 and the clip is inactive: the gradient is
+  -min(pi_theta/pi_sampler, tis_cap) * A * grad log pi_theta. Every token keeps a (truncated) gradient, whereas
+  "none" clips pi_theta/pi_sampler and drops a token whose ratio left the clip range, which with asynchronous
+  training (policy lag > 0, sampler weights older than the trainer's) can be many tokens. The DPPO mask, the k3
+  KL and the reported ratio/mismatch_kl stay relative to the sampler in both modes.
 - normalisation: "token" = sum over unpadded tokens / their count (DAPO); "sequence" = per-completion mean,
   then batch mean (GRPO, TRL's "grpo" loss_type).
 """
@@ -121,6 +131,8 @@ class PolicyTerms:
     dppo_masked_high: Tensor
     kl_ref: Tensor | None  # [..., T] k3 to reference (detached) or None
     mismatch_kl: Tensor  # [..., T] k3 between sampler and policy (detached)
+    tis_weight: Tensor | None = None  # [..., T] min(pi_theta/pi_sampler, tis_cap) (detached; 1 at padding), tis only
+    tis_truncated: Tensor | None = None  # [..., T] bool, pi_theta/pi_sampler > tis_cap (tis only)
 
 
 def policy_terms(
@@ -131,19 +143,32 @@ def policy_terms(
     config: LossConfig,
     ref_logprobs: Tensor | None = None,
 ) -> PolicyTerms:
-    """Per-token clipped surrogate (+ DPPO mask, + k3 KL). All inputs broadcast to logprobs' shape."""
+    """Per-token clipped surrogate (+ TIS off-policy correction, + DPPO mask, + k3 KL). All inputs broadcast to
+    logprobs' shape. `ratio` is pi_theta / pi_sampler in both modes; the clip flags are those of the ratio the
+    objective clips (pi_theta / pi_sampler, or with "tis" pi_theta / sg(pi_theta), never clipped)."""
     mask = mask.bool()
     adv = advantages.to(logprobs.dtype).expand_as(logprobs)
     old = old_logprobs.detach().to(logprobs.dtype)
     log_ratio = torch.where(mask, logprobs - old, torch.zeros_like(logprobs))
-    ratio = torch.exp(log_ratio)
-    clipped_ratio = torch.clamp(ratio, 1.0 - config.eps_low, 1.0 + config.eps_high)
-    surrogate = torch.minimum(ratio * adv, clipped_ratio * adv)
+    tis = config.off_policy_correction == "tis"
+    if tis:  # decoupled PPO: the clipped ratio is to the proximal policy sg(pi_theta)
+        clip_ratio = torch.exp(torch.where(mask, logprobs - logprobs.detach(), torch.zeros_like(logprobs)))
+    else:
+        clip_ratio = torch.exp(log_ratio)
+    clipped_ratio = torch.clamp(clip_ratio, 1.0 - config.eps_low, 1.0 + config.eps_high)
+    surrogate = torch.minimum(clip_ratio * adv, clipped_ratio * adv)
+    with torch.no_grad():
+        c = clip_ratio.detach()
+        r = torch.exp(log_ratio.detach()) if tis else c  # pi_theta / pi_sampler (1 at padding)
+    tis_weight = tis_truncated = None
+    if tis:  # behaviour weight pi_prox / pi_sampler = r in value, detached and truncated
+        tis_truncated = mask & (r > config.tis_cap)
+        tis_weight = r.clamp(max=config.tis_cap)
+        surrogate = tis_weight * surrogate
     per_token = -surrogate
     with torch.no_grad():
-        r = ratio.detach()
-        clipped_low = mask & (adv < 0) & (r < 1.0 - config.eps_low)
-        clipped_high = mask & (adv > 0) & (r > 1.0 + config.eps_high)
+        clipped_low = mask & (adv < 0) & (c < 1.0 - config.eps_low)
+        clipped_high = mask & (adv > 0) & (c > 1.0 + config.eps_high)
         prob_diff = torch.where(mask, torch.exp(logprobs.detach()) - torch.exp(old), torch.zeros_like(r))
         masked_high = mask & (adv > 0) & (prob_diff > config.dppo_mask_high)
         masked_low = mask & (adv <= 0) & (prob_diff < -config.dppo_mask_low)
@@ -164,7 +189,8 @@ def policy_terms(
         kl_ref = k3.detach()
     per_token = torch.where(mask, per_token, torch.zeros_like(per_token))
     return PolicyTerms(
-        per_token, r, clipped_low, clipped_high, dppo_masked, masked_low, masked_high, kl_ref, mismatch
+        per_token, r, clipped_low, clipped_high, dppo_masked, masked_low, masked_high, kl_ref, mismatch,
+        tis_weight, tis_truncated,
     )
 
 
@@ -187,7 +213,7 @@ def reduce_tokens(per_token: Tensor, mask: Tensor, normalization: str, count: in
 def policy_metrics(
     terms: PolicyTerms, mask: Tensor, advantages: Tensor, prefix: str = "grpo/"
 ) -> dict[str, float]:
-    """Clip fractions, ratio and KL statistics over unpadded tokens."""
+    """Clip fractions, ratio and KL statistics over unpadded tokens (+ TIS weight statistics when TIS is on)."""
     m = mask.bool()
     n = max(int(m.sum()), 1)
 
@@ -210,4 +236,7 @@ def policy_metrics(
     }
     if terms.kl_ref is not None:
         out[f"{prefix}kl_ref"] = float(terms.kl_ref[m].mean()) if m.any() else 0.0
+    if terms.tis_weight is not None and terms.tis_truncated is not None:  # off_policy_correction="tis"
+        out[f"{prefix}tis_weight_mean"] = float(terms.tis_weight[m].mean()) if m.any() else 1.0
+        out[f"{prefix}tis_truncated_frac"] = frac(terms.tis_truncated)
     return out

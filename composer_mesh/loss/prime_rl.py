@@ -13,8 +13,9 @@ sequence. It must return `LossOutputs(loss, metrics)` where `loss` is the token 
 PRIME-RL trainer divides by the global token count itself (token-level normalisation over the step batch).
 The contract is re-declared here (prime-rl is not pip-installable); field names, order and meaning mirror it.
 
-What maps: the clipped surrogate with eps_low/eps_high, the DPPO mask, the k3 KL to `ref_logprobs`
-(kl_beta), PRIME-RL's squared-log-ratio mismatch term (mismatch_kl_tau, its `kl_tau`), `loss_weights`.
+What maps: the clipped surrogate with eps_low/eps_high, the TIS off-policy correction
+(off_policy_correction/tis_cap, with `inference_logprobs` as the sampler), the DPPO mask, the k3 KL to
+`ref_logprobs` (kl_beta), PRIME-RL's squared-log-ratio mismatch term (mismatch_kl_tau, its `kl_tau`), `loss_weights`.
 Advantages come precomputed from PRIME-RL's orchestrator, so scale_std/advantage_eps do not apply.
 What does not: channel 2 needs full-vocabulary (or top-k) logits and channel 3 needs trace pairs; LossInputs
 carries only sampled-token log-probs, so asking for them raises NotImplementedError. "sequence" normalisation
@@ -154,6 +155,9 @@ def composer_loss(inputs: LossInputs, **kwargs: Any) -> LossOutputs:
     }
     if terms.kl_ref is not None:
         metrics["kl_ref"] = (terms.kl_ref * mask).sum() / n
+    if terms.tis_weight is not None and terms.tis_truncated is not None:
+        metrics["tis_weight_mean"] = (terms.tis_weight * mask).sum() / n
+        metrics["tis_truncated_frac"] = frac(terms.tis_truncated)
     return LossOutputs(loss=loss, metrics=metrics)
 
 

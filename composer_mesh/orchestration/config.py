@@ -25,11 +25,18 @@ class RunConfig(BaseModel):
     max_new_tokens: int = Field(4, ge=1, description="Completion length cap for generators and teacher traces.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature of the generators.")
     max_policy_lag: int = Field(
-        1, ge=0, description="Rollouts produced by weights older than `trainer version - max_policy_lag` are dropped and counted."
+        1, ge=0, description="How many weight versions a rollout may lag the trainer when trained on. It paces "
+        "generation: a step's prompts are sampled only once the generators hold weights within the bound, so nothing "
+        "is generated to be dropped. 0 = synchronous on-policy training (reproducible for a seed); k lets "
+        "generation run up to k steps ahead of training."
     )
-    rollout_queue_size: int = Field(
-        2, ge=1, description="Batches in flight between the start of their generation and the trainer taking them "
-        "(bounds staleness; generation never waits for scoring or teachers)."
+    dynamic_sampling: bool = Field(
+        False, description="DAPO dynamic sampling (arXiv:2503.14476): a group whose rewards are all equal (no GRPO "
+        "signal) is set aside and replaced by a fresh prompt, so a step trains on prompts_per_step informative groups."
+    )
+    dynamic_sampling_max_draws: int = Field(
+        4, ge=1, description="Dynamic sampling draws at most this many times prompts_per_step prompts for one step; "
+        "past that the step is filled with set-aside groups (counted as `sampling/short_step`)."
     )
     teacher_top_k: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(
         "auto",

@@ -1,5 +1,6 @@
-"""The ready-made async RL loop (`composer-mesh run`): overlapping generation, scoring, teacher signals and
-training over the launched role actors, under a policy-lag bound."""
+"""The ready-made async RL loop (`composer-mesh run`): generation, scoring, teacher signals and training
+overlap over the launched role actors, paced by the policy-lag bound (see `schedule.py` for which prompts are
+generated when)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,12 @@ from typing import Any
 from composer_mesh.actors.messages import (
     GenerationRequest,
     Prompt,
+    Rollout,
     RolloutGroup,
     ScoredGroup,
     TeacherRequest,
     TeacherSignals,
+    TeacherTrace,
     TokenDistribution,
     TrainBatch,
     TrainMetrics,
@@ -25,6 +28,7 @@ from composer_mesh.loss.config import LossConfig
 from composer_mesh.orchestration.config import RunConfig
 from composer_mesh.orchestration.metrics import MetricsWriter, RunSummary, StepRecord, window_mean
 from composer_mesh.orchestration.plotting import plot_run
+from composer_mesh.orchestration.schedule import Chunk, GroupResult, StepScheduler, StepTimes, row_seed
 from composer_mesh.roles import RoleMesh
 from composer_mesh.tasks import get_task
 
@@ -52,7 +56,10 @@ class PromptSource:
 
 @dataclass
 class LagGate:
-    """Drops batches whose oldest rollout is more than `max_policy_lag` versions behind the trainer."""
+    """Drops batches whose oldest rollout is more than `max_policy_lag` versions behind the trainer.
+
+    The built-in loop admits work so that this never happens (a drop there is a bug, and is counted); scripts
+    that generate ahead freely use it to keep the bound."""
 
     max_policy_lag: int
     dropped_batches: int = 0
@@ -83,8 +90,8 @@ def merge_signals(parts: list[TeacherSignals], num_rollouts: int) -> TeacherSign
 
 
 class RLLoop:
-    """The built-in async loop over launched role actors: overlapping generation, scoring, teacher signals
-    and training, with a policy-lag bound.
+    """The built-in loop over launched role actors: each generator takes chunks of admitted steps, each chunk is
+    scored and sent to the teachers in its own task, and the trainer takes the steps in order.
 
     `mesh` is what `launch(topology)` yields; `run` and `loss` are the topology's `run:` and `loss:`
     sections (the loss only decides which teacher signals to ask for: none for a channel weighted 0).
@@ -112,9 +119,10 @@ class RLLoop:
         self.rewarders = mesh.procs("rewarder")
         self._next_rewarder = 0
         self.teachers = mesh.teachers if mesh.has("teachers") else None  # optional role
+        self.traces_scored = 0
 
     def _rewarder(self) -> Any:
-        """Rewarder actors take batches round-robin."""
+        """Rewarder actors take requests round-robin."""
         self._next_rewarder = (self._next_rewarder + 1) % len(self.rewarders)
         return self.rewarders[self._next_rewarder]
 
@@ -129,9 +137,17 @@ class RLLoop:
         self.trainer_version = manifest.version
         await m.generators.update_weights.call(manifest)
 
+    def request(self, prompts: list[Prompt], first: int) -> GenerationRequest:
+        """Sampling request for `prompts`, the first of which is prompt `first` of the stream."""
+        cfg = self.cfg
+        return GenerationRequest(
+            prompts=prompts, samples_per_prompt=cfg.samples_per_prompt, max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature, seed=row_seed(cfg.seed, first, cfg.samples_per_prompt),
+        )
+
     async def _signals(self, groups: list[RolloutGroup]) -> TeacherSignals:
         rollouts = [r for g in groups for r in g.rollouts]
-        if self.teachers is None:
+        if self.teachers is None or not groups:
             return TeacherSignals(distributions=[None] * len(rollouts))
         loss = self.loss
         request = TeacherRequest(
@@ -145,25 +161,46 @@ class RLLoop:
         self.teacher_usage = signals.usage
         return signals
 
-    async def generate_groups(self, generator: Any) -> list[RolloutGroup]:
-        """Sample the next `prompts_per_step` prompts on `generator`."""
-        request = GenerationRequest(
-            prompts=self.prompts.take(self.cfg.prompts_per_step),
-            samples_per_prompt=self.cfg.samples_per_prompt,
-            max_new_tokens=self.cfg.max_new_tokens,
-            temperature=self.cfg.temperature,
-            seed=self.prompts.count + self.cfg.seed,
-        )
-        return await generator.generate.call_one(request)
+    async def _score_traces(self, traces: list[TeacherTrace], groups: list[RolloutGroup]) -> None:
+        """Score teacher traces with the rewarder like rollouts (sets `trace.reward`): a replay pair is formed
+        only when its trace scores above the student rollout it is preferred to."""
+        if not traces:
+            return
+        prompt_of = {g.prompt.prompt_id: g.prompt for g in groups}
+        as_groups = [
+            RolloutGroup(prompt_of[t.prompt_id], [Rollout(
+                prompt_id=t.prompt_id, prompt_ids=[], completion_ids=list(t.completion_ids),
+                logprobs=[0.0] * len(t.completion_ids), weight_version=0, text=t.text, generator=t.teacher,
+            )])
+            for t in traces
+        ]
+        scored: list[ScoredGroup] = await self._rewarder().score.call_one(as_groups)
+        for trace, s in zip(traces, scored):
+            trace.reward = s.rewards[0].score
+        self.traces_scored += len(traces)
 
-    async def complete_batch(self, groups: list[RolloutGroup]) -> TrainBatch:
-        """Score the groups and ask the teachers, concurrently."""
-        scored, signals = await asyncio.gather(self._rewarder().score.call_one(groups), self._signals(groups))
+    async def complete(self, groups: list[RolloutGroup], times: StepTimes | None = None) -> TrainBatch:
+        """Score `groups` and ask the teachers (concurrently), then score the teachers' traces."""
+        t0 = time.perf_counter()
+        scored, signals = await asyncio.gather(self._timed_score(groups, times), self._signals(groups))
+        await self._score_traces(signals.traces, groups)
+        if times is not None:
+            times.teacher_s += time.perf_counter() - t0
         return TrainBatch(groups=scored, distributions=signals.distributions, traces=signals.traces)
 
+    async def _timed_score(self, groups: list[RolloutGroup], times: StepTimes | None) -> list[ScoredGroup]:
+        t0 = time.perf_counter()
+        scored: list[ScoredGroup] = await self._rewarder().score.call_one(groups)
+        if times is not None:
+            times.score_s += time.perf_counter() - t0
+        return scored
+
     async def make_batch(self, generator: Any) -> TrainBatch:
-        """One whole batch, step by step (for scripts and tests; `run` overlaps the two stages)."""
-        return await self.complete_batch(await self.generate_groups(generator))
+        """One whole batch on `generator`, stage by stage (for scripts and tests; `run` schedules its own)."""
+        first = self.prompts.count
+        prompts = self.prompts.take(self.cfg.prompts_per_step)
+        groups = await generator.generate.call_one(self.request(prompts, first))
+        return await self.complete(groups)
 
     async def evaluate(self, n: int, seed: int) -> float:
         """Mean reward of greedy completions on `n` held-out prompts (fixed seed: same prompts each time)."""
@@ -181,44 +218,79 @@ class RLLoop:
         scores = [rw.score for g in scored for rw in g.rewards]
         return sum(scores) / len(scores)
 
+    # ---- chunk work (one task per generator, one per generated chunk) -------------------------------
+    async def _generate_chunks(self, generator: Any, schedule: StepScheduler) -> None:
+        while True:
+            chunk = await schedule.next_chunk()
+            t0 = time.perf_counter()
+            groups = await generator.generate.call_one(self.request(chunk.prompts, chunk.first))
+            schedule.plans[chunk.step].times.generate_s += time.perf_counter() - t0
+            self._spawn(self._complete_chunk(chunk, groups, schedule))
+
+    async def _complete_chunk(self, chunk: Chunk, groups: list[RolloutGroup], schedule: StepScheduler) -> None:
+        """Score the chunk and get its teacher signals. With dynamic sampling the teachers are asked only
+        about groups whose rewards differ (the others are set aside), so scoring comes first."""
+        times = schedule.plans[chunk.step].times
+        if not self.cfg.dynamic_sampling:
+            results = _group_results(chunk, await self.complete(groups, times))
+        else:
+            scored = await self._timed_score(groups, times)
+            informative = [i for i, g in enumerate(scored) if len({r.score for r in g.rewards}) > 1]
+            t0 = time.perf_counter()
+            signals = await self._signals([groups[i] for i in informative])
+            await self._score_traces(signals.traces, groups)
+            times.teacher_s += time.perf_counter() - t0
+            results = _group_results(chunk, TrainBatch(scored, _spread(scored, informative, signals), signals.traces))
+        await schedule.finish(chunk, results)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None and not self._failed.done():
+            self._failed.set_exception(task.exception())  # type: ignore[arg-type]
+
+    async def _until(self, awaitable: Any) -> Any:
+        """Await `awaitable`, unless a background task fails first: then raise its error."""
+        waiting = asyncio.ensure_future(awaitable)
+        await asyncio.wait([waiting, self._failed], return_when=asyncio.FIRST_COMPLETED)
+        if not waiting.done():
+            waiting.cancel()
+            self._failed.result()  # raises the background task's error
+        return waiting.result()
+
     # ---- the run ------------------------------------------------------------------------------------
     async def run(self) -> RunSummary:
         t_start = time.perf_counter()
         cfg = self.cfg
         writer = MetricsWriter(cfg.run_dir)
-        # Generation never waits for scoring or teachers: each generated batch is completed in its own task,
-        # and a generator goes straight on to its next batch. `slots` bounds the batches between the start of
-        # their generation and the trainer taking them, which bounds staleness; `done` holds completed (or
-        # failed) tasks in completion order.
-        slots = asyncio.Semaphore(cfg.rollout_queue_size)
-        done: asyncio.Queue[asyncio.Task[TrainBatch]] = asyncio.Queue()
-        completing: set[asyncio.Task[TrainBatch]] = set()
-
-        def completed(task: asyncio.Task[TrainBatch]) -> None:
-            completing.discard(task)
-            if not task.cancelled():
-                done.put_nowait(task)
-
-        async def produce(generator: Any) -> None:
-            while True:
-                await slots.acquire()
-                groups = await self.generate_groups(generator)
-                task = asyncio.create_task(self.complete_batch(groups))
-                completing.add(task)
-                task.add_done_callback(completed)
-
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        schedule = StepScheduler(
+            self.prompts.take, steps=cfg.steps, groups_per_step=cfg.prompts_per_step * len(self.trainers),
+            generators=len(self.generators), max_policy_lag=cfg.max_policy_lag,
+            dynamic_sampling=cfg.dynamic_sampling, max_draws=cfg.dynamic_sampling_max_draws,
+        )
         try:
             await self.setup()
             eval_before = await self.evaluate(cfg.eval_prompts, cfg.seed)
             writer.write_event("eval", when="before", reward=eval_before, weight_version=self.trainer_version)
-            producers = [asyncio.create_task(produce(g)) for g in self.generators]
+            train_start = time.perf_counter() - t_start
+            writer.write_event("train_start", elapsed_s=train_start)
+            for g in self.generators:
+                self._spawn(self._generate_chunks(g, schedule))
             try:
-                await self._train(done, slots, writer, producers)
+                await self._train(schedule, writer, t_start)
             finally:
-                pending = [*producers, *completing]
+                pending = list(self._tasks)
                 for t in pending:
                     t.cancel()
                 await asyncio.gather(*pending, return_exceptions=True)
+                if not self._failed.done():
+                    self._failed.cancel()
             eval_after = await self.evaluate(cfg.eval_prompts, cfg.seed)
             writer.write_event("eval", when="after", reward=eval_after, weight_version=self.trainer_version)
             checkpoint = await self.trainers[0].save_checkpoint.call_one(str((cfg.run_dir / "checkpoint").resolve()))
@@ -234,54 +306,91 @@ class RLLoop:
             reward_last=window_mean(rewards, False), eval_before=eval_before, eval_after=eval_after,
             dropped_batches=self.gate.dropped_batches, dropped_rollouts=self.gate.dropped_rollouts,
             seconds=time.perf_counter() - t_start, teacher_usage=self.teacher_usage,
+            rollouts_trained=sum(r.rollouts for r in writer.records),
+            train_seconds=writer.records[-1].elapsed_s - train_start if writer.records else 0.0,
+            zero_variance_groups=schedule.zero_variance_groups,
         )
 
-    async def _next_batch(self, done: asyncio.Queue[asyncio.Task[TrainBatch]], slots: asyncio.Semaphore,
-                          writer: MetricsWriter, producers: list[asyncio.Task]) -> tuple[TrainBatch, int]:
-        """The next batch within the lag bound (stale ones are dropped and logged) and its policy lag.
-
-        A failed scoring or teacher stage raises here; so does a generator that died."""
-        while True:
-            get = asyncio.ensure_future(done.get())
-            finished, _ = await asyncio.wait([get, *producers], return_when=asyncio.FIRST_COMPLETED)
-            if get not in finished:  # a producer died: surface its error instead of waiting forever
-                get.cancel()
-                for p in producers:
-                    if p.done() and not p.cancelled() and p.exception() is not None:
-                        raise p.exception()  # type: ignore[misc]
-                continue
-            slots.release()  # the trainer has taken it (or drops it): a generator may start another batch
-            batch = get.result().result()
-            lag = self.gate.lag(batch, self.trainer_version)
-            if self.gate.admit(batch, self.trainer_version):
-                return batch, lag
-            writer.write_event("dropped", policy_lag=lag, rollouts=len(batch.rollouts()))
-
-    async def _train(self, done: asyncio.Queue[asyncio.Task[TrainBatch]], slots: asyncio.Semaphore,
-                     writer: MetricsWriter, producers: list[asyncio.Task]) -> None:
+    async def _train(self, schedule: StepScheduler, writer: MetricsWriter, t_start: float) -> None:
+        replicas = len(self.trainers)
+        per_replica = self.cfg.prompts_per_step
+        idle_seen = 0.0
         for step in range(1, self.cfg.steps + 1):
-            picked = [await self._next_batch(done, slots, writer, producers) for _ in self.trainers]
+            t_wait = time.perf_counter()
+            results, plan = await self._until(schedule.take(step))
             t0 = time.perf_counter()
-            results = await asyncio.gather(
-                *(t.train_step.call_one(batch) for t, (batch, _) in zip(self.trainers, picked))
-            )
-            metrics, manifest = results[0]
-            if len(results) > 1:
-                metrics.metrics["reward_mean_all_replicas"] = sum(m.metrics["reward_mean"] for m, _ in results) / len(results)
+            batches = [_batch(results[i * per_replica : (i + 1) * per_replica]) for i in range(replicas)]
+            lags = [self.gate.lag(b, self.trainer_version) for b in batches]
+            admitted = [b for b in batches if self.gate.admit(b, self.trainer_version)]
+            for b, lag in zip(batches, lags):
+                if lag > self.cfg.max_policy_lag:
+                    writer.write_event("dropped", step=step, policy_lag=lag, rollouts=len(b.rollouts()))
+            if len(admitted) < len(batches):  # cannot happen under admission: a stale batch is a bug upstream
+                raise RuntimeError(f"step {step}: a batch is more than {self.cfg.max_policy_lag} versions stale {lags}")
+            outputs = await self._until(asyncio.gather(
+                *(t.train_step.call_one(batch) for t, batch in zip(self.trainers, batches))
+            ))
+            metrics, manifest = outputs[0]
+            if len(outputs) > 1:
+                metrics.metrics["reward_mean_all_replicas"] = sum(m.metrics["reward_mean"] for m, _ in outputs) / len(outputs)
             t1 = time.perf_counter()
-            await self.mesh.generators.update_weights.call(manifest)
-            sync_s = time.perf_counter() - t1
+            await self._until(self.mesh.generators.update_weights.call(manifest))
+            t2 = time.perf_counter()
             self.trainer_version = manifest.version
-            record = self._record(step, metrics, max(lag for _, lag in picked), sync_s, time.perf_counter() - t0)
+            await schedule.synced(step)
+            timing = {
+                "generate_s": plan.times.generate_s, "score_s": plan.times.score_s, "teacher_s": plan.times.teacher_s,
+                "train_s": t1 - t0, "sync_s": t2 - t1, "trainer_idle_s": t0 - t_wait,
+                "generator_idle_s": schedule.idle_s - idle_seen,
+            }
+            idle_seen = schedule.idle_s
+            extra = {"sampling/zero_variance_groups": float(schedule.zero_variance_groups),
+                     "sampling/backfilled_groups": float(schedule.backfilled_groups),
+                     "sampling/short_step": float(plan.short), "replay/traces_scored": float(self.traces_scored)}
+            record = self._record(step, metrics, max(lags), t2 - t1, t2 - t_wait, timing, extra,
+                                  sum(len(b.rollouts()) for b in batches), time.perf_counter() - t_start)
             writer.write(record)
             if self.progress is not None:
                 self.progress(record)
 
-    def _record(self, step: int, m: TrainMetrics, lag: int, sync_s: float, step_s: float) -> StepRecord:
+    def _record(self, step: int, m: TrainMetrics, lag: int, sync_s: float, step_s: float, timing: dict[str, float],
+                extra_metrics: dict[str, float], rollouts: int, elapsed_s: float) -> StepRecord:
         extra = dict(m.metrics)
+        extra.update(extra_metrics)
         extra.update({f"teacher/{k}": v for k, v in self.teacher_usage.items()})
         return StepRecord(
             step=step, weight_version=m.weight_version, reward=m.metrics.get("reward_mean", float("nan")),
             loss=m.loss, channels=m.channels, policy_lag=lag, weight_sync_s=sync_s, step_s=step_s,
-            dropped_batches=self.gate.dropped_batches, metrics=extra,
+            dropped_batches=self.gate.dropped_batches, rollouts=rollouts, elapsed_s=elapsed_s, timing=timing,
+            metrics=extra,
         )
+
+
+def _spread(scored: list[ScoredGroup], informative: list[int], signals: TeacherSignals) -> list[TokenDistribution | None]:
+    """Teacher distributions asked for the informative groups only, spread back over all groups' rollouts."""
+    out: list[TokenDistribution | None] = []
+    asked = iter(signals.distributions)
+    for i, g in enumerate(scored):
+        n = len(g.rewards)
+        out.extend([next(asked, None) for _ in range(n)] if i in informative else [None] * n)
+    return out
+
+
+def _group_results(chunk: Chunk, batch: TrainBatch) -> list[GroupResult]:
+    """A completed chunk as one `GroupResult` per prompt (distributions and traces split by group)."""
+    out, offset = [], 0
+    for i, g in enumerate(batch.groups):
+        n = len(g.group.rollouts)
+        dists = batch.distributions[offset : offset + n] if batch.distributions else [None] * n
+        pid = g.group.prompt.prompt_id
+        out.append(GroupResult(chunk.first + i, g, list(dists), [t for t in batch.traces if t.prompt_id == pid]))
+        offset += n
+    return out
+
+
+def _batch(results: list[GroupResult]) -> TrainBatch:
+    return TrainBatch(
+        groups=[r.group for r in results],
+        distributions=[d for r in results for d in r.distributions],
+        traces=[t for r in results for t in r.traces],
+    )

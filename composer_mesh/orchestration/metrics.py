@@ -21,6 +21,9 @@ class StepRecord:
     weight_sync_s: float
     step_s: float
     dropped_batches: int
+    rollouts: int = 0  # rollouts trained on in this step
+    elapsed_s: float = 0.0  # seconds since the run started (setup included; see the `train_start` event)
+    timing: dict[str, float] = field(default_factory=dict)  # where the step's time went (see `RLLoop`)
     metrics: dict[str, float] = field(default_factory=dict)
 
     def to_json(self) -> str:
@@ -61,6 +64,14 @@ class RunSummary:
     dropped_rollouts: int
     seconds: float
     teacher_usage: dict[str, float] = field(default_factory=dict)
+    rollouts_trained: int = 0
+    train_seconds: float = 0.0  # from the end of setup and the first evaluation to the last step
+    zero_variance_groups: int = 0  # set aside by dynamic sampling
+
+    @property
+    def samples_per_s(self) -> float:
+        """Rollouts trained on per second of training (startup excluded)."""
+        return self.rollouts_trained / self.train_seconds if self.train_seconds > 0 else float("nan")
 
 
 def window_mean(values: list[float], first: bool) -> float:

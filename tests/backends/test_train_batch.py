@@ -234,3 +234,26 @@ def test_micro_batches_respect_the_budget_and_keep_traces_with_their_rejected_ro
             own = sum(lengths[r] for r in p.rows) if packed else len(p.rows) * max(lengths[r] for r in p.rows)
             assert own <= 30 or len(p.rows) == 1
     assert data.totals().replay_pairs == 2 and data.totals().sequences == 9
+
+
+def test_scored_traces_pair_only_when_they_beat_the_rejected_rollout(model):
+    """Rejected = the lowest-reward rollout of the prompt (reward 0 for both prompts here). A scored trace is paired
+    only when its reward is higher; equal or lower ones are counted in traces_not_better; unscored ones pair."""
+    prompts, completions = sequences(model.config.vocab_size)
+    old = [[-1.0] * len(c) for c in completions]
+    traces = [
+        TeacherTrace(teacher="higher", prompt_id="p1", text="", completion_ids=[5, 6], reward=0.5),
+        TeacherTrace(teacher="equal", prompt_id="p1", text="", completion_ids=[5, 6], reward=0.0),
+        TeacherTrace(teacher="lower", prompt_id="p0", text="", completion_ids=[7], reward=-1.0),
+        TeacherTrace(teacher="unscored", prompt_id="p0", text="", completion_ids=[7, 8]),
+        TeacherTrace(teacher="nan", prompt_id="p0", text="", completion_ids=[7], reward=float("nan")),
+    ]
+    batch = _batch(prompts, completions, old, traces=traces)
+    data = TrainRows.of(batch, LossConfig(beta_replay=1.0))
+    assert [(t.teacher, row) for t, row in data.pairs] == [("higher", 2), ("unscored", 1)]
+    assert data.traces_not_better == 3
+    assert data.totals().replay_pairs == 2
+    off = TrainRows.of(batch, LossConfig(beta_replay=0.0))
+    assert off.pairs == [] and off.traces_not_better == 0
+    lower_only = TrainRows.of(_batch(prompts, completions, old, traces=traces[1:3]), LossConfig(beta_replay=1.0))
+    assert lower_only.pairs == [] and lower_only.traces_not_better == 2

@@ -110,12 +110,13 @@ def fake_mesh(log: Log, teacher_delay: float) -> FakeRoleMesh:
 
 
 async def test_generation_continues_while_a_slow_teacher_answers(tmp_path):
-    topo = apply_overrides(load_topology(ROOT / "topologies" / "local.yaml"), 2, tmp_path / "run")
-    topo = topo.model_copy(update={"run": topo.run.model_copy(update={"eval_prompts": 0, "rollout_queue_size": 3})})
+    topo = apply_overrides(load_topology(ROOT / "topologies" / "local.yaml"), 4, tmp_path / "run")
+    topo = topo.model_copy(update={"run": topo.run.model_copy(update={"eval_prompts": 0, "max_policy_lag": 2})})
     log = Log()
     loop = RLLoop(fake_mesh(log, teacher_delay=0.3), topo.run, topo.loss)  # type: ignore[arg-type]
     summary = await loop.run()
-    assert summary.steps == 2
+    assert summary.steps == 4 and summary.dropped_batches == 0
     first_end = log.events.index("teacher-end")
-    # While the first teacher call was in flight, the generator produced the other batches its slots allow.
+    # While the first teacher call was in flight, the generator produced every step the lag bound admits
+    # (steps 1..3 at lag 2), and no more: step 4 waits for the weights of step 1.
     assert log.events[:first_end].count("generate") == 3

@@ -27,7 +27,12 @@ async def test_each_sync_leaves_every_generator_bitwise_equal_to_the_trainer(tmp
             assert {r.generator for r in batch.rollouts()} == {f"generator{step % 2}"}
             metrics, manifest = await mesh.trainer.train_step.call_one(batch)
             assert all(math.isfinite(v) for v in metrics.channels.values())
-            assert set(metrics.channels) == {"grpo", "sdpo", "replay"}
+            # Replay pairs only where the scored teacher trace beats the group's worst rollout.
+            worst = {g.group.prompt.prompt_id: min(r.score for r in g.rewards) for g in batch.groups}
+            assert batch.traces and all(t.reward is not None for t in batch.traces)
+            better = sum(t.reward > worst[t.prompt_id] for t in batch.traces)
+            assert set(metrics.channels) == {"grpo", "sdpo"} | ({"replay"} if better else set())
+            assert metrics.metrics["replay/traces_not_better"] == len(batch.traces) - better
             await mesh.generators.update_weights.call(manifest)
             loop.trainer_version = manifest.version
             t_version, t_digest = await mesh.trainer.weights_digest.call_one()
@@ -35,8 +40,9 @@ async def test_each_sync_leaves_every_generator_bitwise_equal_to_the_trainer(tmp
             assert t_version == manifest.version == step + 2
             assert sorted(digests.values()) == [(t_version, t_digest)] * 2
         calls = [s["calls"] for s in (await mesh.rewarder.stats.call()).values()]
-        # Every rollout of both batches was scored, and the two rewarders took one batch each.
-        assert calls == [4 * 2, 4 * 2]
+        # Every rollout (4 prompts x 2 samples) and teacher trace (one per prompt) of both batches was scored,
+        # spread over both rewarders.
+        assert sum(calls) == 2 * (4 * 2 + 4) and min(calls) > 0
 
 
 async def test_full_run_writes_metrics_plot_and_checkpoint(tmp_path):
@@ -50,9 +56,18 @@ async def test_full_run_writes_metrics_plot_and_checkpoint(tmp_path):
     steps = [r for r in lines if "step" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]
     for r in steps:
-        assert math.isfinite(r["loss"]) and set(r["channels"]) == {"grpo", "sdpo", "replay"}
+        paired = r["metrics"]["replay/pairs"] > 0  # traces that beat the group's worst rollout
+        assert math.isfinite(r["loss"]) and set(r["channels"]) == {"grpo", "sdpo"} | ({"replay"} if paired else set())
+        assert r["metrics"]["replay/pairs"] + r["metrics"]["replay/traces_not_better"] == 4  # one trace per prompt
         assert 0 <= r["policy_lag"] <= 1 and r["weight_version"] == r["step"] + 1
         assert any(k.startswith("teacher/teacher/") for k in r["metrics"])
+        assert set(r["timing"]) == {"generate_s", "score_s", "teacher_s", "train_s", "sync_s", "trainer_idle_s",
+                                    "generator_idle_s"}
+        assert r["timing"]["generate_s"] > 0 and r["timing"]["train_s"] > 0 and r["rollouts"] == 4 * 2
+        assert r["dropped_batches"] == 0  # lag 1: admission paces generation, nothing is generated stale
+        assert r["metrics"]["replay/traces_scored"] > 0  # teacher traces are scored before they are paired
+    assert [r["event"] for r in lines if r.get("event") == "train_start"] == ["train_start"]
+    assert summary.dropped_batches == 0 and summary.rollouts_trained == 3 * 4 * 2
     evals = [r for r in lines if r.get("event") == "eval"]
     assert [e["when"] for e in evals] == ["before", "after"] and evals[1]["weight_version"] == 4
     assert (run_dir / "plot.png").stat().st_size > 1000
@@ -60,3 +75,37 @@ async def test_full_run_writes_metrics_plot_and_checkpoint(tmp_path):
     state = json.loads((run_dir / "checkpoint" / "trainer_state.json").read_text())
     # One weight-version counter: the checkpoint says what the metrics and the eval event say.
     assert state == {"step": 3, "weight_version": 4}
+
+
+async def _run_lag0(tmp_path: Path, name: str, temperature: float) -> list[dict]:
+    topo = apply_overrides(load_topology(TOPOLOGY), 3, tmp_path / name)
+    run = topo.run.model_copy(update={"max_policy_lag": 0, "eval_prompts": 0, "temperature": temperature})
+    topo = topo.model_copy(update={"run": run})
+    async with launch(topo) as mesh:
+        summary = await RLLoop(mesh, topo.run, topo.loss).run()
+    assert summary.dropped_batches == 0
+    lines = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in lines if "step" in r]
+
+
+def _on_policy(records: list[dict]) -> None:
+    """Lag 0: every batch was sampled by the weights it is trained on, so the trainer's log-probs of the
+    sampled tokens equal the sampler's up to float rounding (batch shape, KV cache vs one forward)."""
+    for r in records:
+        m = r["metrics"]
+        assert r["policy_lag"] == 0 and r["dropped_batches"] == 0
+        assert abs(m["grpo/ratio_mean"] - 1.0) < 1e-4, m["grpo/ratio_mean"]
+        assert m["grpo/ratio_max"] < 1.0 + 1e-3, m["grpo/ratio_max"]
+        assert m["grpo/mismatch_kl"] < 1e-6, m["grpo/mismatch_kl"]
+
+
+async def test_lag_0_is_on_policy_and_the_same_seed_gives_the_same_run(tmp_path):
+    first = await _run_lag0(tmp_path, "a", 1.0)
+    _on_policy(first)
+    second = await _run_lag0(tmp_path, "b", 1.0)
+    keys = ("step", "weight_version", "reward", "loss", "channels", "policy_lag", "rollouts")
+    assert [{k: r[k] for k in keys} for r in first] == [{k: r[k] for k in keys} for r in second]
+
+
+async def test_lag_0_is_on_policy_at_temperature_0_7(tmp_path):
+    _on_policy(await _run_lag0(tmp_path, "t07", 0.7))

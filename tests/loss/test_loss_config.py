@@ -15,6 +15,7 @@ from composer_mesh.loss.config import LossConfig, loss_config_table
         ("dpo_variant", "ipo", "'dpo', 'simpo'"),
         ("normalization", "seq", "'token', 'sequence'"),
         ("entropy_opd_gate", "soft", "'hard', 'linear'"),
+        ("off_policy_correction", "is", "'none', 'tis'"),
     ],
 )
 def test_unknown_variant_lists_allowed_values(field: str, value: str, needle: str) -> None:
@@ -54,6 +55,9 @@ def test_negative_weights_rejected_naming_field(field: str) -> None:
         ({"sdpo_token_clip": -1.0}, "sdpo_token_clip"),
         ({"entropy_opd_h_max": 0.0}, "entropy_opd_h_max"),
         ({"alpah_sdpo": 1.0}, "alpah_sdpo"),
+        ({"tis_cap": 0.0}, "tis_cap"),
+        ({"tis_cap": -1.0}, "tis_cap"),
+        ({"tis_cap": float("inf")}, "tis_cap"),
     ],
 )
 def test_out_of_range_rejected_naming_field(kwargs: dict, field: str) -> None:
@@ -71,3 +75,10 @@ def test_every_field_documented_and_in_table() -> None:
 def test_yaml_style_dict_roundtrip() -> None:
     cfg = LossConfig.model_validate({"alpha_sdpo": 0.5, "sdpo_wrapper": "taid", "taid_t": 0.3})
     assert LossConfig.model_validate(cfg.model_dump()) == cfg
+
+
+def test_off_policy_correction_defaults_and_accepts_tis() -> None:
+    cfg = LossConfig()
+    assert cfg.off_policy_correction == "none" and cfg.tis_cap == 2.0
+    tis = LossConfig.model_validate({"off_policy_correction": "tis", "tis_cap": 1.5})
+    assert tis.off_policy_correction == "tis" and tis.tis_cap == 1.5

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from composer_mesh.loss.compose import compose_loss
 from composer_mesh.loss.config import LossConfig
-from composer_mesh.loss.grpo import group_advantages, policy_terms, reduce_tokens
+from composer_mesh.loss.grpo import group_advantages, policy_metrics, policy_terms, reduce_tokens
 
 
 def test_identical_rewards_give_zero_advantage_and_groups_sum_to_zero() -> None:
@@ -144,3 +145,106 @@ def test_token_logprobs_matches_log_softmax_gather(dtype: torch.dtype) -> None:
     (ref * weights).sum().backward()
     assert full.grad is not None and full.grad.dtype == dtype
     torch.testing.assert_close(full.grad.float(), ref_full.grad.float(), rtol=0.01, atol=2e-6)
+
+
+# ---- off_policy_correction="tis": decoupled PPO with the trainer as proximal policy, truncated IS weight -----------
+
+F64 = torch.float64
+
+
+@pytest.mark.parametrize(
+    "knobs",
+    [{}, {"normalization": "sequence", "kl_beta": 0.1}, {"dppo_mask": True, "eps_low": 0.1, "eps_high": 0.1}],
+    ids=["token", "sequence-kl", "dppo"],
+)
+def test_tis_equals_none_when_the_sampler_is_the_trainer(knobs: dict) -> None:
+    """pi_sampler == pi_theta: w = 1, so "tis" gives "none"'s loss and gradient."""
+    g = torch.Generator().manual_seed(7)
+    logp0 = -torch.rand(3, 6, generator=g, dtype=F64) * 3
+    mask = torch.arange(6)[None] < torch.tensor([[6], [4], [2]])
+    adv = torch.randn(3, 1, generator=g, dtype=F64)
+    ref = logp0 + 0.2 * torch.randn(3, 6, generator=g, dtype=F64)
+    out = {}
+    for mode in ("none", "tis"):
+        cfg = LossConfig(off_policy_correction=mode, tis_cap=1.5, **knobs)
+        logp = logp0.clone().requires_grad_()
+        terms = policy_terms(logp, logp0, adv, mask, cfg, ref_logprobs=ref)
+        loss = reduce_tokens(terms.per_token, mask, cfg.normalization)
+        loss.backward()
+        out[mode] = (loss.detach(), logp.grad, terms)
+    torch.testing.assert_close(out["tis"][0], out["none"][0], rtol=0, atol=1e-15)
+    torch.testing.assert_close(out["tis"][1], out["none"][1], rtol=0, atol=1e-15)
+    tis_terms = out["tis"][2]
+    assert tis_terms.tis_weight is not None and torch.equal(tis_terms.tis_weight, torch.ones(3, 6, dtype=F64))
+    assert tis_terms.tis_truncated is not None and not tis_terms.tis_truncated.any()
+    assert out["none"][2].tis_weight is None and out["none"][2].tis_truncated is None
+
+
+def test_tis_gradient_is_truncated_importance_weighted_reinforce() -> None:
+    """grad = -min(pi_theta/pi_sampler, C) * A * grad logp on EVERY token (float64, exact), including tokens whose
+    ratio left the clip range (no gradient under "none") and tokens whose ratio exceeds the cap C."""
+    ratios = torch.tensor([[0.5, 0.9, 1.1, 1.5, 3.0, 5.0, 0.3, 2.5]], dtype=F64)
+    adv = torch.tensor([[-1.0, 2.0, -0.5, 1.0, 1.5, -2.0, 0.7, -1.2]], dtype=F64)
+    mask = torch.ones(1, 8, dtype=torch.bool)
+    logp0 = torch.tensor([[-0.2, -1.0, -2.5, -0.9, -1.3, -3.0, -0.4, -2.0]], dtype=F64)
+    old = logp0 - torch.log(ratios)  # pi_theta / pi_sampler = ratios
+    cap, n = 2.0, 8
+
+    def grad(mode: str) -> tuple[torch.Tensor, torch.Tensor, object]:
+        cfg = LossConfig(off_policy_correction=mode, tis_cap=cap, eps_low=0.2, eps_high=0.28)
+        logp = logp0.clone().requires_grad_()
+        terms = policy_terms(logp, old, adv, mask, cfg)
+        loss = reduce_tokens(terms.per_token, mask, "token")
+        loss.backward()
+        assert logp.grad is not None
+        return loss.detach(), logp.grad, terms
+
+    loss, g_tis, terms = grad("tis")
+    w = ratios.clamp(max=cap)
+    torch.testing.assert_close(g_tis, -w * adv / n, rtol=0, atol=1e-15)
+    torch.testing.assert_close(loss, (-w * adv).sum() / n, rtol=0, atol=1e-15)
+    # "none": the PPO clip of pi_theta/pi_sampler drops the tokens whose ratio left the clip range in the direction
+    # of their advantage (0.5 with A<0; 1.5 and 3.0 with A>0); 0.3 with A>0 and 5.0, 2.5 with A<0 keep -r*A.
+    # "tis" gives every one of them a gradient.
+    _, g_none, _ = grad("none")
+    outside = torch.tensor([[True, False, False, True, True, False, False, False]])
+    assert (g_none[outside] == 0).all() and (g_tis[outside] != 0).all()
+    torch.testing.assert_close(g_none[~outside], (-ratios * adv / n)[~outside], rtol=0, atol=1e-15)
+    # the cap binds on 3.0, 5.0 and 2.5: without truncation those would be -r*A
+    truncated = ratios > cap
+    assert truncated.sum() == 3 and not torch.allclose(g_tis[truncated], (-ratios * adv / n)[truncated])
+    # terms: ratio is still pi_theta/pi_sampler; the (inactive) clip of pi_theta/sg(pi_theta) flags nothing
+    torch.testing.assert_close(terms.ratio, ratios, rtol=0, atol=1e-14)
+    assert not terms.clipped_low.any() and not terms.clipped_high.any()
+    assert torch.equal(terms.tis_truncated, truncated)
+    metrics = policy_metrics(terms, mask, adv)
+    assert metrics["grpo/tis_truncated_frac"] == pytest.approx(3 / 8)
+    assert metrics["grpo/tis_weight_mean"] == pytest.approx(float(w.mean()))
+    assert metrics["grpo/ratio_max"] == pytest.approx(5.0)
+    assert metrics["grpo/clip_frac"] == 0.0
+
+
+def test_tis_keeps_dppo_mask_relative_to_the_sampler_and_ignores_padding() -> None:
+    old = torch.log(torch.tensor([[0.1, 0.8, 0.5, 0.5]], dtype=F64))
+    new = torch.log(torch.tensor([[0.5, 0.3, 0.5, 0.5]], dtype=F64))
+    old[0, 3] = float("nan")  # padding: garbage sampler log-prob
+    adv = torch.tensor([[1.0, -1.0, 1.0, 1.0]], dtype=F64)
+    mask = torch.tensor([[True, True, True, False]])
+    cfg = LossConfig(off_policy_correction="tis", dppo_mask=True, dppo_mask_low=0.2, dppo_mask_high=0.2)
+    logp = new.clone().requires_grad_()
+    terms = policy_terms(logp, old, adv, mask, cfg)
+    assert terms.dppo_masked.tolist() == [[True, True, False, False]]
+    reduce_tokens(terms.per_token, mask, "token").backward()
+    assert logp.grad is not None and torch.isfinite(logp.grad).all()
+    assert logp.grad[0].tolist() == pytest.approx([0.0, 0.0, -1.0 / 3, 0.0])
+    assert terms.tis_weight is not None and terms.tis_weight[0, 3] == 1.0
+
+
+def test_tis_metrics_only_when_tis_is_on(make_batch) -> None:
+    batch = make_batch(seed=3)
+    on = compose_loss(batch, LossConfig(off_policy_correction="tis", tis_cap=1.1)).metrics
+    off = compose_loss(make_batch(seed=3), LossConfig()).metrics
+    assert {"grpo/tis_weight_mean", "grpo/tis_truncated_frac"} <= on.keys()
+    assert not {"grpo/tis_weight_mean", "grpo/tis_truncated_frac"} & off.keys()
+    assert 0 < on["grpo/tis_truncated_frac"] < 1 and on["grpo/tis_weight_mean"] <= 1.1
+    assert on["grpo/ratio_mean"] == pytest.approx(off["grpo/ratio_mean"], rel=1e-6)

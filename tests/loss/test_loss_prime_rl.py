@@ -107,6 +107,21 @@ def test_kl_to_ref_uses_ref_logprobs_and_requires_them() -> None:
     assert float(out.metrics["kl_ref"]) > 0
 
 
+def test_tis_maps_with_inference_logprobs_as_the_sampler() -> None:
+    """off_policy_correction="tis": grad = -min(exp(trainer - inference), C) * A on loss_mask tokens (a sum)."""
+    trainer, inference, adv, mask = _sample(seed=7)
+    inference = inference - 0.5  # several ratios above the cap
+    out = composer_loss(LossInputs(trainer, inference, None, adv, mask), off_policy_correction="tis", tis_cap=1.5)
+    out.loss.backward()
+    w = torch.exp(trainer.detach() - inference).clamp(max=1.5)
+    torch.testing.assert_close(trainer.grad, -w * adv * mask)
+    truncated = (torch.exp(trainer.detach() - inference) > 1.5) & mask
+    assert 0 < int(truncated.sum()) < int(mask.sum())
+    torch.testing.assert_close(out.metrics["tis_truncated_frac"], truncated.sum() / mask.sum())
+    torch.testing.assert_close(out.metrics["tis_weight_mean"], (w * mask).sum() / mask.sum())
+    assert "tis_weight_mean" not in composer_loss(LossInputs(trainer, inference, None, adv, mask)).metrics
+
+
 def test_duck_typed_prime_rl_dataclass_is_accepted() -> None:
     @dataclass
     class PrimeLossInputs:  # shaped like prime_rl.trainer.rl.loss.LossInputs

@@ -167,6 +167,9 @@ class HFTrainer:
             raise FloatingPointError(f"non-finite loss at step {self.step}: {float(result.total)}")
         metrics = dict(result.metrics)
         metrics["micro_batches"] = float(len(pieces))
+        if self.loss.beta_replay > 0 and batch.traces:  # next to replay/pairs (also when no trace was paired)
+            metrics.setdefault("replay/pairs", float(len(data.pairs)))
+            metrics["replay/traces_not_better"] = float(data.traces_not_better)
         if s.grad_clip is not None:
             metrics["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), s.grad_clip))
         self.optimizer.step()  # with DiLoCo: every sync_every steps, the outer step happens inside this call

@@ -148,17 +148,34 @@ def completion_logprobs(
 # ---- the batch as rows -----------------------------------------------------------------------------------------
 
 
-def _lowest_reward_rows(batch: TrainBatch) -> dict[str, int]:
-    """Prompt id -> flat row of its lowest-reward rollout (the first of equals)."""
-    row_of: dict[str, int] = {}
-    worst: dict[str, float] = {}
+def _lowest_reward_rows(batch: TrainBatch) -> dict[str, tuple[int, float]]:
+    """Prompt id -> (flat row, reward) of its lowest-reward rollout (the first of equals)."""
+    worst: dict[str, tuple[int, float]] = {}
     row = 0
     for g in batch.groups:
         for r, rw in zip(g.group.rollouts, g.rewards):
-            if r.prompt_id not in worst or rw.score < worst[r.prompt_id]:
-                worst[r.prompt_id], row_of[r.prompt_id] = rw.score, row
+            if r.prompt_id not in worst or rw.score < worst[r.prompt_id][1]:
+                worst[r.prompt_id] = (row, rw.score)
             row += 1
-    return row_of
+    return worst
+
+
+def _replay_pairs_of(batch: TrainBatch) -> tuple[list[tuple[TeacherTrace, int]], int]:
+    """(chosen trace, rejected row) per replay pair, and how many traces scored no higher than their rejected
+    rollout. A trace with a `reward` is paired only when it beats the lowest-reward rollout of its prompt;
+    an unscored trace (`reward` None) is always paired. Traces without tokens or rollouts are skipped."""
+    worst = _lowest_reward_rows(batch)
+    pairs: list[tuple[TeacherTrace, int]] = []
+    not_better = 0
+    for t in batch.traces:
+        if t.prompt_id not in worst or not t.completion_ids:
+            continue
+        row, rejected_reward = worst[t.prompt_id]
+        if t.reward is not None and not t.reward > rejected_reward:
+            not_better += 1
+            continue
+        pairs.append((t, row))
+    return pairs, not_better
 
 
 @dataclass
@@ -178,6 +195,7 @@ class TrainRows:
     group_ids: torch.Tensor  # [N] long
     distributions: list[TokenDistribution | None]  # [N]
     pairs: list[tuple[TeacherTrace, int]]  # (chosen trace, rejected row) per replay pair
+    traces_not_better: int = 0  # scored traces left unpaired: reward <= the rejected rollout's
 
     @classmethod
     def of(cls, batch: TrainBatch, loss: LossConfig) -> TrainRows:
@@ -193,15 +211,16 @@ class TrainRows:
             dists = list(batch.distributions)
             _check_distributions(dists, rollouts)
         pairs: list[tuple[TeacherTrace, int]] = []
+        not_better = 0
         if loss.beta_replay > 0 and batch.traces:
-            row_of = _lowest_reward_rows(batch)
-            pairs = [(t, row_of[t.prompt_id]) for t in batch.traces if t.prompt_id in row_of and t.completion_ids]
+            pairs, not_better = _replay_pairs_of(batch)
         return cls(
             rollouts=rollouts,
             rewards=torch.tensor([rw.score for g in batch.groups for rw in g.rewards], dtype=torch.float32),
             group_ids=torch.tensor([i for i, g in enumerate(batch.groups) for _ in g.group.rollouts]),
             distributions=dists,
             pairs=pairs,
+            traces_not_better=not_better,
         )
 
     def totals(self) -> BatchTotals:
