@@ -1,8 +1,12 @@
-"""GeneratorActor: samples rollouts and swaps in new weights between requests without draining.
+"""GeneratorActor: samples rollouts and swaps in new weights without draining.
 
 The actor is thin: `GeneratorService` (plain Python) owns the backend, the weight subscriber and the
 version bookkeeping; endpoints only await it. Generation runs in a worker thread so a weight pull can
-proceed while a request is in flight; the pulled version is applied before the next request starts.
+proceed while a request is in flight. The pulled version is applied before the next request starts, or,
+when the backend takes weights mid-request (`in_flight_updates`, e.g. the hf binding's
+`in_flight_weight_updates`), between two decode steps of the request in flight: the service hands the
+backend a `refresh` callable that loads a pending version and returns the active one, the rollouts carry
+per-token versions and are stamped with their oldest token's version.
 """
 
 from __future__ import annotations
@@ -35,8 +39,8 @@ class GeneratorService:
         self.version = 0
         self._subscriber: WeightSubscriber | None = None
         self._pending: tuple[int, dict[str, torch.Tensor]] | None = None
-        self._lock = threading.Lock()  # guards _pending
-        self._serving = threading.Lock()  # held by a request from swap to last token: versions stay exact
+        self._lock = threading.Lock()  # guards _pending and version (a swap loads the weights under it)
+        self._serving = threading.Lock()  # held by a request from swap to last token: its stamps stay exact
         self._pull_lock: asyncio.Lock | None = None  # created on the actor's event loop
         self.last_sync_s = 0.0
         self.requests = 0
@@ -44,27 +48,40 @@ class GeneratorService:
     def start(self, model: Any) -> None:
         self.backend.start(model)
 
-    def _swap_if_pending(self) -> None:
+    def _swap_if_pending(self) -> int:
+        """Load a pulled version, if any, into the backend; returns the active version. Under `_lock`, so a
+        pull finishing meanwhile waits and `version`/`_pending` never disagree."""
         with self._lock:
             pending, self._pending = self._pending, None
-        if pending is not None:
-            version, tensors = pending
-            self.backend.load_weights(tensors)
-            self.version = version
+            if pending is not None:
+                version, tensors = pending
+                self.backend.load_weights(tensors)
+                self.version = version
+            return self.version
+
+    @property
+    def in_flight_updates(self) -> bool:
+        """Whether the backend takes a new version between decode steps of a request (`refresh`)."""
+        return bool(getattr(self.backend, "in_flight_updates", False))
 
     def generate(self, request: GenerationRequest) -> list[RolloutGroup]:
-        """Apply any pulled version first (between requests), then sample stamped with that version."""
+        """Apply any pulled version first, then sample stamped with that version; with an in-flight backend,
+        versions pulled meanwhile are applied between decode steps (rollouts stamped per token)."""
         with self._serving:
-            self._swap_if_pending()
+            version = self._swap_if_pending()
             self.requests += 1
-            groups = self.backend.generate(request, self.version)
+            if self.in_flight_updates:
+                groups = self.backend.generate(request, version, refresh=self._swap_if_pending)
+            else:
+                groups = self.backend.generate(request, version)
         for g in groups:
             for r in g.rollouts:
                 r.generator = self.name
         return groups
 
     async def update(self, manifest: WeightManifest) -> WeightVersion:
-        """Pull `manifest` into private staging tensors; it becomes active at the next request.
+        """Pull `manifest` into private staging tensors; it becomes active at the next request (or at the next
+        decode step of the request in flight, with an in-flight backend).
 
         Pulls are serialised (one staging buffer); a manifest not newer than what is held is a no-op."""
         if self._pull_lock is None:
@@ -73,7 +90,10 @@ class GeneratorService:
             return await self._update(manifest)
 
     async def _update(self, manifest: WeightManifest) -> WeightVersion:
-        if manifest.version <= max(self.version, self._pending[0] if self._pending else -1):
+        with self._lock:  # one read of (version, pending): a refresh may pop `_pending` meanwhile
+            pending = self._pending
+            held = max(self.version, pending[0] if pending is not None else -1)
+        if manifest.version <= held:
             return WeightVersion(version=self.version)
         if self._subscriber is None:
             # Meta tensors describe the expected names/shapes/dtypes without allocating anything.
@@ -88,7 +108,7 @@ class GeneratorService:
         return WeightVersion(version=pulled.version, num_params=len(tensors), num_bytes=pulled.nbytes)
 
     def apply_pending_now(self) -> int:
-        """Swap now, or as soon as the request in flight finishes."""
+        """Swap now, or as soon as the request in flight finishes (an in-flight backend may already have)."""
         with self._serving:
             self._swap_if_pending()
             return self.version

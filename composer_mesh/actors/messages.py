@@ -38,8 +38,8 @@ class Rollout:
     """One sampled completion with the sampling policy's per-token log-probs.
 
     `weight_version` is the OLDEST weight version that produced any of its tokens: a rollout's policy lag counts
-    from it. `token_versions[t]` is the version that produced token t when weights changed while it was being
-    sampled (in-flight weight updates); None when one version produced every token.
+    from it. `token_versions[t]` is the version that produced token t, given by generators that can take new weights
+    while a request runs (in-flight weight updates); None from those that cannot (one version made every token).
     """
 
     prompt_id: str

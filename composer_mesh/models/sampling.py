@@ -11,6 +11,14 @@ convention:
   per batch; the host reads only "are all rows done?", every `CHECK_EVERY` tokens (every token on the CPU,
   where a read costs nothing). Row i's draw at step t is an inverse-CDF draw with a uniform that is a hash
   of (its seed, t): same seed, same tokens, whatever else is in the batch or how it is padded.
+- In-flight weight updates: with `refresh` (a host-side callable) the sampler calls `refresh()` before every
+  forward — the prefill and each decode step — and `refresh()` returns the weight version active for that
+  forward (it may first have copied a newer version into the model's parameters in place). Each row then
+  carries `token_versions[t]`, the version whose forward produced token t's logits. The KV cache built by
+  older weights is KEPT across a swap, not recomputed: recomputing would cost a prefill of every prompt and
+  every token so far per swap, and PipelineRL and AReaL keep it too. The staleness this leaves is explicit:
+  the per-token versions say which weights scored each token, and a rollout's `weight_version` (its policy
+  lag) counts from its OLDEST token. Without `refresh` nothing changes (no version bookkeeping at all).
 - Teacher forcing: for a sequence `prompt + completion`, row `t` of the returned logits is the model's
   output at position `len(prompt) - 1 + t`, i.e. the distribution that scores completion token `t`.
   The trainer aligns the student's logits the same way.
@@ -38,6 +46,8 @@ class Sample:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop" (a stop token was sampled; it is included) or "length"
+    # token_versions[t]: version of the weights whose forward produced token t's logits (None without refresh)
+    token_versions: list[int] | None = None
 
 
 def chunks(items: Sequence[T], size: int) -> Iterator[Sequence[T]]:
@@ -170,12 +180,19 @@ def sample(
     generator: torch.Generator | None = None,
     seeds: Sequence[int] | None = None,
     check_every: int | None = None,
+    refresh: Callable[[], int] | None = None,
 ) -> list[Sample]:
     """Sample one completion per prompt (one batch). See the module docstring for the conventions.
 
     Row i draws from its own random stream, a function of `seeds[i]` (drawn from `generator` when no seeds
     are given) and the step only, so its tokens do not depend on the rest of the batch. `check_every` is how
     often (in tokens) the host reads "are all rows done?": default 1 on the CPU, `CHECK_EVERY` elsewhere.
+
+    `refresh`, when given, is called on the host before the prefill and before every decode forward; it may
+    swap the model's weights in place and returns the version now active. Each `Sample.token_versions[t]` is
+    then the version returned just before the forward that produced token t's logits (the KV cache of
+    earlier tokens is kept across a swap). It is not called after the last token, nor when
+    `max_new_tokens < 1` (no forward runs; `token_versions` is then `[]`).
     """
     if not prompts:
         return []
@@ -184,20 +201,21 @@ def sample(
     if temperature < 0:
         raise ValueError(f"sample(): temperature must be >= 0, got {temperature}")
     if max_new_tokens < 1:
-        return [Sample([], [], "length") for _ in prompts]
+        return [Sample([], [], "length", [] if refresh is not None else None) for _ in prompts]
     device = _device(model)
     keys = _row_keys(len(prompts), seeds, generator, device) if temperature > 0 else None
     if check_every is None:
         check_every = 1 if device.type == "cpu" else CHECK_EVERY
     ids, mask, positions = _left_padded(prompts, pad_id, max_new_tokens, device)
     stop = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=device)
+    versions: list[int] = []  # filled by _decode when refresh is given: the version of each step
     toks, logps, lengths, stopped = _decode(
         model, ids, mask, positions, max_new_tokens=max_new_tokens, temperature=temperature, stop=stop,
-        keys=keys, check_every=max(1, check_every),
+        keys=keys, check_every=max(1, check_every), refresh=refresh, versions=versions,
     )
     toks_l, logps_l, lengths_l, stopped_l = toks.tolist(), logps.tolist(), lengths.tolist(), stopped.tolist()
     return [
-        Sample(t[:n], lp[:n], "stop" if s else "length")
+        Sample(t[:n], lp[:n], "stop" if s else "length", versions[:n] if refresh is not None else None)
         for t, lp, n, s in zip(toks_l, logps_l, lengths_l, stopped_l)
     ]
 
@@ -213,13 +231,21 @@ def _decode(
     stop: torch.Tensor,
     keys: torch.Tensor | None,
     check_every: int,
+    refresh: Callable[[], int] | None = None,
+    versions: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The decode loop, all on the device: (tokens [B, S], log-probs [B, S], lengths [B], stopped [B]), S the
     steps run. A row's length counts its tokens up to and including its first stop token; later columns are
-    what it kept decoding (discarded). The only host read is the all-done check every `check_every` steps."""
+    what it kept decoding (discarded). The only host read is the all-done check every `check_every` steps.
+
+    With `refresh`, it is called before each forward and its result appended to `versions` (one entry per
+    step: the version that produced that column's logits). Neither touches the device queue."""
     bsz, width = ids.shape
     step_mask = _decode_mask(model)
     extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    versions = [] if versions is None else versions
+    if refresh is not None:
+        versions.append(refresh())
     out = model(input_ids=ids, attention_mask=mask[:, :width], position_ids=positions, use_cache=True, **extra)
     cache, logits = out.past_key_values, out.logits[:, -1, :]
     toks = torch.zeros((bsz, max_new_tokens), dtype=torch.long, device=ids.device)
@@ -241,6 +267,8 @@ def _decode(
         steps = step + 1
         if steps == max_new_tokens or (steps % check_every == 0 and bool(done.all())):
             break
+        if refresh is not None:
+            versions.append(refresh())  # may swap the weights in place; the KV cache is kept
         out = model(
             input_ids=tok[:, None], attention_mask=step_mask(mask, width + steps), position_ids=pos,
             past_key_values=cache, use_cache=True,

@@ -346,7 +346,8 @@ class RLLoop:
             idle_seen = schedule.idle_s
             extra = {"sampling/zero_variance_groups": float(schedule.zero_variance_groups),
                      "sampling/backfilled_groups": float(schedule.backfilled_groups),
-                     "sampling/short_step": float(plan.short), "replay/traces_scored": float(self.traces_scored)}
+                     "sampling/short_step": float(plan.short), "replay/traces_scored": float(self.traces_scored),
+                     "sampling/generators": float(len({r.generator for b in batches for r in b.rollouts()}))}
             record = self._record(step, metrics, max(lags), t2 - t1, t2 - t_wait, timing, extra,
                                   sum(len(b.rollouts()) for b in batches), time.perf_counter() - t_start)
             writer.write(record)

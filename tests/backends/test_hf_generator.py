@@ -1,4 +1,5 @@
-"""The `hf` generator binding on the tiny model: log-prob contract, seeding, stops, weight loading."""
+"""The `hf` generator binding on the tiny model: log-prob contract, seeding, stops, weight loading (between
+requests, or between decode steps with in_flight_weight_updates)."""
 
 from __future__ import annotations
 
@@ -234,3 +235,124 @@ def test_a_weight_load_waits_for_the_request_in_flight(cache, monkeypatch):
     assert len(calls) == 3 and not loader.is_alive()
     assert [r.completion_ids for grp in during for r in grp.rollouts] == before
     assert all(torch.equal(p, new[n]) for n, p in g.model.state_dict().items())
+
+
+# -- in-flight weight updates, through the GeneratorService (the actor's plain object) ---------------------
+SWAP_AT = 2  # the pull completes just before the forward that produces token 2 of the first batch
+
+
+def _service(cache: str, in_flight: bool):
+    from composer_mesh.actors.generator import GeneratorService
+    from composer_mesh.mesh.weights.config import WeightPlaneConfig
+
+    settings = HFGeneratorSettings(cache_dir=cache, max_batch=4, stop_at_task_eos=False,
+                                   in_flight_weight_updates=in_flight)
+    svc = GeneratorService(HFGenerator(settings), WeightPlaneConfig(transport="shm"), name="g")
+    svc.start(STUDENT)
+    return svc
+
+
+@pytest.fixture
+def publishers():
+    """Weight publishers made by a test, closed (shared memory unlinked) after it."""
+    made: list = []
+    yield made
+    for p in made:
+        p.close()
+
+
+def _pull_mid_request(svc, monkeypatch, publishers) -> tuple[dict[str, torch.Tensor], list[int]]:
+    """Publish other weights (shm, in this process); while the service's first batch is being sampled, a real
+    `svc.update(manifest)` runs on another thread and completes: just before decode step SWAP_AT when the
+    sampler gets a `refresh`, else before the batch starts. Returns the new weights and the pulled version."""
+    import asyncio
+    import threading
+
+    import composer_mesh.models.sampling as sampling
+    from composer_mesh.mesh.weights.plane import WeightPublisher
+    from composer_mesh.models.tiny import build_tiny
+
+    new = {k: v.clone() for k, v in build_tiny(ModelConfig(seed=123))[0].state_dict().items()}
+    publisher = WeightPublisher(new, svc.weights_config)
+    publishers.append(publisher)
+    manifest = publisher.publish(new)
+    pulled: list[int] = []
+
+    def pull() -> None:
+        thread = threading.Thread(target=lambda: pulled.append(asyncio.run(svc.update(manifest)).version))
+        thread.start()
+        thread.join(timeout=60)
+        assert pulled == [manifest.version]
+
+    real_sample = sampling.sample
+
+    def sample_with_a_pull(*args, refresh=None, **kwargs):
+        if pulled:
+            return real_sample(*args, refresh=refresh, **kwargs)
+        if refresh is None:
+            pull()
+            return real_sample(*args, **kwargs)
+        calls = []
+
+        def refresh_after_pull() -> int:
+            if len(calls) == SWAP_AT:
+                pull()
+            calls.append(1)
+            return refresh()
+
+        return real_sample(*args, refresh=refresh_after_pull, **kwargs)
+
+    monkeypatch.setattr(sampling, "sample", sample_with_a_pull)
+    return new, pulled
+
+
+def _rows(groups):
+    return [r for g in groups for r in g.rollouts]
+
+
+def test_in_flight_update_lands_between_decode_steps(cache, monkeypatch, publishers):
+    """On: a pull that completes mid-request is loaded at the next decode step. The first batch's rows carry
+    [v0]*SWAP_AT + [v1]*..., later batches v1 only; every rollout's weight_version is its oldest token's, and
+    the tokens before the swap are those of the same request without a pull."""
+    svc = _service(cache, in_flight=True)
+    assert svc.in_flight_updates and svc.backend.in_flight_updates
+    req = GenerationRequest(prompts(svc.backend.tokenizer, 6), samples_per_prompt=2, max_new_tokens=6,
+                            temperature=1.0, seed=3)
+    reference = _rows(svc.generate(req))  # no pull: every token version 0
+    assert all(r.token_versions == [0] * len(r.completion_ids) and r.weight_version == 0 for r in reference)
+    new, pulled = _pull_mid_request(svc, monkeypatch, publishers)
+    rows = _rows(svc.generate(req))
+    v1 = pulled[0]
+    assert v1 == 1 and svc.version == v1 and svc._pending is None
+    assert all(torch.equal(p, new[n]) for n, p in svc.backend.model.state_dict().items())
+    assert len(rows) == 12 and all(r.generator == "g" for r in rows)
+    for i, (r, ref) in enumerate(zip(rows, reference)):
+        n = len(r.completion_ids)
+        assert r.weight_version == min(r.token_versions)
+        if i < 4:  # the first batch (max_batch 4): swapped between decode steps
+            assert r.token_versions == ([0] * SWAP_AT + [v1] * n)[:n], i
+            assert r.completion_ids[:SWAP_AT] == ref.completion_ids[:SWAP_AT], i
+            assert r.weight_version == 0
+        else:  # later batches start on the new weights
+            assert r.token_versions == [v1] * n and r.weight_version == v1, i
+    mixed = [r for r in rows if set(r.token_versions) == {0, v1}]
+    assert mixed, "no rollout decoded across the swap"
+    assert [g.weight_version for g in svc.generate(req)] == [v1] * 6
+
+
+def test_without_in_flight_the_pull_waits_for_the_next_request(cache, monkeypatch, publishers):
+    """Off (the default): the same mid-request pull changes nothing in the request in flight (one version, no
+    token_versions, the reference tokens); the next request is stamped with the new version."""
+    svc = _service(cache, in_flight=False)
+    assert not svc.in_flight_updates and not svc.backend.in_flight_updates
+    req = GenerationRequest(prompts(svc.backend.tokenizer, 6), samples_per_prompt=2, max_new_tokens=6,
+                            temperature=1.0, seed=3)
+    reference = _rows(svc.generate(req))
+    new, pulled = _pull_mid_request(svc, monkeypatch, publishers)
+    rows = _rows(svc.generate(req))
+    assert pulled == [1] and svc.version == 0 and svc._pending is not None
+    assert [(r.completion_ids, r.logprobs) for r in rows] == [(r.completion_ids, r.logprobs) for r in reference]
+    assert all(r.weight_version == 0 and r.token_versions is None for r in rows)
+    after = _rows(svc.generate(req))
+    assert svc.version == 1 and all(r.weight_version == 1 and r.token_versions is None for r in after)
+    assert all(torch.equal(p, new[n]) for n, p in svc.backend.model.state_dict().items())

@@ -7,6 +7,7 @@ The mesh here is plain Python objects with the shape of the launched handles (en
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -63,9 +64,12 @@ class FakeRoleMesh(SimpleNamespace):
 class Log:
     def __init__(self) -> None:
         self.events: list[str] = []
+        self.teacher_rollouts: list[str] = []  # prompt ids of the rollouts the teachers were asked about
+        self.batches: list[Any] = []
 
 
-def fake_mesh(log: Log, teacher_delay: float) -> FakeRoleMesh:
+def fake_mesh(log: Log, teacher_delay: float, flat: Callable[[str], bool] = lambda _: False) -> FakeRoleMesh:
+    """`flat(prompt_id)`: that prompt's group gets equal rewards (no GRPO signal)."""
     version = {"v": 1}
 
     async def generate(req: GenerationRequest) -> list[RolloutGroup]:
@@ -75,15 +79,18 @@ def fake_mesh(log: Log, teacher_delay: float) -> FakeRoleMesh:
                 for p in req.prompts]
 
     async def score(groups: list[RolloutGroup]) -> list[ScoredGroup]:
-        return [ScoredGroup(g, [RewardResult(1.0)] * len(g.rollouts)) for g in groups]
+        return [ScoredGroup(g, [RewardResult(1.0 if flat(g.prompt.prompt_id) else float(i))
+                                for i in range(len(g.rollouts))]) for g in groups]
 
-    async def signals(_req: Any) -> TeacherSignals:
+    async def signals(req: Any) -> TeacherSignals:
+        log.teacher_rollouts.extend(r.prompt_id for r in req.rollouts)
         log.events.append("teacher-start")
         await asyncio.sleep(teacher_delay)
         log.events.append("teacher-end")
         return TeacherSignals()
 
-    async def train_step(_batch: Any) -> tuple[TrainMetrics, Any]:
+    async def train_step(batch: Any) -> tuple[TrainMetrics, Any]:
+        log.batches.append(batch)
         version["v"] += 1
         log.events.append("train")
         return TrainMetrics(step=0, weight_version=version["v"], loss=0.0, metrics={"reward_mean": 1.0}), \
@@ -120,3 +127,18 @@ async def test_generation_continues_while_a_slow_teacher_answers(tmp_path):
     # While the first teacher call was in flight, the generator produced every step the lag bound admits
     # (steps 1..3 at lag 2), and no more: step 4 waits for the weights of step 1.
     assert log.events[:first_end].count("generate") == 3
+
+
+async def test_dynamic_sampling_trains_on_informative_groups_and_asks_teachers_only_about_them(tmp_path):
+    topo = apply_overrides(load_topology(ROOT / "topologies" / "local.yaml"), 3, tmp_path / "run")
+    run = topo.run.model_copy(update={"eval_prompts": 0, "max_policy_lag": 0, "prompts_per_step": 4,
+                                      "dynamic_sampling": True})
+    log = Log()
+    every_third_flat = lambda pid: int(pid[1:]) % 3 == 0  # noqa: E731
+    summary = await RLLoop(fake_mesh(log, 0.0, every_third_flat), run, topo.loss).run()  # type: ignore[arg-type]
+    assert summary.steps == 3 and summary.dropped_batches == 0
+    trained = [g.group.prompt.prompt_id for b in log.batches for g in b.groups]
+    assert len(trained) == 3 * 4 and not any(every_third_flat(p) for p in trained)
+    assert set(log.teacher_rollouts) == set(trained)  # no teacher work on groups that were set aside
+    # Each step draws 4, two of them flat (p0 p3 | p6 p9 | p12 p15), and backfills 2: p0..p17 drawn, 6 set aside.
+    assert summary.zero_variance_groups == 6 and max(int(p[1:]) for p in trained) == 17

@@ -94,6 +94,7 @@ def _on_policy(records: list[dict]) -> None:
     for r in records:
         m = r["metrics"]
         assert r["policy_lag"] == 0 and r["dropped_batches"] == 0
+        assert m["sampling/generators"] == 2  # each step's groups are split over both (idle) generators
         assert abs(m["grpo/ratio_mean"] - 1.0) < 1e-4, m["grpo/ratio_mean"]
         assert m["grpo/ratio_max"] < 1.0 + 1e-3, m["grpo/ratio_max"]
         assert m["grpo/mismatch_kl"] < 1e-6, m["grpo/mismatch_kl"]

