@@ -48,9 +48,10 @@ async def run_topology(topology: Topology, console: Console | None = None) -> Ru
 
         def on_step(r: StepRecord) -> None:
             ch = " ".join(f"{k}={_fmt(v)}" for k, v in sorted(r.channels.items()))
+            t = r.timing
             status = (
                 f"reward={_fmt(r.reward)} {ch} lag={r.policy_lag} sync={r.weight_sync_s * 1000:.0f}ms "
-                f"dropped={r.dropped_batches}"
+                f"train={t.get('train_s', 0.0):.2f}s idle={t.get('trainer_idle_s', 0.0):.2f}s dropped={r.dropped_batches}"
             )
             progress.update(task, completed=r.step, status=status)
 
@@ -67,6 +68,7 @@ def print_summary(summary: RunSummary, console: Console) -> None:
     table.add_row("train reward (first 20% → last 20%)", f"{_fmt(summary.reward_first)} → {_fmt(summary.reward_last)}")
     table.add_row("held-out reward (before → after)", f"{_fmt(summary.eval_before)} → {_fmt(summary.eval_after)}")
     table.add_row("dropped stale batches", f"{summary.dropped_batches} ({summary.dropped_rollouts} rollouts)")
+    table.add_row("rollouts trained / s (startup excluded)", f"{summary.rollouts_trained} / {_fmt(summary.samples_per_s)}")
     table.add_row("run dir", f"{summary.run_dir}  (metrics.jsonl, plot.png, checkpoint/)")
     console.print(table)
 

@@ -145,7 +145,7 @@ class RLLoop:
             temperature=cfg.temperature, seed=row_seed(cfg.seed, first, cfg.samples_per_prompt),
         )
 
-    async def _signals(self, groups: list[RolloutGroup]) -> TeacherSignals:
+    async def _signals(self, groups: list[RolloutGroup], times: StepTimes | None = None) -> TeacherSignals:
         rollouts = [r for g in groups for r in g.rollouts]
         if self.teachers is None or not groups:
             return TeacherSignals(distributions=[None] * len(rollouts))
@@ -156,12 +156,23 @@ class RLLoop:
             top_k=self.cfg.teacher_top_k,
             max_new_tokens=self.cfg.max_new_tokens,
         )
+        t0 = time.perf_counter()
         answers = await self.teachers.signals.call(request)
+        if times is not None:
+            times.teacher_s += time.perf_counter() - t0
         signals = merge_signals(list(answers.values()), len(rollouts))
         self.teacher_usage = signals.usage
         return signals
 
-    async def _score_traces(self, traces: list[TeacherTrace], groups: list[RolloutGroup]) -> None:
+    async def _score(self, groups: list[RolloutGroup], times: StepTimes | None = None) -> list[ScoredGroup]:
+        t0 = time.perf_counter()
+        scored: list[ScoredGroup] = await self._rewarder().score.call_one(groups)
+        if times is not None:
+            times.score_s += time.perf_counter() - t0
+        return scored
+
+    async def _score_traces(self, traces: list[TeacherTrace], groups: list[RolloutGroup],
+                            times: StepTimes | None = None) -> None:
         """Score teacher traces with the rewarder like rollouts (sets `trace.reward`): a replay pair is formed
         only when its trace scores above the student rollout it is preferred to."""
         if not traces:
@@ -174,26 +185,15 @@ class RLLoop:
             )])
             for t in traces
         ]
-        scored: list[ScoredGroup] = await self._rewarder().score.call_one(as_groups)
-        for trace, s in zip(traces, scored):
+        for trace, s in zip(traces, await self._score(as_groups, times)):
             trace.reward = s.rewards[0].score
         self.traces_scored += len(traces)
 
     async def complete(self, groups: list[RolloutGroup], times: StepTimes | None = None) -> TrainBatch:
         """Score `groups` and ask the teachers (concurrently), then score the teachers' traces."""
-        t0 = time.perf_counter()
-        scored, signals = await asyncio.gather(self._timed_score(groups, times), self._signals(groups))
-        await self._score_traces(signals.traces, groups)
-        if times is not None:
-            times.teacher_s += time.perf_counter() - t0
+        scored, signals = await asyncio.gather(self._score(groups, times), self._signals(groups, times))
+        await self._score_traces(signals.traces, groups, times)
         return TrainBatch(groups=scored, distributions=signals.distributions, traces=signals.traces)
-
-    async def _timed_score(self, groups: list[RolloutGroup], times: StepTimes | None) -> list[ScoredGroup]:
-        t0 = time.perf_counter()
-        scored: list[ScoredGroup] = await self._rewarder().score.call_one(groups)
-        if times is not None:
-            times.score_s += time.perf_counter() - t0
-        return scored
 
     async def make_batch(self, generator: Any) -> TrainBatch:
         """One whole batch on `generator`, stage by stage (for scripts and tests; `run` schedules its own)."""
@@ -213,8 +213,7 @@ class RLLoop:
         )
         gen = self.generators[0]
         await gen.version.call_one()  # apply any pulled weights before evaluating
-        groups = await gen.generate.call_one(request)
-        scored: list[ScoredGroup] = await self._rewarder().score.call_one(groups)
+        scored = await self._score(await gen.generate.call_one(request))
         scores = [rw.score for g in scored for rw in g.rewards]
         return sum(scores) / len(scores)
 
@@ -234,12 +233,10 @@ class RLLoop:
         if not self.cfg.dynamic_sampling:
             results = _group_results(chunk, await self.complete(groups, times))
         else:
-            scored = await self._timed_score(groups, times)
+            scored = await self._score(groups, times)
             informative = [i for i, g in enumerate(scored) if len({r.score for r in g.rewards}) > 1]
-            t0 = time.perf_counter()
-            signals = await self._signals([groups[i] for i in informative])
-            await self._score_traces(signals.traces, groups)
-            times.teacher_s += time.perf_counter() - t0
+            signals = await self._signals([groups[i] for i in informative], times)
+            await self._score_traces(signals.traces, groups, times)
             results = _group_results(chunk, TrainBatch(scored, _spread(scored, informative, signals), signals.traces))
         await schedule.finish(chunk, results)
 
