@@ -12,6 +12,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 from composer_mesh.actors.messages import (
     GenerationRequest,
     RewardResult,
@@ -142,3 +144,17 @@ async def test_dynamic_sampling_trains_on_informative_groups_and_asks_teachers_o
     assert set(log.teacher_rollouts) == set(trained)  # no teacher work on groups that were set aside
     # Each step draws 4, two of them flat (p0 p3 | p6 p9 | p12 p15), and backfills 2: p0..p17 drawn, 6 set aside.
     assert summary.zero_variance_groups == 6 and max(int(p[1:]) for p in trained) == 17
+
+
+async def test_a_failing_generator_or_rewarder_stops_the_run_with_its_error(tmp_path):
+    topo = apply_overrides(load_topology(ROOT / "topologies" / "local.yaml"), 3, tmp_path / "run")
+    run = topo.run.model_copy(update={"eval_prompts": 0, "max_policy_lag": 1})
+
+    async def broken(*_: Any) -> Any:
+        raise RuntimeError("grader exploded")
+
+    for role, endpoint in (("generators", "generate"), ("rewarder", "score")):
+        mesh = fake_mesh(Log(), 0.0)
+        setattr(getattr(mesh, role), endpoint, Endpoint(broken))
+        with pytest.raises(RuntimeError, match="grader exploded"):
+            await asyncio.wait_for(RLLoop(mesh, run, topo.loss).run(), 30)  # type: ignore[arg-type]
