@@ -71,3 +71,31 @@ def test_bench_weight_sync_quick_runs_every_cpu_transport(tmp_path: Path) -> Non
     for row in result["rows"]:
         assert set(row["mb_per_s"]) == {"rdma", "shm", "endpoint", "state_dict"}
         assert all(math.isfinite(v) and v > 0 for v in row["mb_per_s"].values()), row
+
+
+@pytest.mark.slow  # ~60 s on 2 cores: a TRL GRPOTrainer child and two composer-mesh runs of 6 steps
+def test_bench_vs_trl_quick_runs_trl_and_composer_mesh(tmp_path: Path) -> None:
+    """TRL and composer-mesh (lag 0 and 1) train the same 6 steps; only that each side ran and the tables print."""
+    stdout, result = run_quick("bench_vs_trl.py", tmp_path / "bench_vs_trl.json", 600, "--out", str(tmp_path / "out"))
+    assert "samples/s median" in stdout and "reward by part" in stdout and "goals" in stdout
+    assert result["hardware"] and result["versions"] and result["params"] > 0
+    runs = {r["config"]: r for r in result["runs"]}
+    assert sorted(runs) == ["cm-lag0", "cm-lag1", "trl-t1"], result["runs"]
+    for run in runs.values():
+        assert run["status"] == "ok", run
+        assert len(run["rewards"]) == 6 and run["rollouts_trained"] == 6 * 32, run
+    assert runs["trl-t1"]["completions_per_optimizer_step"] == 32  # one optimizer step per 4 x 8 completions
+    assert (tmp_path / "out" / "results.json").is_file()
+
+
+@pytest.mark.slow  # ~40-110 s on 2 cores: two composer-mesh runs of 4 steps (1 and 2 stand-in generators)
+def test_bench_generator_scaling_quick_runs_1_and_2_generators(tmp_path: Path) -> None:
+    """One run per generator count with the fixed-latency stand-in; only that each ran and the table prints."""
+    stdout, result = run_quick("bench_generator_scaling.py", tmp_path / "bench_generator_scaling.json", 600,
+                               "--out", str(tmp_path / "out"))
+    assert "generator scaling" in stdout and "samples/s" in stdout and "hardware:" in stdout
+    assert result["hardware"] and result["versions"]
+    assert [r["generators"] for r in result["rows"]] == [1, 2]
+    for row in result["rows"]:
+        assert row["status"] == "ok" and row["samples_per_s"] > 0 and row["rollouts"] == 4 * 8 * 4, row
+    assert (tmp_path / "out" / "results.json").is_file()

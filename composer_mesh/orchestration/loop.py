@@ -28,7 +28,14 @@ from composer_mesh.loss.config import LossConfig
 from composer_mesh.orchestration.config import RunConfig
 from composer_mesh.orchestration.metrics import MetricsWriter, RunSummary, StepRecord, window_mean
 from composer_mesh.orchestration.plotting import plot_run
-from composer_mesh.orchestration.schedule import Chunk, GroupResult, StepScheduler, StepTimes, row_seed
+from composer_mesh.orchestration.schedule import (
+    Chunk,
+    GroupResult,
+    StepPlan,
+    StepScheduler,
+    StepTimes,
+    row_seed,
+)
 from composer_mesh.roles import RoleMesh
 from composer_mesh.tasks import get_task
 
@@ -120,6 +127,7 @@ class RLLoop:
         self._next_rewarder = 0
         self.teachers = mesh.teachers if mesh.has("teachers") else None  # optional role
         self.traces_scored = 0
+        self._idle_seen = 0.0  # generator idle seconds already reported
 
     def _rewarder(self) -> Any:
         """Rewarder actors take requests round-robin."""
@@ -309,21 +317,18 @@ class RLLoop:
         )
 
     async def _train(self, schedule: StepScheduler, writer: MetricsWriter, t_start: float) -> None:
-        replicas = len(self.trainers)
+        """Train the steps in order. Step s's weight sync runs while step s+1 trains (its batch is ready when
+        lag >= 1; at lag 0 the schedule holds it back until the sync is done): the trainer publishes into the other
+        slot of the double-buffered plane meanwhile, and waits for the sync before it publishes again. A step's
+        record is written once its sync is done."""
         per_replica = self.cfg.prompts_per_step
-        idle_seen = 0.0
+        syncing: tuple[asyncio.Task[float], _StepDone] | None = None
         for step in range(1, self.cfg.steps + 1):
             t_wait = time.perf_counter()
             results, plan = await self._until(schedule.take(step))
             t0 = time.perf_counter()
-            batches = [_batch(results[i * per_replica : (i + 1) * per_replica]) for i in range(replicas)]
-            lags = [self.gate.lag(b, self.trainer_version) for b in batches]
-            admitted = [b for b in batches if self.gate.admit(b, self.trainer_version)]
-            for b, lag in zip(batches, lags):
-                if lag > self.cfg.max_policy_lag:
-                    writer.write_event("dropped", step=step, policy_lag=lag, rollouts=len(b.rollouts()))
-            if len(admitted) < len(batches):  # cannot happen under admission: a stale batch is a bug upstream
-                raise RuntimeError(f"step {step}: a batch is more than {self.cfg.max_policy_lag} versions stale {lags}")
+            batches = [_batch(results[i * per_replica : (i + 1) * per_replica]) for i in range(len(self.trainers))]
+            lags = self._check_lag(step, batches, writer)
             outputs = await self._until(asyncio.gather(
                 *(t.train_step.call_one(batch) for t, batch in zip(self.trainers, batches))
             ))
@@ -331,25 +336,50 @@ class RLLoop:
             if len(outputs) > 1:
                 metrics.metrics["reward_mean_all_replicas"] = sum(m.metrics["reward_mean"] for m, _ in outputs) / len(outputs)
             t1 = time.perf_counter()
-            await self._until(self.mesh.generators.update_weights.call(manifest))
-            t2 = time.perf_counter()
+            done = _StepDone(step, metrics, max(lags), batches, plan, train_s=t1 - t0, idle_s=t0 - t_wait)
+            if syncing is not None:  # the previous step's sync overlapped this training; finish it first
+                self._write(syncing[1], await self._until(syncing[0]), schedule, writer, t_start)
+                done.idle_s += time.perf_counter() - t1
             self.trainer_version = manifest.version
-            await schedule.synced(step)
-            timing = {
-                "generate_s": plan.times.generate_s, "score_s": plan.times.score_s, "teacher_s": plan.times.teacher_s,
-                "train_s": t1 - t0, "sync_s": t2 - t1, "trainer_idle_s": t0 - t_wait,
-                "generator_idle_s": schedule.idle_s - idle_seen,
-            }
-            idle_seen = schedule.idle_s
-            extra = {"sampling/zero_variance_groups": float(schedule.zero_variance_groups),
-                     "sampling/backfilled_groups": float(schedule.backfilled_groups),
-                     "sampling/short_step": float(plan.short), "replay/traces_scored": float(self.traces_scored),
-                     "sampling/generators": float(len({r.generator for b in batches for r in b.rollouts()}))}
-            record = self._record(step, metrics, max(lags), t2 - t1, t2 - t_wait, timing, extra,
-                                  sum(len(b.rollouts()) for b in batches), time.perf_counter() - t_start)
-            writer.write(record)
-            if self.progress is not None:
-                self.progress(record)
+            syncing = (asyncio.create_task(self._sync(step, manifest, schedule)), done)
+        if syncing is not None:
+            self._write(syncing[1], await self._until(syncing[0]), schedule, writer, t_start)
+
+    async def _sync(self, step: int, manifest: Any, schedule: StepScheduler) -> float:
+        """Every generator pulls `manifest`; then the schedule admits what the new weights allow."""
+        t0 = time.perf_counter()
+        await self.mesh.generators.update_weights.call(manifest)
+        await schedule.synced(step)
+        return time.perf_counter() - t0
+
+    def _check_lag(self, step: int, batches: list[TrainBatch], writer: MetricsWriter) -> list[int]:
+        """Each batch's policy lag. Admission keeps it within the bound: a stale batch is a bug upstream."""
+        lags = [self.gate.lag(b, self.trainer_version) for b in batches]
+        for b, lag in zip(batches, lags):
+            if not self.gate.admit(b, self.trainer_version):
+                writer.write_event("dropped", step=step, policy_lag=lag, rollouts=len(b.rollouts()))
+                raise RuntimeError(f"step {step}: a batch is more than {self.cfg.max_policy_lag} versions stale {lags}")
+        return lags
+
+    def _write(self, done: _StepDone, sync_s: float, schedule: StepScheduler, writer: MetricsWriter,
+               t_start: float) -> None:
+        times = done.plan.times
+        timing = {
+            "generate_s": times.generate_s, "score_s": times.score_s, "teacher_s": times.teacher_s,
+            "train_s": done.train_s, "sync_s": sync_s, "trainer_idle_s": done.idle_s,
+            "generator_idle_s": schedule.idle_s - self._idle_seen,
+        }
+        self._idle_seen = schedule.idle_s
+        rollouts = [r for b in done.batches for r in b.rollouts()]
+        extra = {"sampling/zero_variance_groups": float(schedule.zero_variance_groups),
+                 "sampling/backfilled_groups": float(schedule.backfilled_groups),
+                 "sampling/short_step": float(done.plan.short), "replay/traces_scored": float(self.traces_scored),
+                 "sampling/generators": float(len({r.generator for r in rollouts}))}
+        record = self._record(done.step, done.metrics, done.lag, sync_s, done.train_s + done.idle_s, timing, extra,
+                              len(rollouts), time.perf_counter() - t_start)
+        writer.write(record)
+        if self.progress is not None:
+            self.progress(record)
 
     def _record(self, step: int, m: TrainMetrics, lag: int, sync_s: float, step_s: float, timing: dict[str, float],
                 extra_metrics: dict[str, float], rollouts: int, elapsed_s: float) -> StepRecord:
@@ -362,6 +392,19 @@ class RLLoop:
             dropped_batches=self.gate.dropped_batches, rollouts=rollouts, elapsed_s=elapsed_s, timing=timing,
             metrics=extra,
         )
+
+
+@dataclass
+class _StepDone:
+    """A trained step waiting for its weight sync before its record is written."""
+
+    step: int
+    metrics: TrainMetrics
+    lag: int
+    batches: list[TrainBatch]
+    plan: StepPlan
+    train_s: float
+    idle_s: float  # waiting for the batch, and for the previous step's sync
 
 
 def _spread(scored: list[ScoredGroup], informative: list[int], signals: TeacherSignals) -> list[TokenDistribution | None]:

@@ -204,7 +204,9 @@ class StepScheduler:
 
     # ---- the trainer --------------------------------------------------------------------------------
     async def take(self, step: int) -> tuple[list[GroupResult], StepPlan]:
-        """Step `step`'s groups in stream order (waits until they are all done) and its plan."""
+        """Step `step`'s groups in stream order (waits until it is admitted and its groups are all done)."""
+        async with self._changed:
+            await self._changed.wait_for(lambda: step in self.plans)
         plan = self.plans[step]
         await plan.ready.wait()
         groups = sorted(plan.kept, key=lambda r: r.index)[: plan.needed]

@@ -119,3 +119,19 @@ def test_row_seeds_are_disjoint_across_requests_and_runs():
 def test_bad_shapes_are_refused():
     with pytest.raises(ValueError, match="generators >= 1"):
         StepScheduler(lambda n: [], steps=1, groups_per_step=1, generators=0, max_policy_lag=0)
+
+
+async def test_take_waits_for_a_step_that_is_not_admitted_yet():
+    _, draw = stream()
+    s = make(draw, max_policy_lag=0)
+    chunk = await pending_chunk(s)
+    await s.finish(chunk, results(chunk))
+    await s.take(1)
+    later = asyncio.ensure_future(s.take(2))  # the trainer asks before step 2's weights reach the generators
+    await asyncio.sleep(0.05)
+    assert not later.done()
+    await s.synced(1)
+    chunk2 = await pending_chunk(s)
+    await s.finish(chunk2, results(chunk2))
+    groups, _ = await asyncio.wait_for(later, 1)
+    assert [g.index for g in groups] == [4, 5, 6, 7]
