@@ -120,7 +120,7 @@ class HFTrainer:
                 self.reference.to(torch.bfloat16)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=self.settings.lr, weight_decay=self.settings.weight_decay,
-            betas=self.settings.betas,
+            betas=self.settings.betas, foreach=True,  # one multi-tensor update (torch picks it on GPUs, not on CPU)
         )
         self.loss_state = new_loss_state(loss)
         self.diloco = None

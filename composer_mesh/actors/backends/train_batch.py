@@ -33,18 +33,16 @@ Head = Literal["chunked", "full"]
 def pad(
     rows: list[list[int]] | list[list[float]], value: float, dtype: torch.dtype, device: torch.device | str = "cpu"
 ) -> torch.Tensor:
-    """Right-padded [len(rows), max(longest row, 1)] tensor of `rows`."""
-    width = max((len(r) for r in rows), default=0)
-    out = torch.full((len(rows), max(width, 1)), value, dtype=dtype)
-    for i, r in enumerate(rows):
-        if r:
-            out[i, : len(r)] = torch.tensor(r, dtype=dtype)
-    return out.to(device)
+    """Right-padded [len(rows), max(longest row, 1)] tensor of `rows` (one host tensor built, one copy)."""
+    width = max(max((len(r) for r in rows), default=0), 1)
+    return torch.tensor([[*r, *[value] * (width - len(r))] for r in rows], dtype=dtype).reshape(len(rows), width).to(device)
 
 
 def _mask(rows: list[list[int]], device: torch.device | str) -> torch.Tensor:
     """[B, T] bool, True on the real tokens of each row (T as in `pad`)."""
-    return pad([[1] * len(r) for r in rows], 0, torch.long, device).bool()
+    lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)
+    width = max(int(lengths.max()) if len(rows) else 0, 1)
+    return (torch.arange(width)[None, :] < lengths[:, None]).to(device)
 
 
 # ---- one forward -----------------------------------------------------------------------------------------------
@@ -74,17 +72,22 @@ def layout(
             starts.append(starts[-1] + len(s))
         ids = torch.tensor([[tok for s in seqs for tok in s]], dtype=torch.long)
         positions = torch.tensor([[i for s in seqs for i in range(len(s))]], dtype=torch.long)
-        index = torch.stack([
-            (t + o + len(p) - 1).clamp(max=o + len(p) + len(c) - 1) for o, p, c in zip(starts, prompts, completions)
-        ])
+        index = _score_index(t, prompts, completions, torch.tensor(starts))
         return Layout(ids.to(device), None, positions.to(device), index.to(device), _mask(completions, device))
     ids = pad(seqs, 0, torch.long, device)
-    attn = pad([[1] * len(s) for s in seqs], 0, torch.long, device)
-    index = torch.stack([
-        (t + len(p) - 1).clamp(max=len(p) + len(c) - 1) + b * ids.shape[1]
-        for b, (p, c) in enumerate(zip(prompts, completions))
-    ])
+    attn = _mask(seqs, device).long()
+    index = _score_index(t, prompts, completions, torch.arange(len(seqs)) * ids.shape[1])
     return Layout(ids, attn, None, index.to(device), _mask(completions, device))
+
+
+def _score_index(t: torch.Tensor, prompts: list[list[int]], completions: list[list[int]],
+                 offsets: torch.Tensor) -> torch.Tensor:
+    """[B, T] flat positions scoring completion token t of sequence b: its offset + len(prompt) - 1 + t, clamped
+    to its last position (padding columns repeat it; the mask hides them)."""
+    p = torch.tensor([len(x) for x in prompts], dtype=torch.long)[:, None]
+    c = torch.tensor([len(x) for x in completions], dtype=torch.long)[:, None]
+    first = offsets[:, None] + p - 1
+    return torch.minimum(first + t[None, :], first + c)
 
 
 def _output_head(model: torch.nn.Module) -> torch.nn.Linear:
