@@ -51,10 +51,12 @@ class TrainerService:
 
     def train_step(self, batch: TrainBatch) -> tuple[TrainMetrics, WeightManifest]:
         """One optimizer step, then publish: the plane's version is the one weight-version counter."""
+        t0 = time.perf_counter()
         metrics = self.backend.train_step(batch)
         manifest = self.publish()
         metrics.weight_version = manifest.version
         metrics.metrics["publish_s"] = self.last_publish_s
+        metrics.metrics["train_step_s"] = time.perf_counter() - t0  # the trainer's own time (no messaging)
         return metrics, manifest
 
     def save_checkpoint(self, directory: Path) -> Path:

@@ -128,6 +128,8 @@ class RLLoop:
         self.teachers = mesh.teachers if mesh.has("teachers") else None  # optional role
         self.traces_scored = 0
         self._idle_seen = 0.0  # generator idle seconds already reported
+        self._last_trained_s: float | None = None  # when the previous step's training answer arrived
+        self._first_version = 0
 
     def _rewarder(self) -> Any:
         """Rewarder actors take requests round-robin."""
@@ -248,10 +250,12 @@ class RLLoop:
             results = _group_results(chunk, TrainBatch(scored, _spread(scored, informative, signals), signals.traces))
         await schedule.finish(chunk, results)
 
-    def _spawn(self, coro: Any) -> None:
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+        """A background task of the run: cancelled when the run ends, and its failure fails the run."""
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
+        return task
 
     def _task_done(self, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)
@@ -317,40 +321,48 @@ class RLLoop:
         )
 
     async def _train(self, schedule: StepScheduler, writer: MetricsWriter, t_start: float) -> None:
-        """Train the steps in order. Step s's weight sync runs while step s+1 trains (its batch is ready when
-        lag >= 1; at lag 0 the schedule holds it back until the sync is done): the trainer publishes into the other
-        slot of the double-buffered plane meanwhile, and waits for the sync before it publishes again. A step's
-        record is written once its sync is done."""
+        """Train the steps in order, pipelined. Step s is sent to the trainer as soon as its batch is ready, so it
+        waits in the trainer's mailbox while step s-1 trains (no round trip between steps), and step s's weight
+        sync runs while step s+1 trains. The plane is double-buffered: step s publishes into the slot that step
+        s-2's sync read, so step s is sent only once that sync is done. At lag 0 the schedule itself holds step
+        s back until step s-1's weights reach the generators. Records are written in step order."""
         per_replica = self.cfg.prompts_per_step
-        syncing: tuple[asyncio.Task[float], _StepDone] | None = None
+        self._first_version = self.trainer_version
+        steps: dict[int, asyncio.Task[_StepDone]] = {}
         for step in range(1, self.cfg.steps + 1):
             t_wait = time.perf_counter()
             results, plan = await self._until(schedule.take(step))
-            t0 = time.perf_counter()
+            if step - 2 in steps:  # frees the slot this step publishes into
+                self._write(await self._until(steps.pop(step - 2)), schedule, writer, t_start)
             batches = [_batch(results[i * per_replica : (i + 1) * per_replica]) for i in range(len(self.trainers))]
+            self.trainer_version = self.trainer_version_after(step - 1)  # the version this step trains from
             lags = self._check_lag(step, batches, writer)
-            outputs = await self._until(asyncio.gather(
-                *(t.train_step.call_one(batch) for t, batch in zip(self.trainers, batches))
-            ))
-            metrics, manifest = outputs[0]
-            if len(outputs) > 1:
-                metrics.metrics["reward_mean_all_replicas"] = sum(m.metrics["reward_mean"] for m, _ in outputs) / len(outputs)
-            t1 = time.perf_counter()
-            done = _StepDone(step, metrics, max(lags), batches, plan, train_s=t1 - t0, idle_s=t0 - t_wait)
-            if syncing is not None:  # the previous step's sync overlapped this training; finish it first
-                self._write(syncing[1], await self._until(syncing[0]), schedule, writer, t_start)
-                done.idle_s += time.perf_counter() - t1
-            self.trainer_version = manifest.version
-            syncing = (asyncio.create_task(self._sync(step, manifest, schedule)), done)
-        if syncing is not None:
-            self._write(syncing[1], await self._until(syncing[0]), schedule, writer, t_start)
+            calls = [t.train_step.call_one(batch) for t, batch in zip(self.trainers, batches)]  # sent now, in order
+            done = _StepDone(step, max(lags), batches, plan, ready_s=time.perf_counter() - t_wait)
+            steps[step] = self._spawn(self._train_and_sync(done, calls, schedule))
+        for step in sorted(steps):
+            self._write(await self._until(steps.pop(step)), schedule, writer, t_start)
+        self.trainer_version = self.trainer_version_after(self.cfg.steps)
 
-    async def _sync(self, step: int, manifest: Any, schedule: StepScheduler) -> float:
-        """Every generator pulls `manifest`; then the schedule admits what the new weights allow."""
-        t0 = time.perf_counter()
+    def trainer_version_after(self, step: int) -> int:
+        """The weight version the trainer publishes with step `step` (one version per step; step 0 = setup's)."""
+        return self._first_version + step
+
+    async def _train_and_sync(self, done: _StepDone, calls: list[Any], schedule: StepScheduler) -> _StepDone:
+        """Await one step's training (already sent), then every generator pulls its weights and the schedule
+        admits what the new weights allow."""
+        outputs = await asyncio.gather(*calls)
+        done.metrics, manifest = outputs[0]
+        if manifest.version != self.trainer_version_after(done.step):
+            raise RuntimeError(f"step {done.step}: the trainer published version {manifest.version}, expected "
+                               f"{self.trainer_version_after(done.step)} (steps trained out of order?)")
+        if len(outputs) > 1:
+            done.metrics.metrics["reward_mean_all_replicas"] = sum(m.metrics["reward_mean"] for m, _ in outputs) / len(outputs)
+        done.trained_s = time.perf_counter()
         await self.mesh.generators.update_weights.call(manifest)
-        await schedule.synced(step)
-        return time.perf_counter() - t0
+        await schedule.synced(done.step)
+        done.sync_s = time.perf_counter() - done.trained_s
+        return done
 
     def _check_lag(self, step: int, batches: list[TrainBatch], writer: MetricsWriter) -> list[int]:
         """Each batch's policy lag. Admission keeps it within the bound: a stale batch is a bug upstream."""
@@ -361,12 +373,18 @@ class RLLoop:
                 raise RuntimeError(f"step {step}: a batch is more than {self.cfg.max_policy_lag} versions stale {lags}")
         return lags
 
-    def _write(self, done: _StepDone, sync_s: float, schedule: StepScheduler, writer: MetricsWriter,
-               t_start: float) -> None:
+    def _write(self, done: _StepDone, schedule: StepScheduler, writer: MetricsWriter, t_start: float) -> None:
+        """The step's record: its trainer time is the trainer's own (`train_step_s`, reported by the trainer);
+        the rest of the time since the previous step finished training is the trainer's idle time."""
+        assert done.metrics is not None
         times = done.plan.times
+        train_s = done.metrics.metrics.get("train_step_s", 0.0)
+        previous = self._last_trained_s if self._last_trained_s is not None else done.trained_s - train_s - done.ready_s
+        since = done.trained_s - previous  # the step's wall time, as the trainer sees it
+        self._last_trained_s = done.trained_s
         timing = {
             "generate_s": times.generate_s, "score_s": times.score_s, "teacher_s": times.teacher_s,
-            "train_s": done.train_s, "sync_s": sync_s, "trainer_idle_s": done.idle_s,
+            "train_s": train_s, "sync_s": done.sync_s, "trainer_idle_s": max(0.0, since - train_s),
             "generator_idle_s": schedule.idle_s - self._idle_seen,
         }
         self._idle_seen = schedule.idle_s
@@ -375,7 +393,7 @@ class RLLoop:
                  "sampling/backfilled_groups": float(schedule.backfilled_groups),
                  "sampling/short_step": float(done.plan.short), "replay/traces_scored": float(self.traces_scored),
                  "sampling/generators": float(len({r.generator for r in rollouts}))}
-        record = self._record(done.step, done.metrics, done.lag, sync_s, done.train_s + done.idle_s, timing, extra,
+        record = self._record(done.step, done.metrics, done.lag, done.sync_s, since, timing, extra,
                               len(rollouts), time.perf_counter() - t_start)
         writer.write(record)
         if self.progress is not None:
@@ -396,15 +414,16 @@ class RLLoop:
 
 @dataclass
 class _StepDone:
-    """A trained step waiting for its weight sync before its record is written."""
+    """One step on its way through the trainer and the weight sync, until its record is written."""
 
     step: int
-    metrics: TrainMetrics
     lag: int
     batches: list[TrainBatch]
     plan: StepPlan
-    train_s: float
-    idle_s: float  # waiting for the batch, and for the previous step's sync
+    ready_s: float  # how long the loop waited for the step's batch
+    metrics: TrainMetrics | None = None
+    trained_s: float = 0.0  # perf_counter when the trainer's answer arrived
+    sync_s: float = 0.0
 
 
 def _spread(scored: list[ScoredGroup], informative: list[int], signals: TeacherSignals) -> list[TokenDistribution | None]:
