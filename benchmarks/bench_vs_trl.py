@@ -495,18 +495,21 @@ def summarise(args: argparse.Namespace, rows: list[dict[str, Any]]) -> dict[str,
 
 
 def goals(cs: dict[str, Any]) -> list[dict[str, Any]]:
-    """The issue's three goals, PASS/MISS (MISS when a config did not run)."""
+    """The issue's goals, PASS/MISS (MISS when a config did not run)."""
     lag1, lag0 = cs.get("cm-lag1", {}), cs.get("cm-lag0", {})
-    speed = f">= {GOAL_SPEEDUP}x TRL's samples/s at lag 1, every reward tenth inside TRL's min-max"
+    # The issue's first goal has two parts, reported apart: a run that learns FASTER than TRL is outside TRL's
+    # range too, and one combined MISS would hide which part missed and in which direction.
+    speed, curve = f">= {GOAL_SPEEDUP}x TRL's samples/s at lag 1", "lag 1: every reward tenth inside TRL's min-max"
     if lag1.get("runs") and "ratio_to_trl" in lag1:
         inside = sum(lag1["tenths_inside_trl"])
-        ok = lag1["ratio_to_trl"] >= GOAL_SPEEDUP and inside == len(lag1["tenths_inside_trl"])
         marks = lag1["tenths_vs_trl"]
-        got = (f"{lag1['ratio_to_trl']:.2f}x; {inside}/{len(marks)} tenths inside ({marks.count('above')} above, "
-               f"{marks.count('below')} below)")
+        result = [
+            {"goal": speed, "got": f"{lag1['ratio_to_trl']:.2f}x", "pass": lag1["ratio_to_trl"] >= GOAL_SPEEDUP},
+            {"goal": curve, "got": f"{inside}/{len(marks)} tenths inside ({marks.count('above')} above, "
+             f"{marks.count('below')} below)", "pass": inside == len(marks)},
+        ]
     else:
-        ok, got = False, "not measured"
-    result = [{"goal": speed, "got": got, "pass": ok}]
+        result = [{"goal": g, "got": "not measured", "pass": False} for g in (speed, curve)]
     for name, c, limit in (("0 rollouts dropped at lag 0", lag0, 0.0),
                            (f"<= {GOAL_DROP_LAG1:.0%} rollouts dropped at lag 1", lag1, GOAL_DROP_LAG1)):
         if c.get("runs"):
