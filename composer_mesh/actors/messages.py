@@ -165,6 +165,7 @@ class TeacherRequest:
     top_k: TopK = AUTO  # "auto" (dense for small student vocabularies, else top-k), 0 = dense, k > 0 = top-k;
     # each teacher resolves it with `teacher_topk.resolve_top_k` against the student's vocabulary
     max_new_tokens: int = 16
+    seed: int | None = None  # seeds the teachers' trace sampling (None: each teacher's own call counter)
 
 
 @dataclass

@@ -87,7 +87,7 @@ class TeacherPool:
 
         async def ask(member: PoolMember) -> list[TeacherTrace]:
             try:
-                return await member.backend.traces(request.prompts, request.max_new_tokens)
+                return await member.backend.traces(request.prompts, request.max_new_tokens, seed=request.seed)
             except Exception as e:
                 self._failed(member, "traces", e)
                 return []

@@ -155,7 +155,9 @@ class RLLoop:
             temperature=cfg.temperature, seed=row_seed(cfg.seed, first, cfg.samples_per_prompt),
         )
 
-    async def _signals(self, groups: list[RolloutGroup], times: StepTimes | None = None) -> TeacherSignals:
+    async def _signals(self, groups: list[RolloutGroup], first: int, times: StepTimes | None = None) -> TeacherSignals:
+        """Channel-2 distributions and channel-3 traces for `groups` (prompts from stream index `first` on: the
+        traces' sampling seed, so they do not depend on which request reaches the teachers first)."""
         rollouts = [r for g in groups for r in g.rollouts]
         if self.teachers is None or not groups:
             return TeacherSignals(distributions=[None] * len(rollouts))
@@ -165,6 +167,7 @@ class RLLoop:
             prompts=[g.prompt for g in groups] if loss.beta_replay > 0 else [],
             top_k=self.cfg.teacher_top_k,
             max_new_tokens=self.cfg.max_new_tokens,
+            seed=row_seed(self.cfg.seed, first, 1),
         )
         t0 = time.perf_counter()
         answers = await self.teachers.signals.call(request)
@@ -199,9 +202,10 @@ class RLLoop:
             trace.reward = s.rewards[0].score
         self.traces_scored += len(traces)
 
-    async def complete(self, groups: list[RolloutGroup], times: StepTimes | None = None) -> TrainBatch:
-        """Score `groups` and ask the teachers (concurrently), then score the teachers' traces."""
-        scored, signals = await asyncio.gather(self._score(groups, times), self._signals(groups, times))
+    async def complete(self, groups: list[RolloutGroup], first: int, times: StepTimes | None = None) -> TrainBatch:
+        """Score `groups` (prompts from stream index `first` on) and ask the teachers, concurrently; then score
+        the teachers' traces."""
+        scored, signals = await asyncio.gather(self._score(groups, times), self._signals(groups, first, times))
         await self._score_traces(signals.traces, groups, times)
         return TrainBatch(groups=scored, distributions=signals.distributions, traces=signals.traces)
 
@@ -210,7 +214,7 @@ class RLLoop:
         first = self.prompts.count
         prompts = self.prompts.take(self.cfg.prompts_per_step)
         groups = await generator.generate.call_one(self.request(prompts, first))
-        return await self.complete(groups)
+        return await self.complete(groups, first)
 
     async def evaluate(self, n: int, seed: int) -> float:
         """Mean reward of greedy completions on `n` held-out prompts (fixed seed: same prompts each time)."""
@@ -241,11 +245,11 @@ class RLLoop:
         about groups whose rewards differ (the others are set aside), so scoring comes first."""
         times = schedule.plans[chunk.step].times
         if not self.cfg.dynamic_sampling:
-            results = _group_results(chunk, await self.complete(groups, times))
+            results = _group_results(chunk, await self.complete(groups, chunk.first, times))
         else:
             scored = await self._score(groups, times)
             informative = [i for i, g in enumerate(scored) if len({r.score for r in g.rewards}) > 1]
-            signals = await self._signals([groups[i] for i in informative], times)
+            signals = await self._signals([groups[i] for i in informative], chunk.first, times)
             await self._score_traces(signals.traces, groups, times)
             results = _group_results(chunk, TrainBatch(scored, _spread(scored, informative, signals), signals.traces))
         await schedule.finish(chunk, results)

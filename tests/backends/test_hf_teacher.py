@@ -300,3 +300,16 @@ async def test_auto_is_top_k_for_a_large_student_vocabulary_and_dense_for_a_smal
         signals = await pool.signals(TeacherRequest(rollouts=rs))
         assert all((d.logits is not None) == dense for d in signals.distributions)
     assert teacher.student_vocab <= DENSE_VOCAB_LIMIT
+
+
+async def test_sampled_traces_follow_the_request_seed_not_the_call_order(cache, teacher_copy):
+    _, tok = teacher_copy
+    t = HFTeacher(HFTeacherSettings(cache_dir=cache, trace_temperature=1.5))
+    t.start(STUDENT, "t_sampling")
+    ps = prompts(tok, 8, seed=5)
+    first = await t.traces(ps, 6, seed=11)
+    await t.traces(ps, 6)  # another call in between moves the teacher's own call counter
+    again = await t.traces(ps, 6, seed=11)
+    other = await t.traces(ps, 6, seed=12)
+    assert [x.completion_ids for x in first] == [x.completion_ids for x in again]
+    assert [x.completion_ids for x in first] != [x.completion_ids for x in other]

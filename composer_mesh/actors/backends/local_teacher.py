@@ -202,13 +202,13 @@ class LocalTeacher(ABC):
         return torch.cat([logits, pad], dim=-1)
 
     # -- channel 3 ---------------------------------------------------------------------------------------
-    async def traces(self, prompts: list[Prompt], max_new_tokens: int) -> list[TeacherTrace]:
+    async def traces(self, prompts: list[Prompt], max_new_tokens: int, seed: int | None = None) -> list[TeacherTrace]:
         self._require_started()
         if max_new_tokens < 1:
             raise ValueError(f"teacher {self.name!r}: max_new_tokens must be >= 1, got {max_new_tokens}")
-        return await self._run(self._traces, prompts, max_new_tokens)
+        return await self._run(self._traces, prompts, max_new_tokens, seed)
 
-    def _traces(self, prompts: list[Prompt], max_new_tokens: int) -> list[TeacherTrace]:
+    def _traces(self, prompts: list[Prompt], max_new_tokens: int, seed: int | None = None) -> list[TeacherTrace]:
         self._require_started()
         if self.shares_tokenizer:
             ids = [prompt_ids(p, self.tokenizer, self._vocab, f"teacher {self.name!r}") for p in prompts]
@@ -217,7 +217,7 @@ class LocalTeacher(ABC):
             for p, i in zip(prompts, ids):
                 if not i:
                     raise ValueError(f"teacher {self.name!r}: prompt {p.prompt_id!r} has no text to re-tokenise")
-        seed = self.settings.seed + self._calls
+        seed = seed if seed is not None else self.settings.seed + self._calls
         self._calls += 1
         samples = self._sample_traces(ids, max_new_tokens, seed)
         traces = []

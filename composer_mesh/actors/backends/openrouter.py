@@ -107,8 +107,9 @@ class OpenRouterTeacher:
             "for `distill`."
         )
 
-    async def traces(self, prompts: list[Prompt], max_new_tokens: int) -> list[TeacherTrace]:
-        """One trace per prompt, in order, once every request has finished.
+    async def traces(self, prompts: list[Prompt], max_new_tokens: int, seed: int | None = None) -> list[TeacherTrace]:
+        """One trace per prompt, in order, once every request has finished. `seed` is not sent: a hosted model's
+        sampling is not reproducible anyway (providers treat a seed as best effort, when at all).
 
         Failed prompts are left out when `partial_traces` (already-paid traces are kept; the pool's traces
         are a flat list, not aligned with prompts); otherwise, or when every request failed, the first
