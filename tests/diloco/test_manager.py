@@ -28,17 +28,44 @@ def _vec(r: int, n: int = NUMEL) -> torch.Tensor:
     return torch.randn(n, generator=torch.Generator().manual_seed(100 + r))
 
 
+class _ReadLog(Store):
+    """A Store that records every object it reads in a round, with its size: (key, bytes)."""
+
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.reads: list[tuple[str, int]] = []
+
+    def get(self, key: str) -> bytearray:
+        data = super().get(key)
+        self.reads.append((key, len(data)))
+        return data
+
+    def read_shard_into(self, key, out, expect, expected_size=None):  # type: ignore[no-untyped-def]
+        meta = super().read_shard_into(key, out, expect, expected_size)
+        self.reads.append((key, self.fs.size(self.path(key))))
+        return meta
+
+
 def _rounds(cfg: DiLoCoConfig, replica_ids: list[int], tensors: dict[int, torch.Tensor],
-            delays: dict[int, float] | None = None) -> dict[int, tuple[bool, torch.Tensor, RoundReport]]:
-    """One round on each replica (in threads); returns (should_commit, tensor after wait, report)."""
+            delays: dict[int, float] | None = None, reads: dict[int, list[tuple[str, int]]] | None = None,
+            ) -> dict[int, tuple[bool, torch.Tensor, RoundReport]]:
+    """One round on each replica (in threads); returns (should_commit, tensor after wait, report).
+
+    With `reads`, each replica's store logs what it reads during its round into reads[replica]."""
     out: dict[int, tuple[bool, torch.Tensor, RoundReport]] = {}
     errors: list[BaseException] = []
 
     def go(r: int) -> None:
         try:
             time.sleep((delays or {}).get(r, 0.0))
-            m = ObjectStoreManager(cfg, r)
+            store = None
+            if reads is not None:
+                store = _ReadLog.from_config(cfg)
+                reads[r] = store.reads
+            m = ObjectStoreManager(cfg, r, store)
             m.start_quorum()
+            if store is not None:
+                store.reads.clear()  # reads before the round (looking for a checkpoint) are not the round's
             t = tensors[r].clone()
             work = m.allreduce(t)
             work.wait()
@@ -75,6 +102,11 @@ def _fake_replica(cfg: DiLoCoConfig, r: int, tensor: torch.Tensor, *, defect: st
             blob = blob[: len(blob) - 7]
         elif j == bad_slice and defect == "checksum":
             blob = blob[:-1] + bytes([blob[-1] ^ 0x01])
+        elif j == bad_slice and defect == "metadata_not_mapping":
+            from diloco.shards import rewrite_header
+
+            blob = rewrite_header(blob, lambda h: h.update(__metadata__=[h["__metadata__"]]))
+            sizes[-1] = len(blob)
         key = f"{base}/shards/r{r:03d}/s{j:03d}.safetensors"
         if j == bad_slice:
             bad_key = key
@@ -101,6 +133,7 @@ def test_three_replicas_average_bitwise_identical(tmp_path):
     ("truncated", 1, "truncated"),
     ("checksum", 0, "checksum mismatch"),
     ("other_run", 0, "a shard from another run"),
+    ("metadata_not_mapping", 1, "__metadata__ is a JSON list, not an object"),
 ])
 def test_bad_shard_rejected_and_round_completes(tmp_path, defect, bad_slice, problem):
     cfg = _cfg(tmp_path)
@@ -179,17 +212,36 @@ def test_bf16_compression_halves_bytes_and_stays_identical(tmp_path):
     assert torch.equal(bf16[0][1], bf16[1][1])
 
 
-@pytest.mark.parametrize("n", [2, 4])
-def test_bytes_read_per_replica_about_twice_the_model(tmp_path, n):
-    numel = 1 << 18  # 1 MiB of fp32
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_bytes_read_per_replica_is_the_reduce_scatter_volume(tmp_path, n):
+    """Each replica reads exactly 2(N-1)/N x M tensor bytes per round: (N-1) shards of the N-1 other members
+    for each slice it reduces (one slice each), then the N-1 averaged slices it did not reduce itself. On top,
+    only the safetensors headers and the small JSON records; nothing is read twice."""
+    numel = 1 << 18  # 1 MiB of fp32, divisible by N
     model_bytes = numel * 4
     vecs = {r: _vec(r, numel) for r in range(n)}
-    res = _rounds(_cfg(tmp_path, replicas=n), list(range(n)), vecs)
+    reads: dict[int, list[tuple[str, int]]] = {}
+    # A generous deadline: a slow reducer (2 shared cores, N=8 threads) must not trigger a fallback reduction.
+    res = _rounds(_cfg(tmp_path, replicas=n, quorum_deadline_s=60.0), list(range(n)), vecs, reads=reads)
+    want = 2 * (n - 1) * model_bytes // n
     for r in range(n):
         ok, t, rep = res[r]
-        assert ok and torch.equal(t, res[0][1])
-        assert rep.bytes_read <= 2.2 * model_bytes, rep.bytes_read / model_bytes
+        assert ok and torch.equal(t, res[0][1]) and rep.members == list(range(n)) and not rep.fallback_slices
+        tensor_reads = [(key, size) for key, size in reads[r] if key.endswith(".safetensors")]
+        payload = sum(size - _header_bytes(tmp_path, key) for key, size in tensor_reads)
+        assert payload == want, (payload / model_bytes, tensor_reads)
+        assert len(tensor_reads) == len({key for key, _ in tensor_reads}) == 2 * (n - 1), tensor_reads
+        assert rep.bytes_read == sum(size for _, size in reads[r]), "reads the accounting did not see"
+        assert rep.bytes_read - payload < 4096 * n, rep.bytes_read - payload  # headers + JSON records only
         assert rep.bytes_written <= (1 + 1 / n) * model_bytes * 1.05, rep.bytes_written / model_bytes
+
+
+def _header_bytes(tmp_path, key: str) -> int:
+    """Length prefix + JSON header of a safetensors object in the test store."""
+    import struct
+
+    with open(tmp_path / "store" / "run-a" / key, "rb") as f:
+        return 8 + struct.unpack("<Q", f.read(8))[0]
 
 
 def test_memory_store_real_diloco_in_threads():

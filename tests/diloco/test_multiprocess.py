@@ -7,9 +7,10 @@ import time
 import pytest
 import torch
 
+from composer_mesh.mesh.objectstore.diloco import split_fragments
 from diloco.procs import results, spawn, wait_all
 from diloco.reference import reference_diloco
-from diloco.worker import WorkerArgs
+from diloco.worker import WorkerArgs, build_model
 
 OUTER = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
 
@@ -75,9 +76,14 @@ def test_streaming_two_fragments_with_delay(tmp_path):
     _assert_identical(res, "global")  # global params and both fragments' outer momentum
     g = res[0]["global"]
     assert any(k.startswith("f0/momentum/") for k in g) and any(k.startswith("f1/momentum/") for k in g)
+    # Rounds alternate between the fragments (torchft: fragment = committed step % fragments), so each round
+    # reduces exactly the elements of its fragment: f0, f1, f0, f1.
+    sizes = [sum(p.numel() for p in f.parameters()) for f in split_fragments(build_model(0), 2)]
+    assert len(set(sizes)) == 2, f"fragments of equal size {sizes} would not tell the order apart"
     for r in res:
         assert r["outer_step"] == 4  # each fragment synced twice
-        assert [rep["numel"] for rep in r["reports"]][:2] != [r["reports"][0]["numel"]] * 2 or True
+        assert all(rep["committed"] for rep in r["reports"]), r["reports"]
+        assert [rep["numel"] for rep in r["reports"]] == [sizes[i % 2] for i in range(4)], r["reports"]
     # the fragment synced last is identical in the model itself; the other carries local progress
     last_synced = [k.split("/", 2)[2] for k in g if k.startswith("f1/param/")]
     for name in last_synced:

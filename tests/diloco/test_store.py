@@ -140,3 +140,59 @@ def test_read_shard_into_validates_like_decode(tmp_path, scheme):
         s.read_shard_into("good", torch.empty(1000), expect={**META, "run_id": "r2"})
     with pytest.raises(ShardError, match=r"^good: unexpected payload"):
         s.read_shard_into("good", torch.empty(999), expect=META)
+
+
+def _set_metadata(value):  # type: ignore[no-untyped-def]
+    def edit(header: dict) -> None:
+        header["__metadata__"] = value
+
+    return edit
+
+
+NOT_A_MAPPING = [["format", "composer-mesh-shard-v1"], "composer-mesh-shard-v1", 7, True]
+
+
+@pytest.mark.parametrize("metadata", NOT_A_MAPPING, ids=["list", "str", "int", "bool"])
+def test_metadata_not_a_mapping_is_a_shard_error(tmp_path, metadata):
+    """Foreign bytes whose `__metadata__` is not a JSON object: a ShardError naming the key, not AttributeError."""
+    from diloco.shards import rewrite_header
+
+    blob = rewrite_header(_blob(), _set_metadata(metadata))
+    with pytest.raises(ShardError, match=r"^some/key: not a safetensors object \(__metadata__ is a JSON \w+, not"):
+        decode_shard("some/key", blob, expect=META)
+    s = Store(f"file://{tmp_path}/r")
+    s.put("a/shard", blob)
+    with pytest.raises(ShardError, match=r"^a/shard: not a safetensors object \(__metadata__ is a JSON"):
+        s.read_shard_into("a/shard", torch.empty(10), expect=META)
+
+
+def test_metadata_values_must_be_strings():
+    """A state checkpoint whose skeleton is not a string: ShardError (was a TypeError from json.loads)."""
+    from composer_mesh.mesh.objectstore.manager import decode_state, encode_state
+    from diloco.shards import rewrite_header
+
+    good = encode_state({"S": {"w": torch.ones(3)}}, {"run_id": "r1", "quorum_id": 1, "step": 1})
+
+    def edit(header: dict) -> None:
+        header["__metadata__"]["skeleton"] = 5
+
+    with pytest.raises(ShardError, match=r"^ckpt/x: not a safetensors object \(__metadata__ values must be "
+                                         r"strings: \['skeleton'\]\)"):
+        decode_state("ckpt/x", rewrite_header(good, edit), "r1")
+
+
+@pytest.mark.parametrize("entry", [
+    {"dtype": "F32", "shape": [-1, -10], "data_offsets": [0, 40]},
+    {"dtype": "F32", "shape": ["10"], "data_offsets": [0, 40]},
+    {"dtype": ["F32"], "shape": [10], "data_offsets": [0, 40]},
+    {"dtype": "F32", "shape": [10], "data_offsets": [0, 20, 40]},
+    "not an entry",
+], ids=["negative-shape", "string-dim", "list-dtype", "three-offsets", "string-entry"])
+def test_malformed_tensor_entry_is_a_shard_error(entry):
+    from diloco.shards import rewrite_header
+
+    def edit(header: dict) -> None:
+        header["data"] = entry
+
+    with pytest.raises(ShardError, match=r"^k: not a safetensors object \(bad entry 'data'\)"):
+        decode_shard("k", rewrite_header(_blob(), edit), expect=META)

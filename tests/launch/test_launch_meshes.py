@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from monarch.actor import ActorError
+from services import require
 
 from composer_mesh.app.launch import launch
 from composer_mesh.mesh.launch import MeshFailureError
@@ -206,8 +207,7 @@ def test_signal_to_a_controller_script_leaves_no_process(sig: signal.Signals) ->
 def test_local_yaml_launches_with_probe_actors() -> None:
     """The shipped CPU default topology launches (probe actors stand in for the real roles)."""
     path = ROOT / "topologies" / "local.yaml"
-    if not path.exists():
-        pytest.skip("topologies/local.yaml not written yet")
+    require(path.exists(), "topologies/local.yaml (the shipped CPU topology)")  # skip locally, fail under CI=true
 
     async def run() -> dict[str, set[str]]:
         async with launch(path, actors=PROBES) as mesh:

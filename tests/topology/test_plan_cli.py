@@ -222,7 +222,9 @@ def test_console_script_exit_code() -> None:
     """
     exe = Path(sys.executable).parent / "composer-mesh"
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "composer_mesh.cli"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)])}
+    # Extend, never replace, the caller's PYTHONPATH (it may carry what the entry point needs).
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(ROOT / "tests"), str(ROOT), os.environ.get("PYTHONPATH")]))}
     bad = subprocess.run(
         [*cmd, "validate", str(HERE / "broken" / "bad_backend.yaml")],
         capture_output=True,

@@ -23,8 +23,16 @@ same reduced bytes: results are bitwise identical. Replicas that arrive late, or
 the result without contributing and commit the same outer step.
 
 After a commit the round's designated member checkpoints the DiLoCo state (global parameters and outer
-optimizer, via the registered state-dict fns) to `ckpt/qNNNNNNNN/` and points `latest.json` at it; a
-restarted replica loads it and rejoins at the next round identical to the others.
+optimizer, via the registered state-dict fns) to `ckpt/qNNNNNNNN/`: `state.safetensors` first, then the
+`COMMITTED.json` marker. A restarted replica loads it and rejoins at the next round identical to the others.
+
+The latest checkpoint is not a mutable pointer (a `latest.json` read-then-written by a slow writer could go
+backwards, s3 has no compare-and-swap): it is the highest `ckpt/qNNNNNNNN/` holding a `COMMITTED.json`, found
+by listing. Markers are immutable and only ever added, and garbage collection runs only after its writer's
+own marker and deletes only checkpoints `keep_rounds` below it, so the newest committed checkpoint is never
+deleted and the latest never moves backwards. A checkpoint write that fails is raised (`CheckpointError`, naming
+the object and the cause) at the next `maybe_checkpoint`/`start_quorum` or at `shutdown`, unless a newer
+checkpoint was committed meanwhile (then nothing depends on it).
 """
 
 from __future__ import annotations
@@ -80,6 +88,15 @@ def _avg_op() -> Any:
     from torch.distributed import ReduceOp
 
     return ReduceOp.AVG
+
+
+class CheckpointError(RuntimeError):
+    """A DiLoCo checkpoint could not be written; the message names the object and the cause."""
+
+
+def _ckpt_round(name: str) -> int | None:
+    """The round of a `ckpt/` entry named `qNNNNNNNN`, else None (`init`, temp names)."""
+    return int(name[1:]) if name.startswith("q") and name[1:].isdigit() else None
 
 
 class _RoundFailed(RuntimeError):
@@ -158,6 +175,7 @@ class ObjectStoreManager:
 
     def start_quorum(self, *args: Any, **kwargs: Any) -> None:
         """Open the next round. Heals first if this replica fell behind or failed its last round."""
+        self._raise_checkpoint_error(block=False)
         if not self._round_done:  # a round whose works were never waited: finish it so keys stay in order
             self._complete_round(self._quorum_id)
         self._abstain = False
@@ -635,23 +653,60 @@ class ObjectStoreManager:
 
     # ------------------------------------------------------------------ checkpoint, bootstrap, heal
     def _read_latest(self) -> dict[str, Any] | None:
+        """The newest committed checkpoint: the highest `ckpt/qNNNNNNNN/` that holds a `COMMITTED.json`.
+
+        Returns its marker plus `key` (the checkpoint's prefix), or None when no round was checkpointed yet.
+        A marker that is not this run's marker for that round raises ShardError naming it (bad store contents
+        must never silently restart the run from θ0)."""
+        rounds = sorted(((q, name) for name in self.store.list("ckpt") if (q := _ckpt_round(name)) is not None),
+                        reverse=True)
+        for q, name in rounds:
+            key = f"ckpt/{name}/COMMITTED.json"
+            rec = self.store.get_json_or_none(key)
+            if rec is None:  # being written (state first, marker last) or garbage-collected meanwhile
+                continue
+            try:
+                ok = isinstance(rec, dict) and int(rec["quorum_id"]) == q and rec.get("run_id") == self.config.run_id
+                step = int(rec["step"]) if ok else 0
+            except (KeyError, TypeError, ValueError):
+                ok = False
+            if not ok:
+                raise ShardError(key, f"not a checkpoint marker of run {self.config.run_id!r} round {q}: "
+                                      f"{json.dumps(rec)[:200]}")
+            return {**rec, "quorum_id": q, "step": step, "key": f"ckpt/{name}"}
+        return None
+
+    def _newest_checkpoint_round(self) -> int | None:
+        """Like `_read_latest()["quorum_id"]`, for error paths: None when it cannot be read either."""
         try:
-            return self.store.get_json_or_none("latest.json")
-        except ShardError:
+            latest = self._read_latest()
+        except Exception:
             return None
+        return None if latest is None else int(latest["quorum_id"])
 
     def collect_state(self) -> dict[str, StateDict]:
         """What the registered state-dict fns return now (DiLoCo: global params + outer optimizer per fragment)."""
         return {key: save() for key, (_, save) in sorted(self._state_fns.items())}
 
+    def _raise_checkpoint_error(self, block: bool) -> None:
+        """Re-raise the background checkpoint writer's failure (once). `block`: wait for a write in progress."""
+        fut = self._ckpt_future
+        if fut is None or not (block or fut.done()):
+            return
+        self._ckpt_future = None
+        fut.result()
+
     def maybe_checkpoint(self, wait: bool = False) -> None:
-        """After a committed outer step: the round's designated member checkpoints the DiLoCo state."""
+        """After a committed outer step: the round's designated member checkpoints the DiLoCo state.
+
+        The write runs in the background; if it fails, CheckpointError is raised here at a later call (or by
+        `start_quorum`/`shutdown`), so a failed write fails the training step instead of going unnoticed."""
+        self._raise_checkpoint_error(block=False)
         if self._pending_checkpoint is None:
             return
         q, step, _members = self._pending_checkpoint
         self._pending_checkpoint = None
-        if self._ckpt_future is not None:
-            self._ckpt_future.result()
+        self._raise_checkpoint_error(block=True)  # one write at a time
         tensors: dict[str, torch.Tensor] = {}
         skeleton = _flatten(self.collect_state(), "", tensors)  # cloned now: training moves on meanwhile
         meta = {"run_id": self.config.run_id, "quorum_id": q, "step": step}
@@ -659,37 +714,46 @@ class ObjectStoreManager:
             self._write_checkpoint, q, step, tensors, skeleton, meta
         )
         if wait:
-            self._ckpt_future.result()
+            self._raise_checkpoint_error(block=True)
 
     def _write_checkpoint(
         self, q: int, step: int, tensors: dict[str, torch.Tensor], skeleton: Any, meta: dict[str, Any]
     ) -> None:
+        prefix = f"ckpt/q{q:08d}"
+        key = f"{prefix}/state.safetensors"
         try:
             blob = _encode_flat(tensors, skeleton, meta)
-            self.store.put(f"ckpt/q{q:08d}/state.safetensors", blob)
+            self.store.put(key, blob)
+            key = f"{prefix}/COMMITTED.json"  # last: a checkpoint without its marker is never picked
             self.store.put_json(
-                f"ckpt/q{q:08d}/COMMITTED.json",
-                {"quorum_id": q, "step": step, "bytes": len(blob), "run_id": self.config.run_id},
+                key, {"quorum_id": q, "step": step, "bytes": len(blob), "run_id": self.config.run_id}
             )
-            latest = self._read_latest()
-            if latest is None or latest["quorum_id"] < q:
-                self.store.put_json("latest.json", {"quorum_id": q, "step": step, "key": f"ckpt/q{q:08d}"})
-            self._collect_garbage(q)
-        except Exception:
-            log.exception(
-                "replica %d: checkpoint of round %d failed (the next round's writer retries)",
-                self.replica_id,
-                q,
-            )
+        except Exception as e:
+            newest = self._newest_checkpoint_round()
+            if newest is not None and newest > q:  # superseded while this slow write ran: nothing needs it
+                log.warning("replica %d: checkpoint of round %d failed at %s/%s (%s: %s), but round %d is "
+                            "already checkpointed", self.replica_id, q, self.store.uri, key, type(e).__name__, e,
+                            newest)
+                return
+            raise CheckpointError(
+                f"replica {self.replica_id}: DiLoCo checkpoint of round {q} (step {step}) failed writing "
+                f"{self.store.uri}/{key}: {type(e).__name__}: {e}"
+            ) from e
+        self._collect_garbage(q)
 
     def _collect_garbage(self, q: int) -> None:
+        """Delete rounds and checkpoints `keep_rounds` or more below round `q`, whose checkpoint is committed.
+
+        The newest committed checkpoint is >= q, so it is never deleted. Failures only leak storage: logged."""
         keep = self.config.keep_rounds
-        for name in self.store.list("rounds"):
-            if name.startswith("q") and name[1:].isdigit() and int(name[1:]) <= q - keep:
-                self.store.rm_prefix(f"rounds/{name}")
-        for name in self.store.list("ckpt"):
-            if name.startswith("q") and name[1:].isdigit() and int(name[1:]) <= q - keep:
-                self.store.rm_prefix(f"ckpt/{name}")
+        for top in ("rounds", "ckpt"):
+            try:
+                old = [name for name in self.store.list(top) if (r := _ckpt_round(name)) is not None and r <= q - keep]
+                for name in old:
+                    self.store.rm_prefix(f"{top}/{name}")
+            except Exception as e:
+                log.warning("replica %d: garbage collection of %s/%s below round %d failed (%s: %s)",
+                            self.replica_id, self.store.uri, top, q - keep + 1, type(e).__name__, e)
 
     def bootstrap(self) -> str:
         """Make every replica start from the same state: the latest checkpoint, else one agreed θ0.
@@ -715,20 +779,28 @@ class ObjectStoreManager:
         return "initialized"
 
     def heal(self, latest: dict[str, Any] | None = None) -> bool:
-        """Load the latest committed state; False if the store has none."""
+        """Load the latest committed state (a `_read_latest()` record); False if the store has none."""
         latest = latest if latest is not None else self._read_latest()
-        if latest is None:
-            ptr = self.store.get_json_or_none("ckpt/init/COMMITTED.json")
-            if ptr is None:
-                return False
-            self._load_checkpoint(ptr["key"], ptr)
-            self._quorum_id, self._step = 0, 0
+        while True:
+            if latest is None:
+                ptr = self.store.get_json_or_none("ckpt/init/COMMITTED.json")
+                if ptr is None:
+                    return False
+                self._load_checkpoint(ptr["key"], ptr)
+                self._quorum_id, self._step = 0, 0
+                return True
+            key = f"{latest['key']}/state.safetensors"
+            try:
+                self._load_checkpoint(key, latest)
+            except FileNotFoundError:
+                # Garbage-collected under a slow reader: a newer checkpoint was committed meanwhile.
+                newer = self._read_latest()
+                if newer is None or newer["quorum_id"] <= latest["quorum_id"]:
+                    raise ShardError(key, "missing, although its checkpoint is the newest committed one") from None
+                latest = newer
+                continue
+            self._quorum_id, self._step = int(latest["quorum_id"]), int(latest["step"])
             return True
-        key = f"{latest['key']}/state.safetensors"
-        committed = self.store.get_json(f"{latest['key']}/COMMITTED.json")
-        self._load_checkpoint(key, committed)
-        self._quorum_id, self._step = int(committed["quorum_id"]), int(committed["step"])
-        return True
 
     def _load_checkpoint(self, key: str, record: dict[str, Any]) -> None:
         blob = self.store.get(key)
@@ -749,11 +821,14 @@ class ObjectStoreManager:
         )
 
     def shutdown(self, wait: bool = True) -> None:
-        if self._ckpt_future is not None and wait:
-            self._ckpt_future.result()
-        self._executor.shutdown(wait=wait)
-        self._ckpt_executor.shutdown(wait=wait)
-        self._io.shutdown(wait=wait)
+        """Stop the I/O threads; raises CheckpointError if the last checkpoint write failed (waited for if
+        `wait`)."""
+        try:
+            self._raise_checkpoint_error(block=wait)
+        finally:
+            self._executor.shutdown(wait=wait)
+            self._ckpt_executor.shutdown(wait=wait)
+            self._io.shutdown(wait=wait)
 
 
 # ---------------------------------------------------------------------- state (de)serialisation, no pickle
@@ -813,4 +888,5 @@ def decode_state(
     return _unflatten(skel, tensors), meta
 
 
-__all__ = ["ObjectStoreManager", "ObjectStoreWork", "RoundReport", "decode_state", "encode_state"]
+__all__ = ["CheckpointError", "ObjectStoreManager", "ObjectStoreWork", "RoundReport", "decode_state",
+           "encode_state"]

@@ -129,15 +129,27 @@ def read_header(key: str, data: bytes | bytearray | memoryview) -> tuple[dict[st
         raise ShardError(key, f"not a safetensors object (unreadable header: {e})") from None
     if not isinstance(header, dict):
         raise ShardError(key, "not a safetensors object (header is not a JSON object)")
+    meta = header.get("__metadata__", {})
+    # safetensors metadata is a str -> str mapping; anything else is foreign or corrupt (and would otherwise
+    # surface as an AttributeError/TypeError far from the object that caused it).
+    if not isinstance(meta, dict):
+        raise ShardError(key, f"not a safetensors object (__metadata__ is a JSON {type(meta).__name__}, "
+                              "not an object)")
+    bad_meta = sorted(k for k, v in meta.items() if not isinstance(v, str))
+    if bad_meta:
+        raise ShardError(key, f"not a safetensors object (__metadata__ values must be strings: {bad_meta})")
     end = 0
     for name, info in header.items():
         if name == "__metadata__":
             continue
         try:
             start, stop = (int(x) for x in info["data_offsets"])
+            shape = [int(d) for d in info["shape"]]
+            if any(d < 0 for d in shape) or not all(isinstance(d, int) for d in info["shape"]):
+                raise ValueError(f"shape {info['shape']!r}")
             numel = 1
-            for d in info["shape"]:
-                numel *= int(d)
+            for d in shape:
+                numel *= d
             dtype = _TORCH_DTYPES[info["dtype"]]
         except (KeyError, TypeError, ValueError):
             raise ShardError(key, f"not a safetensors object (bad entry {name!r})") from None
@@ -148,7 +160,7 @@ def read_header(key: str, data: bytes | bytearray | memoryview) -> tuple[dict[st
 
 
 def _check_meta(key: str, header: dict[str, Any], expect: Mapping[str, Any]) -> dict[str, str]:
-    meta = header.get("__metadata__") or {}
+    meta = header.get("__metadata__", {})  # a str -> str mapping: checked by read_header
     if meta.get("format") != SHARD_FORMAT:
         raise ShardError(key, f"not a composer-mesh shard (format={meta.get('format')!r})")
     for field, want in expect.items():
