@@ -4,15 +4,33 @@ Each subcommand is one `Command` entry in `COMMANDS`: its arguments and its hand
 code). Adding a subcommand is one function pair and one entry. Handlers import what they need lazily so
 `composer-mesh validate` stays fast.
 
-Exit codes: 0 ok, 1 invalid input (the errors are printed), 2 bad command-line usage (argparse).
+Failures: handlers let exceptions rise; `main` hands them to `report_failure`, the one place that maps the
+expected ones (`failure_of`) to a message and an exit code, with no traceback unless `--debug` is given.
+An unexpected exception (a bug) always prints its traceback: a failed run may have taken hours, and
+asking to run it again with `--debug` to see what went wrong would cost as much again.
+
+Exit codes: the `EXIT_*` constants below, documented in docs/launch.md ("The command line: exit codes
+and --debug").
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+EXIT_OK = 0
+EXIT_INVALID = 1  # a topology / price file that is missing, unreadable, not UTF-8, not YAML or not valid
+EXIT_USAGE = 2  # bad command-line usage (argparse's own code)
+EXIT_RUN_FAILED = 3  # launching failed, an actor or proc died, or a file of the run could not be written
+EXIT_BUG = 70  # an unexpected exception (EX_SOFTWARE of sysexits.h); its traceback is printed
+EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT)
+EXIT_TERMINATED = 143  # SIGTERM during `run` (128 + SIGTERM), which cancels the run so that cleanup runs
+
+_DEBUG_HINT = "(run with --debug for the traceback)"
+_MESH_DEBUG_HINT = "(run with --debug for the traceback and Monarch's failure reports)"
 
 
 @dataclass(frozen=True)
@@ -23,9 +41,55 @@ class Command:
     handler: Callable[[argparse.Namespace], int]
 
 
-def _print_error(err: Exception) -> int:
-    print(str(err), file=sys.stderr)
-    return 1
+def failure_of(exc: BaseException) -> tuple[int, str] | None:
+    """The exit code and message of an expected failure, or None if `exc` is unexpected (a bug)."""
+    import asyncio
+
+    from composer_mesh.mesh.launch import LaunchError, MeshFailureError
+    from composer_mesh.topology.yaml_errors import TopologyError
+
+    if isinstance(exc, TopologyError):  # every problem with its file:line:column
+        return EXIT_INVALID, str(exc)
+    if isinstance(exc, MeshFailureError):
+        gist = str(exc).removesuffix(" (Monarch's full reports are in .failures)")
+        return EXIT_RUN_FAILED, f"composer-mesh: run failed: {gist}\n{_MESH_DEBUG_HINT}"
+    if isinstance(exc, LaunchError):
+        return EXIT_RUN_FAILED, f"composer-mesh: launch failed: {exc}\n{_DEBUG_HINT}"
+    if isinstance(exc, OSError) and exc.filename is not None:
+        where = f"{exc.filename}" + (f" -> {exc.filename2}" if exc.filename2 is not None else "")
+        return EXIT_RUN_FAILED, f"composer-mesh: run failed: {where}: {exc.strerror or exc}\n{_DEBUG_HINT}"
+    if isinstance(exc, KeyboardInterrupt):
+        return EXIT_INTERRUPTED, "composer-mesh: interrupted"
+    if isinstance(exc, asyncio.CancelledError):
+        return EXIT_TERMINATED, "composer-mesh: stopped (the run was cancelled, e.g. by SIGTERM)"
+    return None
+
+
+def report_failure(exc: BaseException, debug: bool = False) -> int:
+    """Print what went wrong (the traceback too with `debug`, or when `exc` is unexpected); the exit code."""
+    known = failure_of(exc)
+    if known is None:
+        traceback.print_exception(exc, file=sys.stderr)
+        print(
+            f"composer-mesh: unexpected error ({type(exc).__name__}); if your code or setup did not cause it, "
+            "it is a bug: please report it with the traceback above",
+            file=sys.stderr,
+        )
+        return EXIT_BUG
+    code, message = known
+    if not debug:
+        print(message, file=sys.stderr)
+        return code
+    from composer_mesh.mesh.launch import MeshFailureError
+
+    traceback.print_exception(exc, file=sys.stderr)
+    for failure in exc.failures if isinstance(exc, MeshFailureError) else ():  # Monarch's report of each
+        print(
+            f"--- Monarch failure report: {failure.actor or '(procs)'} on mesh {failure.mesh!r} ---",
+            file=sys.stderr,
+        )
+        print(failure.report.rstrip(), file=sys.stderr)
+    return code
 
 
 # ---- validate ---------------------------------------------------------------------------------------------
@@ -36,14 +100,11 @@ def _validate_args(p: argparse.ArgumentParser) -> None:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    from composer_mesh.topology import TopologyError, load_topology
+    from composer_mesh.topology import load_topology
 
-    try:
-        topology = load_topology(args.file)
-    except TopologyError as e:
-        return _print_error(e)
+    topology = load_topology(args.file)
     print(f"ok: {args.file}: {topology.summary()}")
-    return 0
+    return EXIT_OK
 
 
 # ---- plan -------------------------------------------------------------------------------------------------
@@ -73,13 +134,11 @@ def _plan(args: argparse.Namespace) -> int:
             prices = load_prices(args.prices)
         except TopologyError as e:
             errors.append(e)
-    if errors:
-        for e in errors:
-            _print_error(e)
-        return 1
+    if errors:  # both files' errors, not only the first file's
+        return max(report_failure(e, debug=args.debug) for e in errors)
     assert topology is not None
     render_plan(make_plan(topology, prices))
-    return 0
+    return EXIT_OK
 
 
 # ---- run --------------------------------------------------------------------------------------------------
@@ -102,14 +161,9 @@ def _positive_int(text: str) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from composer_mesh.topology import TopologyError
+    from composer_mesh.app.runner import main as run_main
 
-    try:
-        from composer_mesh.app.runner import main as run_main
-
-        return run_main(args.file, steps=args.steps, run_dir=args.run_dir)
-    except TopologyError as e:
-        return _print_error(e)
+    return run_main(args.file, steps=args.steps, run_dir=args.run_dir)
 
 
 COMMANDS: list[Command] = [
@@ -129,15 +183,21 @@ COMMANDS: list[Command] = [
 ]
 
 
+_DEBUG_HELP = "on a failure, print the Python traceback (and Monarch's failure reports) instead of a message"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="composer-mesh",
         description="RL post-training of language models on Monarch actor meshes.",
         allow_abbrev=False,  # a misspelt flag is an error, not silently another flag
     )
+    parser.add_argument("--debug", action="store_true", help=_DEBUG_HELP)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for cmd in COMMANDS:
         p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help, allow_abbrev=False)
+        # Also after the subcommand; SUPPRESS keeps a `--debug` given before it.
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=_DEBUG_HELP)
         cmd.add_arguments(p)
         p.set_defaults(handler=cmd.handler)
     return parser
@@ -146,7 +206,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `composer-mesh` console script; returns the exit code."""
     args = build_parser().parse_args(argv)
-    return int(args.handler(args))
+    try:
+        return int(args.handler(args))
+    except SystemExit:
+        raise
+    except BaseException as exc:  # Ctrl-C and cancellation too: each gets its message and exit code
+        return report_failure(exc, debug=args.debug)
 
 
 if __name__ == "__main__":

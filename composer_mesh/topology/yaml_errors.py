@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 import types
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -78,6 +79,10 @@ class YamlDoc:
         self.issues: list[TopologyIssue] = []
         self.root: yaml.Node | None = None
         self.data: Any = None
+        bad = first_unprintable(text)
+        if bad is not None:  # YAML refuses it (the loader raises on it before parsing anything)
+            self.issues.append(bad)
+            return
         loader = yaml.SafeLoader(text)
         try:
             self.root = loader.get_single_node()
@@ -345,14 +350,66 @@ def parse_yaml_model(text: str, model: type[M], source: str | None = None) -> M:
     return result
 
 
-def read_text(path: str | os.PathLike[str]) -> str:
-    """The file's text; an unreadable file is a TopologyError naming it."""
+# What YAML does not accept in a file (yaml.reader.Reader.NON_PRINTABLE): C0 controls but tab, LF and CR,
+# DEL, C1 controls but NEL, surrogates, U+FFFE and U+FFFF.
+_UNPRINTABLE = re.compile("[^\x09\x0a\x0d\x20-\x7e\x85\xa0-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
+
+
+def _line_column(text: str, index: int) -> tuple[int, int]:
+    """1-based line and column (in characters) of `text[index]`."""
+    line_start = text.rfind("\n", 0, index) + 1
+    return text.count("\n", 0, index) + 1, index - line_start + 1
+
+
+def first_unprintable(text: str) -> TopologyIssue | None:
+    """An issue at the first character YAML refuses (a NUL byte, another control character), if any."""
+    found = _UNPRINTABLE.search(text)
+    if found is None:
+        return None
+    index = found.start()
+    char = text[index]
+    line, column = _line_column(text, index)
+    if char == "\0":
+        name = "a NUL byte"
+    elif ord(char) < 0xA0:
+        name = f"control character U+{ord(char):04X}"
+    else:
+        name = f"character U+{ord(char):04X}"
+    offset = len(text[:index].encode("utf-8", "surrogatepass"))
+    return TopologyIssue("", line, column, f"{name} at byte offset {offset}: not allowed in a YAML file")
+
+
+def decode_utf8(data: bytes) -> str | TopologyIssue:
+    """The text of a file's bytes, or an issue at the first byte that is not UTF-8."""
     try:
-        return Path(path).read_text()
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        prefix = data[: e.start].decode("utf-8")  # valid up to the bad byte
+        line, column = _line_column(prefix, len(prefix))
+        return TopologyIssue(
+            "",
+            line,
+            column,
+            f"not UTF-8 text: byte 0x{data[e.start]:02x} at byte offset {e.start} ({e.reason}); "
+            "save the file as UTF-8",
+        )
+
+
+def read_text(path: str | os.PathLike[str]) -> str:
+    """The file's text; a file that cannot be read or is not UTF-8 is a TopologyError naming it."""
+    try:
+        data = Path(path).read_bytes()
     except OSError as e:
         raise TopologyError(
             [TopologyIssue("", None, None, f"cannot read file: {e.strerror or e}")], str(path)
         ) from None
+    text = decode_utf8(data)
+    if isinstance(text, TopologyIssue):
+        raise TopologyError([text], str(path))
+    bad = first_unprintable(text)  # before newlines are translated, so that its byte offset is the file's
+    if bad is not None:
+        raise TopologyError([bad], str(path))
+    return text.replace("\r\n", "\n").replace("\r", "\n")  # universal newlines, as open() reads text
 
 
 def load_yaml_model(path: str | os.PathLike[str], model: type[M]) -> M:
