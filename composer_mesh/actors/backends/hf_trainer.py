@@ -191,6 +191,30 @@ class HFTrainer:
             self.diloco.close()
             self.diloco = None
 
+    def save_state(self, url: str, extra: dict[str, Any] | None = None) -> None:
+        """Everything needed to continue training bitwise (`trainer_state.py`): weights, AdamW state, the step,
+        the RNGs and the loss state. The reference model is not saved: `start` rebuilds it from the model source."""
+        from composer_mesh.actors.backends.trainer_state import save_trainer_state
+
+        assert self.model is not None, "call start() first"
+        if self.diloco is not None:
+            raise NotImplementedError("the trainer state of a DiLoCo replica (outer optimizer, round) is not saved yet")
+        loss_state = self.loss_state.state_dict() if self.loss_state is not None else None
+        save_trainer_state(url, self.model, self.optimizer, self.step, loss_state, extra)
+
+    def load_state(self, url: str) -> dict[str, Any]:
+        """Continue from a state written by `save_state` (after `start` with the same topology); its `extra`."""
+        from composer_mesh.actors.backends.trainer_state import TrainerStateError, load_trainer_state
+
+        assert self.model is not None, "call start() first"
+        meta = load_trainer_state(url, self.model, self.optimizer)
+        if (meta["loss_state"] is None) != (self.loss_state is None):
+            raise TrainerStateError(f"{url}: the loss state does not match this loss config (adaptive TAID on/off)")
+        if self.loss_state is not None:
+            self.loss_state.load_state_dict(meta["loss_state"])
+        self.step = int(meta["step"])
+        return dict(meta["extra"])
+
     def save_checkpoint(self, directory: Path, weight_version: int) -> Path:
         """Weights as safetensors + the tokenizer, loadable with `from_pretrained` (no pickles), and
         `trainer_state.json` with the optimizer step and `weight_version` (the published version, given by the

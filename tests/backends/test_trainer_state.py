@@ -1,0 +1,82 @@
+"""The trainer's full state: a trainer stopped after k steps and resumed from its state continues bitwise."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from composer_mesh.actors.backends.hf_trainer import HFTrainer, HFTrainerSettings
+from composer_mesh.actors.backends.trainer_state import TrainerStateError
+from composer_mesh.loss.config import LossConfig
+from composer_mesh.models.config import ModelConfig
+from tests.backends.test_hf_trainer import make_batch
+
+MODEL = ModelConfig(source="tiny", seed=3)
+# Every channel, KL to the reference, and adaptive TAID: the state the loss carries across steps is saved too.
+LOSS = LossConfig(kl_beta=0.05, sdpo_wrapper="taid", taid_total_steps=10)
+
+
+def trainer(model: ModelConfig = MODEL) -> HFTrainer:
+    t = HFTrainer(HFTrainerSettings(lr=1e-2))
+    t.start(model, LOSS)
+    return t
+
+
+def state_of(t: HFTrainer) -> dict[str, torch.Tensor]:
+    out = {f"w/{k}": v.clone() for k, v in t.model.state_dict().items()}
+    for i, s in t.optimizer.state_dict()["state"].items():
+        out.update({f"o/{i}/{k}": torch.as_tensor(v).clone() for k, v in s.items()})
+    return out
+
+
+def test_resumed_trainer_continues_bitwise(tmp_path):
+    a = trainer()
+    batch = make_batch(a)
+    for _ in range(2):
+        a.train_step(batch)
+    a.save_state(str(tmp_path / "s"), extra={"weight_version": 3})
+    after_save = (torch.rand(4), random.random())  # what the RNGs give right after the save
+    for _ in range(2):
+        a.train_step(batch)
+
+    b = trainer()
+    b.train_step(batch)  # a different history before loading: the state replaces all of it
+    assert b.load_state(str(tmp_path / "s")) == {"weight_version": 3} and b.step == 2
+    resumed = (torch.rand(4), random.random())
+    assert torch.equal(resumed[0], after_save[0]) and resumed[1] == after_save[1]  # RNGs restored
+    for _ in range(2):
+        b.train_step(batch)
+    sa, sb = state_of(a), state_of(b)
+    assert sa.keys() == sb.keys()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa), [k for k in sa if not torch.equal(sa[k], sb[k])][:3]
+    assert a.loss_state.state_dict() == b.loss_state.state_dict() and a.step == b.step == 4
+
+
+def test_half_written_foreign_or_mismatched_states_are_refused(tmp_path):
+    a = trainer()
+    a.save_state(str(tmp_path / "s"))
+    (tmp_path / "s" / "COMPLETE").unlink()
+    with pytest.raises(TrainerStateError, match="no COMPLETE marker"):
+        a.load_state(str(tmp_path / "s"))
+    a.save_state(str(tmp_path / "s"))
+    meta = json.loads((tmp_path / "s" / "state.json").read_text())
+    (tmp_path / "s" / "state.json").write_text(json.dumps({**meta, "format": 99}))
+    with pytest.raises(TrainerStateError, match="format 99"):
+        a.load_state(str(tmp_path / "s"))
+    wider = trainer(ModelConfig(source="tiny", seed=3, hidden_size=32, num_heads=2, num_kv_heads=1))
+    wider.save_state(str(tmp_path / "w"))
+    with pytest.raises(TrainerStateError, match=r"another model: .*embed_tokens.weight: saved \(\d+, 32\)"):
+        a.load_state(str(tmp_path / "w"))
+
+
+def test_state_goes_to_any_fsspec_url(tmp_path):
+    a = trainer()
+    a.train_step(make_batch(a))
+    a.save_state(f"file://{tmp_path}/s")
+    b = trainer()
+    b.load_state(f"file://{tmp_path}/s")
+    sa, sb = state_of(a), state_of(b)
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
