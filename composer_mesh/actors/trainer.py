@@ -35,13 +35,14 @@ class TrainerService:
     def start(self, model: Any, loss: Any, temperature: float, diloco: Any = None, replica_id: int = 0) -> None:
         self.backend.start(model, loss, temperature=temperature, diloco=diloco, replica_id=replica_id)
 
-    def publish(self) -> WeightManifest:
-        """Copy the current weights into the next slot of the plane (registered once, on first use)."""
+    def publish(self, version: int | None = None) -> WeightManifest:
+        """Copy the current weights into the next slot of the plane (registered once, on first use), as the next
+        version or as `version` (a resumed run's)."""
         t0 = time.perf_counter()
         named = self.backend.named_weights()
         if self.publisher is None:
             self.publisher = WeightPublisher(named, self.weights_config)
-        manifest = self.publisher.publish(named)
+        manifest = self.publisher.publish(named, version)
         self.last_publish_s = time.perf_counter() - t0
         return manifest
 
@@ -58,6 +59,16 @@ class TrainerService:
         metrics.metrics["publish_s"] = self.last_publish_s
         metrics.metrics["train_step_s"] = time.perf_counter() - t0  # the trainer's own time (no messaging)
         return metrics, manifest
+
+    def save_state(self, url: str) -> str:
+        """The binding's full training state (`HFTrainer.save_state`), stamped with the published weight version."""
+        self.backend.save_state(url, extra={"weight_version": self.version})
+        return url
+
+    def load_state(self, url: str) -> WeightManifest:
+        """Continue from `save_state`'s state: load it and publish its weights under the version it had."""
+        extra = self.backend.load_state(url)
+        return self.publish(version=int(extra["weight_version"]))
 
     def save_checkpoint(self, directory: Path) -> Path:
         """The binding's checkpoint, stamped with the published weight version."""
@@ -107,6 +118,16 @@ class TrainerActor(RoleActor[TrainerService]):
     @endpoint
     async def version(self) -> int:
         return self.service.version
+
+    @endpoint
+    async def save_state(self, url: str) -> str:
+        """Write the full training state under `url` (any fsspec URL); see `HFTrainer.save_state`."""
+        return await asyncio.to_thread(self.service.save_state, url)
+
+    @endpoint
+    async def load_state(self, url: str) -> WeightManifest:
+        """Resume from `save_state`'s state; returns the manifest of its weights (generators pull it)."""
+        return await asyncio.to_thread(self.service.load_state, url)
 
     @endpoint
     async def save_checkpoint(self, directory: str) -> str:

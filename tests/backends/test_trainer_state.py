@@ -80,3 +80,29 @@ def test_state_goes_to_any_fsspec_url(tmp_path):
     b.load_state(f"file://{tmp_path}/s")
     sa, sb = state_of(a), state_of(b)
     assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_resumed_service_republishes_under_the_saved_version(tmp_path):
+    from composer_mesh.actors.trainer import TrainerService
+    from composer_mesh.mesh.weights.config import WeightPlaneConfig
+    from composer_mesh.mesh.weights.plane import WeightPlaneError
+
+    config = WeightPlaneConfig(transport="endpoint")
+    first = TrainerService(HFTrainer(HFTrainerSettings(lr=1e-2)), config)
+    first.start(MODEL, LOSS, temperature=1.0)
+    first.publish()
+    for _ in range(3):
+        first.train_step(make_batch(first.backend))
+    assert first.version == 4
+    first.save_state(str(tmp_path / "s"))
+    resumed = TrainerService(HFTrainer(HFTrainerSettings(lr=1e-2)), config)
+    resumed.start(MODEL, LOSS, temperature=1.0)
+    resumed.publish()  # setup publishes version 1 ...
+    manifest = resumed.load_state(str(tmp_path / "s"))  # ... and the resumed weights continue the run's numbering
+    assert manifest.version == 4 and resumed.version == 4
+    metrics, next_manifest = resumed.train_step(make_batch(resumed.backend))
+    assert next_manifest.version == metrics.weight_version == 5
+    with pytest.raises(WeightPlaneError, match="not newer"):
+        resumed.publish(version=5)
+    first.close()
+    resumed.close()

@@ -247,12 +247,15 @@ class WeightPublisher:
     def nbytes(self) -> int:
         return self._total
 
-    def publish(self, params: Mapping[str, torch.Tensor]) -> WeightManifest:
-        """Copy `params` into the next slot as version `version + 1` and return its manifest."""
+    def publish(self, params: Mapping[str, torch.Tensor], version: int | None = None) -> WeightManifest:
+        """Copy `params` into the next slot as version `version + 1` (or as `version`, which must be newer: a
+        resumed trainer continues its run's numbering) and return its manifest."""
         if self._closed:
             raise WeightPlaneError("WeightPublisher.publish: the publisher is closed")
         _check_against(self._specs, _signature(params), "WeightPublisher.publish")
-        version = self._version + 1
+        if version is not None and version <= self._version:
+            raise WeightPlaneError(f"WeightPublisher.publish: version {version} is not newer than {self._version}")
+        version = self._version + 1 if version is None else version
         slot = version % self.num_slots
         self._header[slot] = 2 * version + 1  # writing: readers of this slot will see a torn read
         full_fence()  # the odd header is visible before any byte of the new version (shared memory)
