@@ -45,7 +45,7 @@ STAND_IN = "composer_mesh.actors.backends.fixed_latency:FixedLatencyGenerator"
 REWARD_PATH = "composer_mesh.tasks.arithmetic:exact_match"
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from machine import cpu_model, package_versions, total_memory_gib  # noqa: E402
+from machine import child_env, cpu_model, package_versions, total_memory_gib  # noqa: E402
 
 TIMING_KEYS = ("generate_s", "score_s", "train_s", "sync_s", "trainer_idle_s", "generator_idle_s")
 
@@ -99,10 +99,8 @@ run:
 
 
 def _child_env() -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1", MONARCH_FILE_LOG="error")
+    env = child_env(ROOT, 1, MONARCH_FILE_LOG="error")
     env.setdefault("HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY", "1s")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
     return env
 
 

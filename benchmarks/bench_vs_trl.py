@@ -62,9 +62,8 @@ alone would flatter composer-mesh.
 Measured per run, side by side in one invocation, interleaved per seed (TRL at 1 and 2 threads, lag 0, lag 1):
 
 - samples/s = rollouts trained / training seconds. composer-mesh: sum of the step lines' `rollouts` over
-  (last step's `elapsed_s` - the `train_start` event's `elapsed_s`) from DIR/metrics.jsonl. A metrics file
-  without those fields (an older loop) falls back to the parent's clock: the arrival time of each line,
-  polled every 0.2 s, from the start event (`train_start`, else the `eval` before) to the last step line.
+  (last step's `elapsed_s` - the `train_start` event's `elapsed_s`) from DIR/metrics.jsonl, read as it grows
+  (polled every 0.2 s: the arrival time of the `train_start` line is the end of startup).
   TRL: 32 x steps over the first `on_step_begin` to the last `on_step_end` (a `TrainerCallback`), which
   includes step 1's generation, like composer-mesh's window.
 - startup = seconds from launching the subprocess to the first training step (imports, model load, trainer
@@ -99,7 +98,7 @@ from typing import Any
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from machine import cpu_model, package_versions, total_memory_gib  # noqa: E402
+from machine import child_env, cpu_model, package_versions, total_memory_gib  # noqa: E402
 
 TASK = "addition"
 REWARD_PATH = "composer_mesh.tasks.arithmetic:exact_match"
@@ -191,13 +190,6 @@ run:
 """
 
 
-def _child_env(threads: int) -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
-    return env
-
-
 def _read_lines(path: Path, offset: int) -> tuple[list[str], int]:
     """Complete lines appended to `path` since byte `offset`, and the new offset."""
     try:
@@ -215,7 +207,7 @@ def _fail(config: str, seed: int, status: str, **extra: Any) -> dict[str, Any]:
 
 
 def run_cm(args: argparse.Namespace, model_dir: str, lag: int, seed: int) -> dict[str, Any]:
-    """One composer-mesh run in a subprocess; metrics.jsonl read as it grows (line arrival times as fallback)."""
+    """One composer-mesh run in a subprocess; metrics.jsonl read as it grows (line arrival times give startup)."""
     config = f"cm-lag{lag}"
     run_dir = args.out / f"{config}-seed{seed}"
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -228,7 +220,7 @@ def run_cm(args: argparse.Namespace, model_dir: str, lag: int, seed: int) -> dic
     offset = 0
     with (run_dir / "log.txt").open("w") as log:
         t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=_child_env(args.cm_threads))
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=child_env(ROOT, args.cm_threads))
         try:
             while True:
                 rc = proc.poll()
@@ -260,20 +252,12 @@ def summarise_cm(args: argparse.Namespace, config: str, seed: int, lines: list[t
     if not steps:
         return _fail(config, seed, "no step lines in metrics.jsonl", log=str(run_dir / "log.txt"))
     start = next(((t, o) for t, o in events if o["event"] == "train_start"), None)
-    if start is None:  # an older loop: the initial eval event ends startup
-        start = next(((t, o) for t, o in events if o["event"] == "eval" and o.get("when") == "before"), None)
-    rollouts = [int(o.get("rollouts") or per_batch) for _, o in steps]
-    last_t, last = steps[-1]
-    if start is not None and start[1]["event"] == "train_start" and last.get("elapsed_s"):
-        train_s = float(last["elapsed_s"]) - float(start[1]["elapsed_s"])
-        clock = "metrics elapsed_s"
-    elif start is not None:
-        train_s = last_t - start[0]
-        clock = "line arrival (fallback)"
-    else:  # no start marker at all: from the first step line back by its own step time
-        train_s = last_t - steps[0][0] + float(steps[0][1].get("step_s", 0.0))
-        clock = "line arrival from step 1 (fallback)"
-    startup_s = start[0] if start is not None else steps[0][0] - float(steps[0][1].get("step_s", 0.0))
+    if start is None:
+        return _fail(config, seed, "no train_start event in metrics.jsonl", log=str(run_dir / "log.txt"))
+    rollouts = [int(o["rollouts"]) for _, o in steps]
+    last = steps[-1][1]
+    train_s = float(last["elapsed_s"]) - float(start[1]["elapsed_s"])
+    startup_s = start[0]
     dropped_events = [o for _, o in events if o["event"] == "dropped"]
     if dropped_events:
         dropped = sum(int(o.get("rollouts", per_batch)) for o in dropped_events)
@@ -288,7 +272,7 @@ def summarise_cm(args: argparse.Namespace, config: str, seed: int, lines: list[t
         "rewards": [float(o["reward"]) for _, o in steps], "rollouts_trained": trained,
         "rollouts_dropped": dropped, "dropped_share": dropped / max(1, trained + dropped),
         "train_s": train_s, "samples_per_s": trained / train_s if train_s > 0 else float("nan"),
-        "startup_s": startup_s, "clock": clock, "threads": f"trainer {args.cm_threads} + generator {args.cm_threads}",
+        "startup_s": startup_s, "clock": "metrics elapsed_s", "threads": f"trainer {args.cm_threads} + generator {args.cm_threads}",
         "policy_lag_max": max(int(o.get("policy_lag", 0)) for _, o in steps), "step_timing_median_s": timing,
         "run_dir": str(run_dir),
     }
@@ -399,7 +383,7 @@ def run_trl(args: argparse.Namespace, model_dir: str, threads: int, seed: int) -
     try:
         with log.open("w") as err:
             proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True,
-                                  env=_child_env(threads), timeout=args.timeout, check=False)
+                                  env=child_env(ROOT, threads), timeout=args.timeout, check=False)
     except subprocess.TimeoutExpired:
         return _fail(config, seed, f"timeout ({args.timeout:.0f} s)", log=str(log))
     if proc.returncode != 0:
@@ -615,10 +599,6 @@ def report(args: argparse.Namespace, model: dict[str, Any], rows: list[dict[str,
     print("\ngoals")
     for g in summary["goals"]:
         print(f"  {'PASS' if g['pass'] else 'MISS'}  {g['goal']}: {g['got']}")
-    clocks = {c.get("clock") for k, c in summary["configs"].items() if k.startswith("cm-") and c.get("runs")}
-    if any(c and "fallback" in c for c in clocks):
-        print("note: composer-mesh's metrics.jsonl has no train_start/elapsed_s; its seconds come from line arrival "
-              f"times polled every {POLL_S} s (see the module docstring)")
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "trl_child"}
     payload = {**info, "settings": settings, "model_dir": model["dir"], "params": model["params"],
                "summary": summary, "runs": rows}

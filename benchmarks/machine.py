@@ -7,6 +7,15 @@ import platform
 from importlib.metadata import PackageNotFoundError, version
 
 
+def child_env(root: str, threads: int, **extra: str) -> dict[str, str]:
+    """The environment of a benchmark's child process: `threads` OpenMP/MKL threads, offline, unbuffered,
+    `root` (the repository) importable; `extra` variables on top."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1", **extra)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    return env
+
+
 def cpu_model() -> str:
     """The CPU's model name from /proc/cpuinfo (platform's guess elsewhere)."""
     try:
