@@ -26,8 +26,11 @@ EXIT_INVALID = 1  # a topology / price file that is missing, unreadable, not UTF
 EXIT_USAGE = 2  # bad command-line usage (argparse's own code)
 EXIT_RUN_FAILED = 3  # launching failed, an actor or proc died, or a file of the run could not be written
 EXIT_BUG = 70  # an unexpected exception (EX_SOFTWARE of sysexits.h); its traceback is printed
+EXIT_PREEMPTED = 75  # a Slurm job of the run was warned of its end, preempted or timed out: the run stopped with a
+# checkpoint (EX_TEMPFAIL: run it again with --resume)
 EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT)
-EXIT_TERMINATED = 143  # SIGTERM during `run` (128 + SIGTERM), which cancels the run so that cleanup runs
+EXIT_TERMINATED = 143  # SIGTERM during `run` (128 + SIGTERM): the run stops with a checkpoint, a second one at once
+_STOP_EXIT = {"SIGINT": EXIT_INTERRUPTED, "SIGTERM": EXIT_TERMINATED, "slurm": EXIT_PREEMPTED}
 
 _DEBUG_HINT = "(run with --debug for the traceback)"
 _MESH_DEBUG_HINT = "(run with --debug for the traceback and Monarch's failure reports)"
@@ -46,10 +49,13 @@ def failure_of(exc: BaseException) -> tuple[int, str] | None:
     import asyncio
 
     from composer_mesh.mesh.launch import LaunchError, MeshFailureError
+    from composer_mesh.orchestration.checkpoint import RunCheckpointError
     from composer_mesh.topology.yaml_errors import TopologyError
 
     if isinstance(exc, TopologyError):  # every problem with its file:line:column
         return EXIT_INVALID, str(exc)
+    if isinstance(exc, RunCheckpointError):  # a checkpoint that is missing, half-written, corrupted or foreign
+        return EXIT_INVALID, f"composer-mesh: cannot resume: {exc}"
     if isinstance(exc, MeshFailureError):
         gist = str(exc).removesuffix(" (Monarch's full reports are in .failures)")
         return EXIT_RUN_FAILED, f"composer-mesh: run failed: {gist}\n{_MESH_DEBUG_HINT}"
@@ -148,6 +154,11 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", help="topology YAML file")
     p.add_argument("--steps", type=_positive_int, help="override run.steps")
     p.add_argument("--run-dir", help="override run.run_dir (metrics.jsonl, plot.png, checkpoint/)")
+    p.add_argument(
+        "--resume", nargs="?", const=True, default=False, metavar="PATH",
+        help="continue from the newest full checkpoint of the run (run.checkpoint_url, default <run_dir>/checkpoints), "
+        "or from PATH: a checkpoint, a checkpoints directory or a run directory",
+    )
 
 
 def _positive_int(text: str) -> int:
@@ -163,7 +174,16 @@ def _positive_int(text: str) -> int:
 def _run(args: argparse.Namespace) -> int:
     from composer_mesh.app.runner import main as run_main
 
-    return run_main(args.file, steps=args.steps, run_dir=args.run_dir)
+    summary, cause = run_main(args.file, steps=args.steps, run_dir=args.run_dir, resume=args.resume)
+    if cause is None:
+        return EXIT_OK
+    where = f" --run-dir {args.run_dir}" if args.run_dir else ""
+    print(
+        f"composer-mesh: stopped ({summary.stopped}); the full checkpoint is {summary.checkpoint}\n"
+        f"resume with: composer-mesh run {args.file}{where} --resume",
+        file=sys.stderr,
+    )
+    return _STOP_EXIT.get(cause, EXIT_RUN_FAILED)
 
 
 COMMANDS: list[Command] = [

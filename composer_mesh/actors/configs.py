@@ -34,6 +34,7 @@ class TrainerConfig(RoleConfig):
     weights: WeightPlaneConfig
     temperature: float  # the sampling temperature the generators' log-probs are taken at
     diloco: DiLoCoConfig | None = None
+    seed: int = 0  # the run's seed: each replica's RNGs start from it once the model is built
 
 
 @dataclass(frozen=True)

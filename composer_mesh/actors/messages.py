@@ -203,3 +203,4 @@ class TrainMetrics:
     loss: float
     channels: dict[str, float] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
+    states_written: list[str] = field(default_factory=list)  # full-state writes finished since the last step

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +32,23 @@ class TrainerService:
         self.weights_config = weights
         self.publisher: WeightPublisher | None = None
         self.last_publish_s = 0.0
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="trainer-state-writer")
+        self._writes: list[tuple[str, Future[None]]] = []  # full-state writes not yet reported
 
-    def start(self, model: Any, loss: Any, temperature: float, diloco: Any = None, replica_id: int = 0) -> None:
+    def start(self, model: Any, loss: Any, temperature: float, diloco: Any = None, replica_id: int = 0,
+              seed: int = 0) -> None:
+        """Start the binding, then seed the process's RNGs (torch, Python, NumPy) from the run's seed and the
+        replica: what building the model consumed (a cold or a warm model cache) must not change the run."""
+        import random
+
+        import numpy as np
+        import torch
+
         self.backend.start(model, loss, temperature=temperature, diloco=diloco, replica_id=replica_id)
+        rng_seed = seed * 1_000_003 + replica_id
+        torch.manual_seed(rng_seed)
+        random.seed(rng_seed)
+        np.random.seed(rng_seed % 2**32)
 
     def publish(self, version: int | None = None) -> WeightManifest:
         """Copy the current weights into the next slot of the plane (registered once, on first use), as the next
@@ -53,17 +68,45 @@ class TrainerService:
     def train_step(self, batch: TrainBatch) -> tuple[TrainMetrics, WeightManifest]:
         """One optimizer step, then publish: the plane's version is the one weight-version counter."""
         t0 = time.perf_counter()
+        written = self._collect_writes(wait=False)
         metrics = self.backend.train_step(batch)
+        metrics.states_written = written
         manifest = self.publish()
         metrics.weight_version = manifest.version
         metrics.metrics["publish_s"] = self.last_publish_s
         metrics.metrics["train_step_s"] = time.perf_counter() - t0  # the trainer's own time (no messaging)
         return metrics, manifest
 
-    def save_state(self, url: str) -> str:
-        """The binding's full training state (`HFTrainer.save_state`), stamped with the published weight version."""
-        self.backend.save_state(url, extra={"weight_version": self.version})
+    def save_state(self, url: str, wait: bool = True) -> str:
+        """The binding's full training state (`HFTrainer.snapshot_state`), stamped with the published weight version.
+
+        `wait=False` keeps writing off the training path: the state is copied now and written by a background
+        thread; the next `train_step` reports it in `TrainMetrics.states_written` (or raises its failure), and
+        `flush_states` waits for it. One write at a time: a new save first waits for the previous write."""
+        from composer_mesh.actors.backends.trainer_state import write_trainer_state
+
+        if self._writes:
+            self._writes[-1][1].exception()  # wait; its error is raised when collected
+        snapshot = self.backend.snapshot_state(extra={"weight_version": self.version})
+        self._writes.append((url, self._writer.submit(write_trainer_state, url, snapshot)))
+        if wait:
+            self.flush_states()
         return url
+
+    def flush_states(self) -> list[str]:
+        """Wait for every background state write; the URLs written since the last report."""
+        return self._collect_writes(wait=True)
+
+    def _collect_writes(self, wait: bool) -> list[str]:
+        """URLs of finished writes (all of them with `wait`); a failed write raises, naming its URL."""
+        done = []
+        while self._writes and (wait or self._writes[0][1].done()):
+            url, future = self._writes.pop(0)
+            error = future.exception()
+            if error is not None:
+                raise RuntimeError(f"writing the trainer state to {url} failed: {type(error).__name__}: {error}") from error
+            done.append(url)
+        return done
 
     def load_state(self, url: str) -> WeightManifest:
         """Continue from `save_state`'s state: load it and publish its weights under the version it had."""
@@ -75,6 +118,10 @@ class TrainerService:
         return Path(self.backend.save_checkpoint(directory, self.version))
 
     def close(self) -> None:
+        try:
+            self.flush_states()
+        finally:
+            self._writer.shutdown(wait=True)
         close = getattr(self.backend, "close", None)
         if close is not None:
             close()
@@ -94,7 +141,8 @@ class TrainerActor(RoleActor[TrainerService]):
         """Build model, optimizer and loss; publish the initial policy as version 1."""
         cfg = self.config
         service = TrainerService(cfg.binding.build(), cfg.weights)
-        await asyncio.to_thread(service.start, cfg.model, cfg.loss, cfg.temperature, cfg.diloco, self.replica_id())
+        await asyncio.to_thread(service.start, cfg.model, cfg.loss, cfg.temperature, cfg.diloco, self.replica_id(),
+                                cfg.seed)
         self._service = service
         return service.publish()
 
@@ -120,9 +168,15 @@ class TrainerActor(RoleActor[TrainerService]):
         return self.service.version
 
     @endpoint
-    async def save_state(self, url: str) -> str:
-        """Write the full training state under `url` (any fsspec URL); see `HFTrainer.save_state`."""
-        return await asyncio.to_thread(self.service.save_state, url)
+    async def save_state(self, url: str, wait: bool = True) -> str:
+        """Write the full training state under `url` (any fsspec URL); `wait=False` copies it now and writes it
+        in the background (see `TrainerService.save_state`)."""
+        return await asyncio.to_thread(self.service.save_state, url, wait)
+
+    @endpoint
+    async def flush_states(self) -> list[str]:
+        """Wait for the background state writes; the URLs written since the last report."""
+        return await asyncio.to_thread(self.service.flush_states)
 
     @endpoint
     async def load_state(self, url: str) -> WeightManifest:

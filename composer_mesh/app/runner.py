@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
+import signal
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -12,8 +15,15 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from composer_mesh.app.launch import launch
-from composer_mesh.orchestration.loop import RLLoop
+from composer_mesh.orchestration.checkpoint import (
+    CheckpointPolicy,
+    check_fingerprint,
+    find_checkpoint,
+    read_checkpoint,
+)
+from composer_mesh.orchestration.loop import ResumePoint, RLLoop
 from composer_mesh.orchestration.metrics import RunSummary, StepRecord
+from composer_mesh.roles import RoleMesh
 from composer_mesh.topology import Topology, load_topology
 
 
@@ -36,15 +46,82 @@ def apply_overrides(topology: Topology, steps: int | None, run_dir: Path | None)
     return new
 
 
-async def run_topology(topology: Topology, console: Console | None = None) -> RunSummary:
-    """Launch every mesh of `topology`, run the loop, tear everything down (also on errors)."""
+def checkpoint_policy(topology: Topology) -> CheckpointPolicy:
+    """The run's checkpoint settings, the topology's fingerprint, and which steps a DiLoCo trainer can save at."""
+    run = topology.run
+    diloco = topology.diloco
+    return CheckpointPolicy(
+        url=run.checkpoint_url or str(run.run_dir / "checkpoints"), every=run.checkpoint_every,
+        keep=run.keep_checkpoints, fingerprint=topology.training_fingerprint(),
+        checkpointable=diloco.checkpointable if diloco is not None else (lambda step: True),
+    )
+
+
+def resume_point(topology: Topology, path: str | None) -> ResumePoint:
+    """The checkpoint to resume from (`path`, else the newest of the run's), refused when it was written under
+    a topology whose training-defining fields differ. Read before anything is launched."""
+    where = path or checkpoint_policy(topology).url
+    url = find_checkpoint(where)
+    state = read_checkpoint(url)
+    check_fingerprint(url, state.fingerprint, topology.training_fingerprint())
+    return ResumePoint(url, state)
+
+
+class StopRequests:
+    """SIGTERM / SIGINT while the loop runs: the first asks it to checkpoint and stop, a second (or one before the
+    loop exists) cancels the run at once. `cause` is what stopped it: the signal's name, or "slurm"."""
+
+    def __init__(self, console: Console) -> None:
+        self.console = console
+        self.loop: RLLoop | None = None
+        self.cause: str | None = None
+        self._task = asyncio.current_task()
+
+    def stop(self, cause: str, reason: str) -> None:
+        if self.loop is None or self.cause is not None:
+            self.cause = self.cause or cause
+            if self._task is not None:
+                self._task.cancel()
+            return
+        self.cause = cause
+        self.console.print(f"[bold yellow]{reason}[/]: checkpointing and stopping after the current step "
+                           "(send the signal again to stop at once, without a checkpoint)")
+        self.loop.request_stop(reason)
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[StopRequests]:
+        loop = asyncio.get_running_loop()
+        installed = []
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                loop.add_signal_handler(sig, self.stop, sig.name, f"{sig.name} received")
+                installed.append(sig)
+            except (NotImplementedError, RuntimeError, ValueError):  # not the main thread: keep the defaults
+                pass
+        try:
+            yield self
+        finally:
+            for sig in installed:
+                loop.remove_signal_handler(sig)
+
+    async def watch_slurm(self, mesh: RoleMesh) -> None:
+        """Stop with a checkpoint when a Slurm job of the run is warned of its end, preempted or timed out."""
+        notice = await mesh.launched.watch_jobs()
+        self.stop("slurm", notice.message())
+
+
+async def run_topology(topology: Topology, console: Console | None = None, resume: ResumePoint | None = None,
+                       stops: StopRequests | None = None) -> RunSummary:
+    """Launch every mesh of `topology`, run the loop (from `resume` if given), tear everything down (also on
+    errors). With `stops`, signals and Slurm end-of-job notices stop the run with a checkpoint."""
     console = console or Console(stderr=True)
     progress = Progress(
         TextColumn("[bold]train[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
         TextColumn("{task.fields[status]}"), console=console, transient=False,
     )
     with progress:
-        task = progress.add_task("train", total=topology.run.steps, status="launching meshes…")
+        done = resume.state.step if resume is not None else 0
+        task = progress.add_task("train", total=topology.run.steps, completed=done, status="launching meshes…")
 
         def on_step(r: StepRecord) -> None:
             ch = " ".join(f"{k}={_fmt(v)}" for k, v in sorted(r.channels.items()))
@@ -57,25 +134,55 @@ async def run_topology(topology: Topology, console: Console | None = None) -> Ru
 
         async with launch(topology) as mesh:
             progress.update(task, status="setting up actors (building models)…")
-            loop = RLLoop(mesh, topology.run, topology.loss, progress=on_step)
-            summary = await loop.run()
+            loop = RLLoop(mesh, topology.run, topology.loss, progress=on_step,
+                          checkpoints=checkpoint_policy(topology), resume=resume)
+            watcher = None
+            if stops is not None:
+                stops.loop = loop
+                watcher = asyncio.create_task(stops.watch_slurm(mesh))
+            try:
+                summary = await loop.run()
+            finally:
+                if watcher is not None:
+                    watcher.cancel()
+                    await asyncio.gather(watcher, return_exceptions=True)
     return summary
 
 
 def print_summary(summary: RunSummary, console: Console) -> None:
-    table = Table(title=f"run finished in {summary.seconds:.0f}s", show_header=False)
-    table.add_row("steps", str(summary.steps))
+    verb = f"stopped ({summary.stopped})" if summary.stopped else "finished"
+    table = Table(title=f"run {verb} after {summary.seconds:.0f}s", show_header=False)
+    resumed = f" (resumed from step {summary.resumed_from})" if summary.resumed_from else ""
+    table.add_row("steps", f"{summary.steps}{resumed}")
     table.add_row("train reward (first 20% → last 20%)", f"{_fmt(summary.reward_first)} → {_fmt(summary.reward_last)}")
     table.add_row("held-out reward (before → after)", f"{_fmt(summary.eval_before)} → {_fmt(summary.eval_after)}")
     table.add_row("dropped stale batches", f"{summary.dropped_batches} ({summary.dropped_rollouts} rollouts)")
     table.add_row("rollouts trained / s (startup excluded)", f"{summary.rollouts_trained} / {_fmt(summary.samples_per_s)}")
     table.add_row("run dir", f"{summary.run_dir}  (metrics.jsonl, plot.png, checkpoint/)")
+    table.add_row("full checkpoint (--resume)", summary.checkpoint or "-")
     console.print(table)
 
 
-def main(path: str, steps: int | None = None, run_dir: str | None = None) -> int:
+def main(path: str, steps: int | None = None, run_dir: str | None = None,
+         resume: str | bool = False) -> tuple[RunSummary, str | None]:
+    """`composer-mesh run`: the summary, and what stopped the run early (a signal's name, "slurm") or None.
+
+    `resume`: True for the newest checkpoint of the run, or a checkpoint / run directory path."""
     console = Console()
     topology = apply_overrides(load_topology(path), steps, Path(run_dir) if run_dir else None)
-    summary = asyncio.run(run_topology(topology))
+    point = resume_point(topology, resume if isinstance(resume, str) else None) if resume else None
+
+    async def session() -> tuple[RunSummary, str | None]:
+        stops = StopRequests(Console(stderr=True))
+        with stops.installed():
+            try:
+                summary = await run_topology(topology, resume=point, stops=stops)
+            except asyncio.CancelledError:
+                if stops.cause == "SIGINT":
+                    raise KeyboardInterrupt from None
+                raise
+        return summary, stops.cause if summary.stopped else None
+
+    summary, cause = asyncio.run(session())
     print_summary(summary, console)
-    return 0
+    return summary, cause

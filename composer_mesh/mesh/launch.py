@@ -20,6 +20,9 @@ Failures: Monarch's default fault hook exits the controller. Ours records each f
 mesh and mesh it belongs to. An exception leaving the block after an actor failure is re-raised as
 `MeshFailureError` (the original chained); failures recorded during a block that ended normally raise at
 exit; `launched.check()` raises them on demand, e.g. between training steps.
+
+Slurm jobs end outside the controller (preemption, time limit): `launched.watch_jobs()` returns a
+`JobNotice` when one is warned (`--signal` before its limit) or stops running, so the caller can checkpoint.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 # this module imports monarch only inside functions.
 from composer_mesh.mesh import runtime, slurm
 from composer_mesh.mesh.gpus import assign_gpus, format_gpus, shared_gpus
+from composer_mesh.mesh.slurm import JobNotice
 from composer_mesh.mesh.spec import MeshSpec, slurm_job_name
 
 if TYPE_CHECKING:
@@ -165,7 +169,10 @@ class LaunchedMeshes:
         self.actors: dict[str, Any] = {}
         self.placements: dict[str, PlacedActor] = {}
         self.slurm_job_ids: dict[str, str] = {}
+        self.slurm_log_dir: str | None = None  # where the Slurm jobs write their logs and warning files
         self._sink = _FailureSink()
+        self._warned: set[str] = set()  # Slurm job ids whose warning watch_jobs has returned
+        self._ended: set[str] = set()  # meshes whose Slurm job watch_jobs saw stop running
 
     def per_proc(self, name: str) -> list[Any]:
         """One handle per actor of actor mesh `name`, in (host, proc) order."""
@@ -182,6 +189,24 @@ class LaunchedMeshes:
         """Raise `MeshFailureError` if any actor or proc of this launch has failed."""
         if self._sink.failures:
             raise MeshFailureError(self._sink.failures, during="while running")
+
+    async def watch_jobs(self, poll_s: float = 5.0) -> JobNotice:
+        """The next notice about this launch's Slurm jobs: a time-limit warning or a job that stopped running.
+
+        The controller runs outside its jobs, so preemption and time limits reach it only this way: race
+        this against the work (`asyncio.wait(..., return_when=FIRST_COMPLETED)`) and checkpoint on a
+        notice. Returns `warning` once per job (SIGUSR1 from the mesh's `slurm.warning_s`; the job keeps
+        running), `preempted` / `timeout` / `ended` once a job left RUNNING (every call, as it stays so).
+        Polls squeue every `poll_s` s in a thread; cancellable. Without Slurm meshes it waits until cancelled.
+        """
+        if not self.slurm_job_ids or self.slurm_log_dir is None:
+            await asyncio.Event().wait()  # never set: nothing can happen to jobs that do not exist
+        warning_s = {m: (s.slurm.warning_s if s.slurm else None) for m, s in self.specs.items()}
+        watch = slurm.JobWatch(dict(self.slurm_job_ids), str(self.slurm_log_dir), warning_s, self._warned)
+        notice = await watch.next_notice(poll_s)
+        if notice.kind != "warning":
+            self._ended.add(notice.mesh)
+        return notice
 
     async def settled_failures(self, wait: float) -> list[ActorFailure]:
         """Failures, waiting up to `wait` s for the fault hook when a supervision error is in flight."""
@@ -258,6 +283,7 @@ async def _launch(
 ) -> AsyncIterator[LaunchedMeshes]:
     runtime.setup_controller()
     launched = LaunchedMeshes(meshes, uuid.uuid4().hex[:8])
+    launched.slurm_log_dir = slurm_logs
     jobs = _Jobs()
     runtime.add_failure_claimer(launched._sink)
     restore_sigterm = _cancel_on_sigterm()
@@ -345,8 +371,10 @@ async def _host_meshes(
     hosts: dict[str, Any] = {}
     if by_backend["slurm"]:
         kwargs = {n: specs[n].slurm_job_kwargs(job_name=slurm_job_name(run_name, n, specs[n])) for n in by_backend["slurm"]}
-        jobs.slurm = slurm.create_jobs(kwargs, {n: specs[n].hosts for n in by_backend["slurm"]}, slurm_logs)
-        slurm.submit(jobs.slurm)
+        hosts_of = {n: specs[n].hosts for n in by_backend["slurm"]}
+        warning_s = {n: (specs[n].slurm.warning_s if specs[n].slurm else None) for n in by_backend["slurm"]}
+        jobs.slurm = slurm.create_jobs(kwargs, hosts_of, slurm_logs, warning_s)
+        slurm.submit(jobs.slurm, slurm_logs)
         # All jobs are queued already, so waiting for them one after the other costs no extra time.
         for name, job in jobs.slurm.items():
             options = specs[name].slurm
@@ -433,4 +461,6 @@ async def _stop(launched: LaunchedMeshes, timeout: float) -> None:
 
     # Stopping meshes ends actors: failures reported from here on are expected, not news.
     launched._sink.stopping = True
-    await asyncio.gather(*(stop_one(n, pm) for n, pm in launched.proc_meshes.items()))
+    # A mesh whose Slurm job has ended has no procs left; stopping it would only wait out `timeout`.
+    live = {n: pm for n, pm in launched.proc_meshes.items() if n not in launched._ended}
+    await asyncio.gather(*(stop_one(n, pm) for n, pm in live.items()))

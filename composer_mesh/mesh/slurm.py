@@ -3,21 +3,31 @@
 Monarch's `SlurmJob` reads `squeue --json` in the layout of Slurm >= 23.11 and polls it blocking; this
 module normalises older layouts (Debian 12 ships 22.05), waits for a job cancellably, and detects a
 hostname that only resolves to loopback (Monarch's client transport then needs `TcpWithLocalhost`).
+
+The controller runs outside the jobs, so it also watches them (`watch`): Slurm's time-limit warning
+(`--signal=USR1@N`, recorded by `slurm_worker` in the log dir) and a job leaving RUNNING (preempted,
+timed out, cancelled) become `JobNotice`s the caller can checkpoint on.
 """
 
 from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import ipaddress
 import json
 import logging
 import os
+import shlex
 import socket
 import subprocess
 import sys
 import time
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from composer_mesh.mesh.slurm_worker import notice_path
 
 log = logging.getLogger("composer_mesh.mesh.slurm")
 
@@ -57,16 +67,34 @@ def select_squeue_job(data: dict[str, Any], job_id: str) -> dict[str, Any] | Non
     return None
 
 
-def squeue_job(job_id: str) -> dict[str, Any] | None:
-    """Query one job with `squeue --json`, in Monarch's expected layout; None if Slurm no longer lists it."""
+class SlurmQueryError(RuntimeError):
+    """`squeue` itself failed (slurmctld unreachable, unparseable output): the job's state is unknown."""
+
+
+def query_job(job_id: str) -> dict[str, Any] | None:
+    """One job from `squeue --json`, in Monarch's expected layout; None once Slurm no longer lists it.
+
+    Raises `SlurmQueryError` when squeue fails for another reason, so a watcher does not mistake a
+    slurmctld hiccup for the end of the job.
+    """
     out = subprocess.run(["squeue", "--job", str(job_id), "--json"], capture_output=True, text=True)
     if out.returncode != 0:
         # Newer Slurm fails with "Invalid job id" once the job has left the queue.
-        return None
+        if "invalid job id" in (out.stderr or "").lower():
+            return None
+        raise SlurmQueryError(f"squeue failed ({out.returncode}): {(out.stderr or '').strip()[:200]}")
     try:
         return select_squeue_job(json.loads(out.stdout or "{}"), job_id)
     except json.JSONDecodeError:
-        log.warning("unparseable squeue --json output for job %s", job_id)
+        raise SlurmQueryError(f"unparseable squeue --json output for job {job_id}") from None
+
+
+def squeue_job(job_id: str) -> dict[str, Any] | None:
+    """`query_job`, with a failed query read as "not listed" (what Monarch's `SlurmJob` expects)."""
+    try:
+        return query_job(job_id)
+    except SlurmQueryError as e:
+        log.warning("%s", e)
         return None
 
 
@@ -127,18 +155,143 @@ async def wait_until_running(job: Any, mesh: str, timeout: float | None, log_dir
         await asyncio.sleep(0.5)
 
 
-def create_jobs(job_kwargs: dict[str, dict[str, Any]], hosts: dict[str, int], log_dir: str) -> dict[str, Any]:
+def worker_python(log_dir: str) -> str:
+    """Monarch's `python_exe`: our `slurm_worker` wrapper, which survives the warning signal and records it.
+
+    Monarch writes it unquoted into `srun <python_exe> -c '<bootstrap>'`, so each word is shell-quoted here.
+    """
+    exe = f"{shlex.quote(sys.executable)} -m composer_mesh.mesh.slurm_worker"
+    return f"{exe} --notice-dir {shlex.quote(log_dir)}"
+
+
+def warning_args(warning_s: int | None) -> tuple[str, ...]:
+    """The sbatch option for the time-limit warning: USR1 to every job step (not `B:`, the batch shell,
+    which has no handler and would die of it), `warning_s` seconds before the limit."""
+    return () if warning_s is None else (f"--signal=USR1@{warning_s}",)
+
+
+NoticeKind = Literal["warning", "preempted", "timeout", "ended"]
+
+
+@dataclass(frozen=True)
+class JobNotice:
+    """Something the controller must act on: a Slurm job of a mesh was warned or stopped running.
+
+    `warning`: SIGUSR1 arrived (`--signal`, shortly before the time limit), the job still runs;
+    `preempted` / `timeout`: Slurm's final state PREEMPTED / TIMEOUT; `ended`: any other way out of RUNNING.
+    """
+
+    mesh: str
+    job_id: str
+    kind: NoticeKind
+    detail: str  # what happened, phrased to follow "Slurm job 42 of mesh 'gpu' "
+
+    def message(self) -> str:
+        """One line for users."""
+        return f"Slurm job {self.job_id} of mesh {self.mesh!r} {self.detail}"
+
+
+def _epoch(value: Any) -> float | None:
+    """A `squeue --json` time: a number (22.05) or `{"set", "infinite", "number"}` (>= 23.11); 0 = unset."""
+    if isinstance(value, dict):
+        if not value.get("set") or value.get("infinite"):
+            return None
+        value = value.get("number")
+    return float(value) if isinstance(value, (int, float)) and value > 0 else None
+
+
+def job_end_notice(mesh: str, job_id: str, job: dict[str, Any] | None) -> JobNotice | None:
+    """The notice for a job that left RUNNING; None while it runs (`job` as `query_job` returns it)."""
+    if job is None:
+        return JobNotice(mesh, job_id, "ended", "is no longer listed by squeue (it ended)")
+    state = [str(s) for s in job.get("job_state") or []]
+    if "RUNNING" in state and not (_SLURM_TERMINAL & set(state)):
+        return None
+    reason = str(job.get("state_reason") or "None")
+    why = f"state {'+'.join(state) or 'unknown'}" + ("" if reason == "None" else f", reason {reason}")
+    if "PREEMPTED" in state:
+        return JobNotice(mesh, job_id, "preempted", f"was preempted ({why})")
+    if "TIMEOUT" in state:
+        return JobNotice(mesh, job_id, "timeout", f"reached its time limit ({why})")
+    return JobNotice(mesh, job_id, "ended", f"stopped running ({why})")
+
+
+def warning_notice(mesh: str, job_id: str, job: dict[str, Any] | None, warning_s: int | None) -> JobNotice:
+    """The notice for a job whose worker got the warning signal; the time left is Slurm's end time - now."""
+    source = "from --signal" if warning_s is not None else "e.g. from scancel --signal"
+    end = _epoch(job.get("end_time")) if job else None
+    if end is None:
+        return JobNotice(mesh, job_id, "warning", f"got Slurm's warning signal (SIGUSR1 {source})")
+    left = max(0, round(end - time.time()))
+    return JobNotice(mesh, job_id, "warning", f"will reach its time limit in ~{left} s (SIGUSR1 {source})")
+
+
+# Slurm 22.05 shows a job that is ending as COMPLETING, without its final state, for a few seconds
+# (KillWait + cleanup); the watcher waits this long for the final state before calling it "ended".
+COMPLETING_GRACE_S = 60.0
+
+
+def _still_completing(job: dict[str, Any] | None) -> bool:
+    return job is not None and [str(s) for s in job.get("job_state") or []] == ["COMPLETING"]
+
+
+@dataclass
+class JobWatch:
+    """What one launch's watcher knows between polls: its jobs, and which warnings were already returned."""
+
+    job_ids: dict[str, str]  # mesh -> Slurm job id
+    log_dir: str
+    warning_s: dict[str, int | None]  # mesh -> its `slurm.warning_s`
+    warned: set[str]  # job ids whose warning was returned
+
+    def poll(self, completing: dict[str, float]) -> JobNotice | None:
+        """One round of squeue and warning-file checks (blocking: run it in a thread)."""
+        for mesh, job_id in self.job_ids.items():
+            try:
+                job = query_job(job_id)
+            except SlurmQueryError as e:
+                log.warning("cannot tell the state of Slurm job %s of mesh %s: %s", job_id, mesh, e)
+                continue
+            since = completing.setdefault(job_id, time.monotonic()) if _still_completing(job) else None
+            if since is not None and time.monotonic() - since < COMPLETING_GRACE_S:
+                continue
+            notice = job_end_notice(mesh, job_id, job)
+            if notice is not None:
+                return notice
+            if job_id not in self.warned and os.path.exists(notice_path(self.log_dir, job_id)):
+                return warning_notice(mesh, job_id, job, self.warning_s.get(mesh))
+        return None
+
+    async def next_notice(self, poll_s: float) -> JobNotice:
+        """Poll every `poll_s` s until a notice; cancellable (squeue runs in a thread)."""
+        completing: dict[str, float] = {}
+        while True:
+            notice = await asyncio.to_thread(self.poll, completing)
+            if notice is not None:
+                if notice.kind == "warning":
+                    self.warned.add(notice.job_id)
+                return notice
+            await asyncio.sleep(poll_s)
+
+
+def create_jobs(
+    job_kwargs: dict[str, dict[str, Any]],
+    hosts: dict[str, int],
+    log_dir: str,
+    warning_s: Mapping[str, int | None],
+) -> dict[str, Any]:
     """One `SlurmJob` per mesh (name -> `SlurmJob` keyword arguments), not yet submitted.
 
     Must run before the client uses Monarch's transport: `SlurmJob()` reconfigures it. The caller holds the
     jobs before `submit` runs, so a submission that fails half way still cancels the ones already queued.
+    Every job runs its worker through `slurm_worker` and gets `--signal` from its mesh's `warning_s`.
     """
     cls = slurm_job_class()
     os.makedirs(log_dir, exist_ok=True)
-    jobs = {
-        name: cls(meshes={name: hosts[name]}, python_exe=sys.executable, log_dir=log_dir, **kwargs)
-        for name, kwargs in job_kwargs.items()
-    }
+    jobs = {}
+    for name, kwargs in job_kwargs.items():
+        args = {**kwargs, "slurm_args": (*kwargs.get("slurm_args", ()), *warning_args(warning_s.get(name)))}
+        jobs[name] = cls(meshes={name: hosts[name]}, python_exe=worker_python(log_dir), log_dir=log_dir, **args)
     if hostname_is_loopback_only():
         from monarch.actor import ChannelTransport
         from monarch.config import configure
@@ -152,12 +305,18 @@ def create_jobs(job_kwargs: dict[str, dict[str, Any]], hosts: dict[str, int], lo
     return jobs
 
 
-def submit(jobs: dict[str, Any]) -> None:
+def submit(jobs: dict[str, Any], log_dir: str) -> None:
     """`sbatch` every job, synchronously (~0.1 s each): in a thread, a cancellation could let a job be
-    submitted after cleanup ran. Each is also cancelled at interpreter exit unless unregistered first."""
+    submitted after cleanup ran. Each is also cancelled at interpreter exit unless unregistered first.
+
+    A warning file left in `log_dir` by an earlier job with the same id (ids restart when a cluster's
+    state is wiped) is removed, so it is not taken for this job's warning.
+    """
     for job in jobs.values():
         register_atexit(job)
         job.apply()
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(notice_path(log_dir, str(job._slurm_job_id)))
 
 
 # A controller that dies without unwinding (no `finally`) still scancels its jobs at interpreter exit.

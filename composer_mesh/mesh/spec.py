@@ -56,6 +56,23 @@ SlurmMem = Annotated[
 SlurmJobName = Annotated[str, _matches(r"[A-Za-z0-9_.-]+", "Slurm job name (letters, digits, '_', '.', '-')")]
 
 
+def slurm_time_seconds(limit: str | None) -> int | None:
+    """Seconds of a Slurm `--time` value (a valid `SlurmTime`); None when unset or unlimited."""
+    if limit is None or limit in ("INFINITE", "UNLIMITED"):
+        return None
+    days, _, clock = limit.rpartition("-")
+    parts = [int(p) for p in clock.split(":")]
+    if days:  # D-H, D-H:M, D-H:M:S
+        h, m, s = [*parts, 0, 0][:3]
+        return ((int(days) * 24 + h) * 60 + m) * 60 + s
+    if len(parts) == 1:  # M
+        return parts[0] * 60
+    if len(parts) == 2:  # M:S
+        return parts[0] * 60 + parts[1]
+    h, m, s = parts  # H:M:S
+    return (h * 60 + m) * 60 + s
+
+
 class StrictModel(BaseModel):
     """Frozen, unknown keys refused, inputs never echoed in errors."""
 
@@ -107,6 +124,15 @@ class SlurmOptions(StrictModel):
         default_factory=list,
         description="More sbatch options, each written as `#SBATCH <arg>`, e.g. `--constraint=h100`.",
     )
+    warning_s: int | None = Field(
+        120,
+        ge=1,
+        le=65535,
+        validate_default=True,  # the default too must fit under time_limit
+        description="Seconds before the time limit at which Slurm warns the job (`--signal=USR1@<warning_s>`; "
+        "Slurm may send it up to 60 s earlier); the controller then sees a `warning` notice and can "
+        "checkpoint. Must be below `time_limit`; null sends no warning.",
+    )
 
     @field_validator("extra_args")
     @classmethod
@@ -114,6 +140,22 @@ class SlurmOptions(StrictModel):
         for arg in v:
             if not arg.startswith("-"):
                 raise ValueError(f"extra_args entry {arg!r} must be an sbatch option starting with '-'")
+        return v
+
+    @field_validator("warning_s")
+    @classmethod
+    def _warning_fits(cls, v: int | None, info: ValidationInfo) -> int | None:
+        """The warning must come before the limit, and be the only `--signal` (sbatch keeps one)."""
+        if v is None:
+            return v
+        if any(arg.startswith("--signal") for arg in info.data.get("extra_args") or []):
+            raise ValueError("extra_args has a --signal option: set warning_s: null to use your own")
+        limit = slurm_time_seconds(info.data.get("time_limit"))
+        if limit is not None and v >= limit:
+            raise ValueError(
+                f"warning_s={v} is not below time_limit {info.data['time_limit']!r} ({limit} s): "
+                "lower it or set warning_s: null"
+            )
         return v
 
 

@@ -8,7 +8,7 @@ import asyncio
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from composer_mesh.actors.messages import (
@@ -25,6 +25,12 @@ from composer_mesh.actors.messages import (
     TrainMetrics,
 )
 from composer_mesh.loss.config import LossConfig
+from composer_mesh.orchestration.checkpoint import (
+    CheckpointPolicy,
+    CheckpointStore,
+    ControllerState,
+    restore_rng,
+)
 from composer_mesh.orchestration.config import RunConfig
 from composer_mesh.orchestration.metrics import MetricsWriter, RunSummary, StepRecord, window_mean
 from composer_mesh.orchestration.plotting import plot_run
@@ -102,6 +108,9 @@ class RLLoop:
 
     `mesh` is what `launch(topology)` yields; `run` and `loss` are the topology's `run:` and `loss:`
     sections (the loss only decides which teacher signals to ask for: none for a channel weighted 0).
+    `checkpoints`: where and when full checkpoints go (default: the run config's); `resume`: a checkpoint to
+    continue from (`ResumePoint`, read and checked before launching). `request_stop` ends the run at the next
+    step that can be checkpointed, with a checkpoint.
     """
 
     def __init__(
@@ -110,11 +119,24 @@ class RLLoop:
         run: RunConfig,
         loss: LossConfig,
         progress: Callable[[StepRecord], None] | None = None,
+        checkpoints: CheckpointPolicy | None = None,
+        resume: ResumePoint | None = None,
     ) -> None:
         self.mesh = mesh
         self.cfg = run
         self.loss = loss
         self.progress = progress
+        self.checkpoints = checkpoints or CheckpointPolicy(
+            url=run.checkpoint_url or str(run.run_dir / "checkpoints"), every=run.checkpoint_every,
+            keep=run.keep_checkpoints,
+        )
+        self.store = CheckpointStore(self.checkpoints.url)
+        self.resume = resume
+        self.stop_reason: str | None = None
+        self._stop = asyncio.Event()
+        self._commits: dict[int, _PendingCheckpoint] = {}
+        self._recorded_through = 0  # the last step whose record is written
+        self.last_checkpoint: str | None = None
         self.prompts = PromptSource(run.task, run.seed)
         self.gate = LagGate(run.max_policy_lag)
         self.trainer_version = 0
@@ -130,6 +152,12 @@ class RLLoop:
         self._idle_seen = 0.0  # generator idle seconds already reported
         self._last_trained_s: float | None = None  # when the previous step's training answer arrived
         self._first_version = 0
+
+    def request_stop(self, reason: str) -> None:
+        """Stop at the next step that can be checkpointed: checkpoint it, finish, return (`stop_reason` set)."""
+        if self.stop_reason is None:
+            self.stop_reason = reason
+        self._stop.set()
 
     def _rewarder(self) -> Any:
         """Rewarder actors take requests round-robin."""
@@ -266,20 +294,32 @@ class RLLoop:
         if not task.cancelled() and task.exception() is not None and not self._failed.done():
             self._failed.set_exception(task.exception())  # type: ignore[arg-type]
 
-    async def _until(self, awaitable: Any) -> Any:
-        """Await `awaitable`, unless a background task fails first: then raise its error."""
+    async def _until(self, awaitable: Any, stop: asyncio.Event | None = None) -> Any:
+        """Await `awaitable`, unless a background task fails first (then raise its error) or `stop` is set first
+        (then cancel it and return None)."""
         waiting = asyncio.ensure_future(awaitable)
-        await asyncio.wait([waiting, self._failed], return_when=asyncio.FIRST_COMPLETED)
+        racers: list[asyncio.Future[Any]] = [waiting, self._failed]
+        stopped = asyncio.ensure_future(stop.wait()) if stop is not None else None
+        if stopped is not None:
+            racers.append(stopped)
+        try:
+            await asyncio.wait(racers, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if stopped is not None:
+                stopped.cancel()
         if not waiting.done():
             waiting.cancel()
-            self._failed.result()  # raises the background task's error
+            if self._failed.done():
+                self._failed.result()  # raises the background task's error
+            return None
         return waiting.result()
 
     # ---- the run ------------------------------------------------------------------------------------
     async def run(self) -> RunSummary:
         t_start = time.perf_counter()
         cfg = self.cfg
-        writer = MetricsWriter(cfg.run_dir)
+        resumed = self.resume.state.step if self.resume is not None else 0
+        writer = MetricsWriter(cfg.run_dir, resume_step=resumed if self.resume is not None else None)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         schedule = StepScheduler(
@@ -287,16 +327,22 @@ class RLLoop:
             generators=len(self.generators), max_policy_lag=cfg.max_policy_lag,
             dynamic_sampling=cfg.dynamic_sampling, max_draws=cfg.dynamic_sampling_max_draws,
         )
+        eval_after: float | None = None
         try:
             await self.setup()
-            eval_before = await self.evaluate(cfg.eval_prompts, cfg.seed)
-            writer.write_event("eval", when="before", reward=eval_before, weight_version=self.trainer_version)
+            if self.resume is not None:
+                eval_before = await self._restore(self.resume, schedule, writer)
+            else:
+                self._first_version = self.trainer_version
+                eval_before = await self.evaluate(cfg.eval_prompts, cfg.seed)
+                writer.write_event("eval", when="before", reward=eval_before, weight_version=self.trainer_version)
+            self._eval_before = eval_before
             train_start = time.perf_counter() - t_start
-            writer.write_event("train_start", elapsed_s=train_start)
+            writer.write_event("train_start", elapsed_s=train_start, step=resumed + 1)
             for g in self.generators:
                 self._spawn(self._generate_chunks(g, schedule))
             try:
-                await self._train(schedule, writer, t_start)
+                last = await self._train(schedule, writer, t_start, resumed + 1)
             finally:
                 pending = list(self._tasks)
                 for t in pending:
@@ -304,38 +350,83 @@ class RLLoop:
                 await asyncio.gather(*pending, return_exceptions=True)
                 if not self._failed.done():
                     self._failed.cancel()
-            eval_after = await self.evaluate(cfg.eval_prompts, cfg.seed)
-            writer.write_event("eval", when="after", reward=eval_after, weight_version=self.trainer_version)
-            checkpoint = await self.trainers[0].save_checkpoint.call_one(str((cfg.run_dir / "checkpoint").resolve()))
-            writer.write_event("checkpoint", path=checkpoint, weight_version=self.trainer_version)
+            if last == cfg.steps:  # finished, not stopped early
+                eval_after = await self.evaluate(cfg.eval_prompts, cfg.seed)
+                writer.write_event("eval", when="after", reward=eval_after, weight_version=self.trainer_version)
+                checkpoint = await self.trainers[0].save_checkpoint.call_one(str((cfg.run_dir / "checkpoint").resolve()))
+                writer.write_event("model", path=checkpoint, weight_version=self.trainer_version)
+            else:
+                writer.write_event("stopped", step=last, reason=self.stop_reason, checkpoint=self.last_checkpoint)
             await self.mesh.trainer.close.call()
         finally:
             writer.close()
         if writer.records:
             plot_run(writer.records, cfg.run_dir / "plot.png")
+        return self._summary(writer, schedule, t_start, train_start, resumed, last, eval_before, eval_after)
+
+    def _summary(self, writer: MetricsWriter, schedule: StepScheduler, t_start: float, train_start: float,
+                 resumed: int, last: int, eval_before: float, eval_after: float | None) -> RunSummary:
+        """The whole run's rewards (earlier sessions' records included); this session's throughput."""
         rewards = [r.reward for r in writer.records]
+        session = [r for r in writer.records if r.step > resumed]
         return RunSummary(
-            steps=len(writer.records), run_dir=cfg.run_dir, reward_first=window_mean(rewards, True),
+            steps=len(writer.records), run_dir=self.cfg.run_dir, reward_first=window_mean(rewards, True),
             reward_last=window_mean(rewards, False), eval_before=eval_before, eval_after=eval_after,
             dropped_batches=self.gate.dropped_batches, dropped_rollouts=self.gate.dropped_rollouts,
             seconds=time.perf_counter() - t_start, teacher_usage=self.teacher_usage,
-            rollouts_trained=sum(r.rollouts for r in writer.records),
-            train_seconds=writer.records[-1].elapsed_s - train_start if writer.records else 0.0,
-            zero_variance_groups=schedule.zero_variance_groups,
+            rollouts_trained=sum(r.rollouts for r in session),
+            train_seconds=session[-1].elapsed_s - train_start if session else 0.0,
+            zero_variance_groups=schedule.zero_variance_groups, resumed_from=resumed or None,
+            stopped=self.stop_reason if last < self.cfg.steps else None,
+            checkpoint=self.last_checkpoint,
         )
 
-    async def _train(self, schedule: StepScheduler, writer: MetricsWriter, t_start: float) -> None:
-        """Train the steps in order, pipelined. Step s is sent to the trainer as soon as its batch is ready, so it
-        waits in the trainer's mailbox while step s-1 trains (no round trip between steps), and step s's weight
-        sync runs while step s+1 trains. The plane is double-buffered: step s publishes into the slot that step
-        s-2's sync read, so step s is sent only once that sync is done. At lag 0 the schedule itself holds step
-        s back until step s-1's weights reach the generators. Records are written in step order."""
+    async def _restore(self, resume: ResumePoint, schedule: StepScheduler, writer: MetricsWriter) -> float:
+        """Continue from a checkpoint: every trainer replica loads its state (all before any trains again), the
+        generators pull its weights, the prompt stream and the scheduler continue where they were."""
+        st = resume.state
+        if st.replicas != len(self.trainers):
+            raise RuntimeError(f"{resume.url} holds {st.replicas} trainer replica(s), this run has {len(self.trainers)}")
+        if st.step > self.cfg.steps:
+            raise RuntimeError(f"{resume.url} is at step {st.step}, beyond run.steps={self.cfg.steps}: raise run.steps "
+                               "(--steps) to train on from it")
+        manifests = await asyncio.gather(*(t.load_state.call_one(f"{resume.url}/trainer/r{i}")
+                                           for i, t in enumerate(self.trainers)))
+        if manifests[0].version != st.weight_version:
+            raise RuntimeError(f"{resume.url}: the trainer state is at weight version {manifests[0].version}, the "
+                               f"controller state at {st.weight_version}")
+        self.trainer_version, self._first_version = st.weight_version, st.first_version
+        await self.mesh.generators.update_weights.call(manifests[0])
+        self.prompts.count = st.prompts_count
+        restore_rng(self.prompts.rng, st.prompts_rng)
+        schedule.restore(st.schedule)
+        c = st.counters
+        self.traces_scored, self.teacher_usage = int(c["traces_scored"]), dict(c["teacher_usage"])
+        self.gate.dropped_batches, self.gate.dropped_rollouts = int(c["dropped_batches"]), int(c["dropped_rollouts"])
+        self._recorded_through = st.step
+        self.last_checkpoint = resume.url
+        writer.write_event("resumed", step=st.step, checkpoint=resume.url, weight_version=st.weight_version)
+        return float(c["eval_before"])
+
+    async def _train(self, schedule: StepScheduler, writer: MetricsWriter, t_start: float, first: int) -> int:
+        """Train steps `first`.. in order, pipelined; returns the last step trained (earlier than `run.steps`
+        after `request_stop`). Step s is sent to the trainer as soon as its batch is ready, so it waits in the
+        trainer's mailbox while step s-1 trains (no round trip between steps), and step s's weight sync runs
+        while step s+1 trains. The plane is double-buffered: step s publishes into the slot that step s-2's sync
+        read, so step s is sent only once that sync is done. At lag 0 the schedule itself holds step s back
+        until step s-1's weights reach the generators. Records are written in step order. A checkpoint of step
+        s is sent right behind step s, before step s+1 (the trainer's mailbox keeps that order)."""
         per_replica = self.cfg.prompts_per_step
-        self._first_version = self.trainer_version
         steps: dict[int, asyncio.Task[_StepDone]] = {}
-        for step in range(1, self.cfg.steps + 1):
+        last = first - 1
+        for step in range(first, self.cfg.steps + 1):
+            if self._stop.is_set() and self._can_stop_after(last, first):
+                break
             t_wait = time.perf_counter()
-            results, plan = await self._until(schedule.take(step))
+            taken = await self._until(schedule.take(step), self._stop if self._can_stop_after(last, first) else None)
+            if taken is None:  # stop requested while waiting
+                break
+            results, plan = taken
             if step - 2 in steps:  # frees the slot this step publishes into
                 self._write(await self._until(steps.pop(step - 2)), schedule, writer, t_start)
             batches = [_batch(results[i * per_replica : (i + 1) * per_replica]) for i in range(len(self.trainers))]
@@ -344,9 +435,72 @@ class RLLoop:
             calls = [t.train_step.call_one(batch) for t, batch in zip(self.trainers, batches)]  # sent now, in order
             done = _StepDone(step, max(lags), batches, plan, ready_s=time.perf_counter() - t_wait)
             steps[step] = self._spawn(self._train_and_sync(done, calls, schedule))
+            last = step
+            if self.checkpoints.due(step, self.cfg.steps) or (self._stop.is_set() and self._can_stop_after(step, first)):
+                self._checkpoint(step, schedule, writer)
+        if last >= first and last not in self._commits and self.checkpoints.checkpointable(last):
+            self._checkpoint(last, schedule, writer)  # stopped while waiting for the next step
         for step in sorted(steps):
             self._write(await self._until(steps.pop(step)), schedule, writer, t_start)
-        self.trainer_version = self.trainer_version_after(self.cfg.steps)
+        self.trainer_version = self.trainer_version_after(last)
+        await self._finish_checkpoints()
+        return last
+
+    def _can_stop_after(self, step: int, first: int) -> bool:
+        """The run may end after `step`: nothing trained yet in this session, or `step` can be checkpointed."""
+        return step < first or self.checkpoints.checkpointable(step)
+
+    # ---- checkpoints ---------------------------------------------------------------------------------
+    def _checkpoint(self, step: int, schedule: StepScheduler, writer: MetricsWriter) -> None:
+        """Checkpoint step `step` (just sent to the trainers): each replica is asked to copy its state right
+        behind the step, the controller's state is taken now, and a background task writes, waits for every
+        part, and commits."""
+        urls = [self.store.trainer_url(step, i) for i in range(len(self.trainers))]
+        saves = [t.save_state.call_one(url, False) for t, url in zip(self.trainers, urls)]  # before step+1
+        state = ControllerState(
+            step=step, weight_version=self.trainer_version_after(step), first_version=self._first_version,
+            prompts_count=self.prompts.count, prompts_rng=self.prompts.rng.getstate(),
+            schedule=schedule.state(trained=step), counters=self._counters(),
+            fingerprint=self.checkpoints.fingerprint, replicas=len(self.trainers),
+        )
+        pending = _PendingCheckpoint(step, set(urls))
+        if self._recorded_through >= step:
+            pending.recorded.set()
+        self._commits[step] = pending
+        pending.task = self._spawn(self._commit(pending, saves, state, writer))
+
+    def _counters(self) -> dict[str, Any]:
+        return {"eval_before": self._eval_before, "traces_scored": self.traces_scored,
+                "teacher_usage": dict(self.teacher_usage), "dropped_batches": self.gate.dropped_batches,
+                "dropped_rollouts": self.gate.dropped_rollouts}
+
+    async def _commit(self, pending: _PendingCheckpoint, saves: list[Any], state: ControllerState,
+                      writer: MetricsWriter) -> None:
+        """Write the controller's part, wait for the trainers' parts and the step's record, then commit."""
+        await asyncio.gather(*saves)
+        await asyncio.to_thread(self.store.write_controller, state)
+        await pending.trainers.wait()
+        await pending.recorded.wait()
+        url = await asyncio.to_thread(self.store.commit, pending.step, self.checkpoints.keep)
+        self.last_checkpoint = url
+        writer.write_event("checkpoint", step=pending.step, url=url, weight_version=state.weight_version)
+
+    def _trainers_wrote(self, urls: list[str]) -> None:
+        for pending in self._commits.values():
+            pending.written.update(u for u in urls if u in pending.urls)
+            if pending.written == pending.urls:
+                pending.trainers.set()
+
+    async def _finish_checkpoints(self) -> None:
+        """Wait for the trainers' background writes and every commit (a failure fails the run)."""
+        if not self._commits:
+            return
+        for written in await self._until(asyncio.gather(*(t.flush_states.call_one() for t in self.trainers))):
+            self._trainers_wrote(written)
+        for pending in list(self._commits.values()):
+            assert pending.task is not None
+            await self._until(pending.task)
+        self._commits.clear()
 
     def trainer_version_after(self, step: int) -> int:
         """The weight version the trainer publishes with step `step` (one version per step; step 0 = setup's)."""
@@ -357,6 +511,7 @@ class RLLoop:
         admits what the new weights allow."""
         outputs = await asyncio.gather(*calls)
         done.metrics, manifest = outputs[0]
+        self._trainers_wrote([url for m, _ in outputs for url in m.states_written])
         if manifest.version != self.trainer_version_after(done.step):
             raise RuntimeError(f"step {done.step}: the trainer published version {manifest.version}, expected "
                                f"{self.trainer_version_after(done.step)} (steps trained out of order?)")
@@ -399,7 +554,11 @@ class RLLoop:
                  "sampling/generators": float(len({r.generator for r in rollouts}))}
         record = self._record(done.step, done.metrics, done.lag, done.sync_s, since, timing, extra,
                               len(rollouts), time.perf_counter() - t_start)
+        record.prompts = [g.group.prompt.prompt_id for b in done.batches for g in b.groups]
         writer.write(record)
+        self._recorded_through = done.step
+        if done.step in self._commits:
+            self._commits[done.step].recorded.set()
         if self.progress is not None:
             self.progress(record)
 
@@ -428,6 +587,27 @@ class _StepDone:
     metrics: TrainMetrics | None = None
     trained_s: float = 0.0  # perf_counter when the trainer's answer arrived
     sync_s: float = 0.0
+
+
+@dataclass
+class ResumePoint:
+    """A committed checkpoint to continue from (`read_checkpoint(url)`, fingerprint checked)."""
+
+    url: str
+    state: ControllerState
+
+
+@dataclass
+class _PendingCheckpoint:
+    """A checkpoint on its way: committed once every trainer reported its state written and the step's record
+    is written."""
+
+    step: int
+    urls: set[str]
+    written: set[str] = field(default_factory=set)
+    trainers: asyncio.Event = field(default_factory=asyncio.Event)
+    recorded: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task[None] | None = None
 
 
 def _spread(scored: list[ScoredGroup], informative: list[int], signals: TeacherSignals) -> list[TokenDistribution | None]:

@@ -25,19 +25,45 @@ class StepRecord:
     elapsed_s: float = 0.0  # seconds since the run started (setup included; see the `train_start` event)
     timing: dict[str, float] = field(default_factory=dict)  # where the step's time went (see `RLLoop`)
     metrics: dict[str, float] = field(default_factory=dict)
+    prompts: list[str] = field(default_factory=list)  # ids of the prompts trained on, in batch order
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__, sort_keys=True)
 
 
 class MetricsWriter:
-    """Appends one JSON object per step to `run_dir/metrics.jsonl` (flushed each line)."""
+    """Appends one JSON object per step to `run_dir/metrics.jsonl` (flushed each line).
 
-    def __init__(self, run_dir: Path) -> None:
+    `resume_step`: continue a resumed run's file: its lines up to the record of that step are kept (and its
+    records reloaded), what followed (steps trained after the checkpoint, then lost) is dropped."""
+
+    def __init__(self, run_dir: Path, resume_step: int | None = None) -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / "metrics.jsonl"
-        self._f = self.path.open("w")
         self.records: list[StepRecord] = []
+        kept = self._kept_lines(resume_step) if resume_step is not None else []
+        self._f = self.path.open("w")
+        self._f.writelines(kept)
+        self._f.flush()
+
+    def _kept_lines(self, step: int) -> list[str]:
+        if not self.path.exists():
+            return []
+        lines = self.path.read_text().splitlines(keepends=True)
+        kept: list[str] = []
+        for line in lines:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:  # a line cut short by a kill: nothing after it is kept
+                break
+            if "event" not in row:
+                if row.get("step", step + 1) > step:
+                    break
+                self.records.append(StepRecord(**row))
+            kept.append(line)
+            if self.records and self.records[-1].step == step:
+                break
+        return kept
 
     def write(self, record: StepRecord) -> None:
         self.records.append(record)
@@ -67,6 +93,9 @@ class RunSummary:
     rollouts_trained: int = 0
     train_seconds: float = 0.0  # from the end of setup and the first evaluation to the last step
     zero_variance_groups: int = 0  # set aside by dynamic sampling
+    resumed_from: int | None = None  # the checkpoint's step this session continued from
+    stopped: str | None = None  # why the run stopped before its last step (it left a checkpoint to resume)
+    checkpoint: str | None = None  # the newest committed full checkpoint
 
     @property
     def samples_per_s(self) -> float:

@@ -68,7 +68,7 @@ class StepPlan:
     step: int
     needed: int  # groups the step trains on
     pending: deque[Chunk] = field(default_factory=deque)  # drawn, not yet taken by a generator
-    outstanding: int = 0  # groups taken by a generator and not finished yet
+    taken: list[Chunk] = field(default_factory=list)  # taken by a generator, not finished yet
     kept: list[GroupResult] = field(default_factory=list)
     set_aside: list[GroupResult] = field(default_factory=list)  # zero-variance groups (dynamic sampling)
     drawn: int = 0
@@ -78,6 +78,25 @@ class StepPlan:
 
     def queued(self) -> int:
         return sum(len(c.prompts) for c in self.pending)
+
+    @property
+    def outstanding(self) -> int:
+        """Groups taken by a generator and not finished yet."""
+        return sum(len(c.prompts) for c in self.taken)
+
+
+@dataclass
+class SchedulerState:
+    """What a resumed run needs of the scheduler after `trained` steps: the stream position, the counters and
+    every admitted step's work. Chunks still generating are put back in front of their step's queue: on resume
+    they are generated again with the same prompts and row seeds (their groups were never finished)."""
+
+    trained: int
+    drawn: int
+    opened: int
+    zero_variance_groups: int
+    backfilled_groups: int
+    plans: list[StepPlan]
 
 
 def row_seed(run_seed: int, prompt_index: int, samples_per_prompt: int) -> int:
@@ -162,7 +181,7 @@ class StepScheduler:
             plan = self.plans[step]
             if plan.pending:
                 chunk = plan.pending.popleft()
-                plan.outstanding += len(chunk.prompts)
+                plan.taken.append(chunk)
                 return chunk
         return None
 
@@ -179,7 +198,7 @@ class StepScheduler:
         """A chunk's groups are scored and have their teacher signals."""
         async with self._changed:
             plan = self.plans[chunk.step]
-            plan.outstanding -= len(chunk.prompts)
+            plan.taken.remove(chunk)
             for r in results:
                 if self.dynamic_sampling and not r.informative:
                     plan.set_aside.append(r)
@@ -188,8 +207,7 @@ class StepScheduler:
                     plan.kept.append(r)
             if self.dynamic_sampling:
                 self._backfill(plan)
-            if len(plan.kept) >= plan.needed or (not plan.pending and plan.outstanding == 0):
-                plan.ready.set()
+            _mark_ready(plan)
             self._changed.notify_all()
 
     def _backfill(self, plan: StepPlan) -> None:
@@ -201,6 +219,28 @@ class StepScheduler:
             self._queue(plan, n, front=True)
         elif missing > 0 and not plan.pending and plan.outstanding == 0:
             plan.short = True  # out of draws: fill with set-aside groups below
+
+    # ---- checkpoints ------------------------------------------------------------------------------
+    def state(self, trained: int) -> SchedulerState:
+        """A copy of the scheduling state once `trained` steps are trained (taken chunks count as pending)."""
+        plans = [
+            StepPlan(step=p.step, needed=p.needed, pending=deque([*p.taken, *p.pending]), kept=list(p.kept),
+                     set_aside=list(p.set_aside), drawn=p.drawn, short=p.short)
+            for p in sorted(self.plans.values(), key=lambda p: p.step) if p.step > trained
+        ]
+        return SchedulerState(trained, self.drawn, self.opened, self.zero_variance_groups, self.backfilled_groups,
+                              plans)
+
+    def restore(self, state: SchedulerState) -> None:
+        """Continue from `state` (before any generator asks for work): its steps, then what admission allows."""
+        if state.opened > self.steps:
+            raise ValueError(f"the checkpoint has admitted step {state.opened}, beyond this run's {self.steps} steps")
+        self.plans = {p.step: p for p in state.plans}
+        self.drawn, self.opened, self.trained = state.drawn, state.opened, state.trained
+        self.zero_variance_groups, self.backfilled_groups = state.zero_variance_groups, state.backfilled_groups
+        for plan in self.plans.values():
+            _mark_ready(plan)
+        self._admit()
 
     # ---- the trainer --------------------------------------------------------------------------------
     async def take(self, step: int) -> tuple[list[GroupResult], StepPlan]:
@@ -216,3 +256,9 @@ class StepScheduler:
             groups = sorted(groups + fill, key=lambda r: r.index)
         del self.plans[step]
         return groups, plan
+
+
+def _mark_ready(plan: StepPlan) -> None:
+    """A step is ready once it has its groups, or once nothing of it is left to generate."""
+    if len(plan.kept) >= plan.needed or (not plan.pending and plan.outstanding == 0):
+        plan.ready.set()

@@ -240,6 +240,15 @@ def _null_is_defaults(value: Any) -> Any:
 _DEFAULTS_WHEN_NULL = BeforeValidator(_null_is_defaults)
 
 
+# Fields that may change between a checkpoint and its resume: where things run, how long the run is and
+# where it writes, and knobs that change memory or speed but not the math.
+_RESUMABLE_RUN = frozenset({"steps", "run_dir", "checkpoint_every", "keep_checkpoints", "checkpoint_url",
+                            "eval_prompts"})
+_RESUMABLE_TRAINER = frozenset({"device", "torch_threads", "micro_batch_tokens", "activation_checkpointing"})
+_RESUMABLE_DILOCO = frozenset({"store_uri", "storage_options", "credentials_env", "quorum_deadline_s",
+                               "poll_interval_s", "keep_rounds"})
+
+
 class Topology(StrictModel):
     """A validated topology file. Sections are instances of their owners' config models."""
 
@@ -280,6 +289,22 @@ class Topology(StrictModel):
     def source(self) -> Path | None:
         """The file this topology was loaded from, if any."""
         return self._source
+
+    def training_fingerprint(self) -> dict[str, Any]:
+        """What a checkpoint must match to be resumed under this topology: the model, the loss, the trainer and
+        its settings, DiLoCo's shape and the run's data and batch shape. Meshes, bindings of the other roles,
+        `run.steps` and output locations may change (a resumed run may move to other machines or run longer)."""
+        trainer = self.roles.trainer.model_dump(mode="json", exclude={"mesh"})
+        settings = trainer.get("settings")
+        if isinstance(settings, dict):
+            trainer["settings"] = {k: v for k, v in settings.items() if k not in _RESUMABLE_TRAINER}
+        return {
+            "model": self.model.model_dump(mode="json"),
+            "loss": self.loss.model_dump(mode="json"),
+            "trainer": trainer,
+            "diloco": None if self.diloco is None else self.diloco.model_dump(mode="json", exclude=set(_RESUMABLE_DILOCO)),
+            "run": self.run.model_dump(mode="json", exclude=set(_RESUMABLE_RUN)),
+        }
 
     @property
     def trainer(self) -> TrainerSpec:
@@ -347,6 +372,7 @@ class Topology(StrictModel):
             loss=self.loss,
             weights=self.weights,
             temperature=self.run.temperature,
+            seed=self.run.seed,
             diloco=self.diloco,
         )
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from composer_mesh.actors.backends.hf_trainer import HFTrainer, HFTrainerSettings
-from composer_mesh.actors.backends.trainer_state import TrainerStateError
+from composer_mesh.actors.backends.trainer_state import TrainerStateError, write_trainer_state
 from composer_mesh.loss.config import LossConfig
 from composer_mesh.models.config import ModelConfig
 from tests.backends.test_hf_trainer import make_batch
@@ -82,6 +82,28 @@ def test_state_goes_to_any_fsspec_url(tmp_path):
     assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
+def test_a_snapshot_is_a_copy_that_training_no_longer_changes(tmp_path):
+    """`snapshot_state` copies (also CPU tensors, which a plain `.cpu()` would alias); the write comes later."""
+    a = trainer()
+    batch = make_batch(a)
+    a.train_step(batch)
+    snapshot = a.snapshot_state(extra={"weight_version": 2})
+    captured = state_of(a)
+    after_capture = torch.rand(4)
+    a.train_step(batch)  # AdamW updates weights and state in place
+    with torch.no_grad():
+        for p in a.model.parameters():
+            p.add_(1.0)
+    write_trainer_state(str(tmp_path / "s"), snapshot)
+
+    b = trainer()
+    assert b.load_state(str(tmp_path / "s")) == {"weight_version": 2} and b.step == 1
+    assert torch.equal(torch.rand(4), after_capture)  # the RNG as it was at the capture
+    sb = state_of(b)
+    assert sb.keys() == captured.keys() and all(torch.equal(sb[k], captured[k]) for k in captured)
+    assert not torch.equal(sb["w/model.embed_tokens.weight"], a.model.state_dict()["model.embed_tokens.weight"])
+
+
 def test_resumed_service_republishes_under_the_saved_version(tmp_path):
     from composer_mesh.actors.trainer import TrainerService
     from composer_mesh.mesh.weights.config import WeightPlaneConfig
@@ -106,3 +128,33 @@ def test_resumed_service_republishes_under_the_saved_version(tmp_path):
         resumed.publish(version=5)
     first.close()
     resumed.close()
+
+
+def test_background_writes_are_reported_by_the_next_step_and_failures_raise(tmp_path):
+    from composer_mesh.actors.trainer import TrainerService
+    from composer_mesh.mesh.weights.config import WeightPlaneConfig
+
+    service = TrainerService(HFTrainer(HFTrainerSettings(lr=1e-2)), WeightPlaneConfig(transport="endpoint"))
+    service.start(MODEL, LOSS, temperature=1.0)
+    service.publish()
+    batch = make_batch(service.backend)
+    service.train_step(batch)
+    url = str(tmp_path / "bg")
+    assert service.save_state(url, wait=False) == url  # copied now, written by the writer thread
+    saved = state_of(service.backend)
+    service.train_step(batch)  # training goes on while the state is written
+    while True:  # the write is reported by the first step that starts after it finished
+        metrics, _ = service.train_step(batch)
+        if metrics.states_written:
+            break
+    assert metrics.states_written == [url] and service.flush_states() == []
+    fresh = trainer()
+    fresh.load_state(url)
+    assert all(torch.equal(v, state_of(fresh)[k]) for k, v in saved.items())  # the state of the step it followed
+
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    service.save_state(str(blocker / "state"), wait=False)
+    with pytest.raises(RuntimeError, match=r"writing the trainer state to .*file/state failed"):
+        service.flush_states()
+    service.close()

@@ -86,7 +86,7 @@ def check_run(result: RunResult, steps: int, teachers: dict[str, list[str]]) -> 
     checkpoint = result.run_dir / "checkpoint"
     assert (checkpoint / "model.safetensors").stat().st_size > 0
     assert [e["when"] for e in result.events("eval")] == ["before", "after"]
-    assert len(result.events("checkpoint")) == 1
+    assert len(result.events("checkpoint")) == len(result.events("model")) == 1  # full state + HF model
     for r in records:
         assert math.isfinite(r["loss"]), r
         # every file has alpha_sdpo > 0 and beta_replay > 0: both teacher channels feed every step

@@ -107,12 +107,24 @@ def fake_mesh(log: Log, teacher_delay: float, flat: Callable[[str], bool] = lamb
     async def stats() -> dict[str, float]:
         return {}
 
+    saved: list[str] = []  # full-state checkpoints "written" (nothing is: the loop only needs the report)
+
+    async def save_state(url: str, wait: bool = True) -> str:
+        saved.append(url)
+        return url
+
+    async def flush_states() -> list[str]:
+        done = list(saved)
+        saved.clear()
+        return done
+
     gens = Handle(generate=Endpoint(generate), update_weights=Endpoint(noop), setup=Endpoint(noop),
                   version=Endpoint(noop))
     return FakeRoleMesh(
         generators=gens,
         trainer=Handle(setup=Endpoint(setup), train_step=Endpoint(train_step), close=Endpoint(noop),
-                       save_checkpoint=Endpoint(noop)),
+                       save_checkpoint=Endpoint(noop), save_state=Endpoint(save_state),
+                       flush_states=Endpoint(flush_states)),
         rewarder=Handle(score=Endpoint(score), stats=Endpoint(stats)),
         teachers=Handle(signals=Endpoint(signals), setup=Endpoint(noop)),
     )

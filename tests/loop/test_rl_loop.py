@@ -53,7 +53,7 @@ async def test_full_run_writes_metrics_plot_and_checkpoint(tmp_path):
         summary = await RLLoop(mesh, topo.run, topo.loss, progress=seen.append).run()
     assert summary.steps == 3 and [r.step for r in seen] == [1, 2, 3]
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in lines if "step" in r]
+    steps = [r for r in lines if "event" not in r]
     assert [r["step"] for r in steps] == [1, 2, 3]
     for r in steps:
         paired = r["metrics"]["replay/pairs"] > 0  # traces that beat the group's worst rollout
@@ -85,7 +85,7 @@ async def _run_lag0(tmp_path: Path, name: str, temperature: float) -> list[dict]
         summary = await RLLoop(mesh, topo.run, topo.loss).run()
     assert summary.dropped_batches == 0
     lines = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in lines if "step" in r]
+    return [r for r in lines if "event" not in r]
 
 
 def _on_policy(records: list[dict]) -> None:

@@ -16,7 +16,7 @@ import copy
 import json
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 from pydantic import BaseModel, Field
@@ -27,6 +27,9 @@ from composer_mesh.actors.messages import TrainBatch, TrainMetrics
 from composer_mesh.loss.compose import LossAccumulator, LossResult, new_loss_state
 from composer_mesh.loss.config import LossConfig
 from composer_mesh.loss.grpo import group_advantages
+
+if TYPE_CHECKING:
+    from composer_mesh.actors.backends.trainer_state import TrainerSnapshot
 
 Precision = Literal["fp32", "bf16-mixed", "bf16"]
 
@@ -191,29 +194,70 @@ class HFTrainer:
             self.diloco.close()
             self.diloco = None
 
-    def save_state(self, url: str, extra: dict[str, Any] | None = None) -> None:
-        """Everything needed to continue training bitwise (`trainer_state.py`): weights, AdamW state, the step,
-        the RNGs and the loss state. The reference model is not saved: `start` rebuilds it from the model source."""
-        from composer_mesh.actors.backends.trainer_state import save_trainer_state
+    def snapshot_state(self, extra: dict[str, Any] | None = None) -> TrainerSnapshot:
+        """A copy of everything needed to continue training bitwise (`trainer_state.py`): weights, AdamW state,
+        the step, the RNGs, the loss state and, on a DiLoCo replica, its DiLoCo state. Taken on the training
+        thread between steps, and cheap (CPU copies, no serialisation, no I/O): write it with `write_trainer_state`, also from another
+        thread while training goes on. The reference model is not saved: `start` rebuilds it from the model
+        source. A DiLoCo replica refuses while a fragment's sync is in flight (`DiLoCoConfig.checkpointable`)."""
+        from composer_mesh.actors.backends.trainer_state import capture_trainer_state
 
         assert self.model is not None, "call start() first"
+        extra_tensors, extra_json = None, None
         if self.diloco is not None:
-            raise NotImplementedError("the trainer state of a DiLoCo replica (outer optimizer, round) is not saved yet")
+            tensors, meta = self._diloco_call(self.diloco.replica_state)
+            extra_tensors, extra_json = {"diloco": tensors}, {"diloco": meta}
         loss_state = self.loss_state.state_dict() if self.loss_state is not None else None
-        save_trainer_state(url, self.model, self.optimizer, self.step, loss_state, extra)
+        return capture_trainer_state(self.model, self.optimizer, self.step, loss_state, extra, extra_tensors, extra_json)
+
+    def save_state(self, url: str, extra: dict[str, Any] | None = None) -> None:
+        """`snapshot_state` written under `url` (any fsspec URL), on this thread."""
+        from composer_mesh.actors.backends.trainer_state import write_trainer_state
+
+        write_trainer_state(url, self.snapshot_state(extra))
 
     def load_state(self, url: str) -> dict[str, Any]:
-        """Continue from a state written by `save_state` (after `start` with the same topology); its `extra`."""
-        from composer_mesh.actors.backends.trainer_state import TrainerStateError, load_trainer_state
+        """Continue from a state written by `save_state` (after `start` with the same topology); its `extra`.
+
+        Everything is checked before anything is loaded. A DiLoCo replica also rewinds the object store to the
+        saved round (`ObjectStoreDiLoCo.load_replica_state`): the controller loads every replica and waits for
+        all of them before any replica trains again."""
+        from composer_mesh.actors.backends.trainer_state import (
+            TrainerStateError,
+            read_trainer_state,
+            restore_trainer_state,
+        )
 
         assert self.model is not None, "call start() first"
-        meta = load_trainer_state(url, self.model, self.optimizer)
-        if (meta["loss_state"] is None) != (self.loss_state is None):
+        snapshot = read_trainer_state(url)
+        if (snapshot.meta["loss_state"] is None) != (self.loss_state is None):
             raise TrainerStateError(f"{url}: the loss state does not match this loss config (adaptive TAID on/off)")
+        saved = snapshot.meta["extra_json"].get("diloco")
+        if (saved is None) != (self.diloco is None):
+            live = ("no DiLoCo" if self.diloco is None else
+                    f"DiLoCo replica {self.diloco.manager.replica_id} of {self.diloco.config.replicas}")
+            was = "no DiLoCo" if saved is None else f"DiLoCo replica {saved['replica_id']} of {saved['replicas']}"
+            raise TrainerStateError(f"{url}: saved by a trainer with {was}, this trainer has {live}")
+        if self.diloco is not None:
+            self._diloco_call(self.diloco.check_replica_state, snapshot.group("diloco"), saved, url=url)
+        restore_trainer_state(url, snapshot, self.model, self.optimizer)
         if self.loss_state is not None:
-            self.loss_state.load_state_dict(meta["loss_state"])
-        self.step = int(meta["step"])
-        return dict(meta["extra"])
+            self.loss_state.load_state_dict(snapshot.meta["loss_state"])
+        if self.diloco is not None:
+            self._diloco_call(self.diloco.load_replica_state, snapshot.group("diloco"), saved, url=url)
+        self.step = snapshot.step
+        return snapshot.extra
+
+    @staticmethod
+    def _diloco_call(fn: Any, *args: Any, url: str | None = None) -> Any:
+        """`fn(*args)` with a DiLoCo state refusal raised as the TrainerStateError callers of the state expect."""
+        from composer_mesh.actors.backends.trainer_state import TrainerStateError
+        from composer_mesh.mesh.objectstore.diloco import DiLoCoStateError
+
+        try:
+            return fn(*args)
+        except DiLoCoStateError as e:
+            raise TrainerStateError(f"{url}: {e}" if url else str(e)) from e
 
     def save_checkpoint(self, directory: Path, weight_version: int) -> Path:
         """Weights as safetensors + the tokenizer, loadable with `from_pretrained` (no pickles), and

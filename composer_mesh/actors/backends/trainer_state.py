@@ -3,11 +3,16 @@
 One directory (any fsspec URL: a local path, `file://`, `s3://`) holds:
 
 - `state.safetensors`: the model's parameters and persistent buffers (`model/<name>`), every AdamW state tensor
-  (`optim/<param index>/<key>`) and torch's CPU RNG state (`rng/torch`). Tensors only: nothing is pickled.
+  (`optim/<param index>/<key>`), torch's CPU RNG state (`rng/torch`) and the caller's extra tensor groups
+  (`<group>/<name>`, e.g. a DiLoCo replica's `diloco/...`). Tensors only: nothing is pickled.
 - `state.json`: the optimizer step, AdamW's param groups (without the parameters), the parameter names in optimizer
-  order, Python's and NumPy's RNG states, the loss state (TAID's t and momentum) and whatever `extra` the caller
-  adds (e.g. the weight version).
+  order, Python's and NumPy's RNG states, the loss state (TAID's t and momentum), whatever `extra` the caller
+  adds (e.g. the weight version) and the JSON part of the extra groups (`extra_json`).
 - `COMPLETE`: written last. A directory without it is a half-written state and is never loaded.
+
+Saving is two steps so that the slow one can run off the training path: `capture_trainer_state` copies everything
+(tensors to CPU, no serialisation, no I/O) into a `TrainerSnapshot` that training can no longer change, and
+`write_trainer_state` writes a snapshot (in a background thread, if the caller likes).
 
 Loading checks names, shapes and dtypes against the live model before copying anything, and says which differ.
 """
@@ -16,16 +21,49 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 FORMAT = 1
 _MARKER = "COMPLETE"
+_RESERVED = frozenset({"model", "optim", "rng"})  # tensor name prefixes of the trainer's own state
 
 
 class TrainerStateError(ValueError):
-    """A trainer state that cannot be loaded: half-written, foreign, or for another model."""
+    """A trainer state that cannot be saved now or loaded: half-written, foreign, or for another model."""
+
+
+@dataclass(frozen=True)
+class TrainerSnapshot:
+    """A trainer's full state in memory, detached from the live trainer: CPU copies of the tensors under their
+    `state.safetensors` names, and the JSON part (`state.json`)."""
+
+    tensors: dict[str, torch.Tensor]
+    meta: dict[str, Any]
+
+    @property
+    def step(self) -> int:
+        return int(self.meta["step"])
+
+    @property
+    def extra(self) -> dict[str, Any]:
+        return dict(self.meta["extra"])
+
+    @property
+    def groups(self) -> list[str]:
+        """Names of the extra tensor groups."""
+        return sorted({k.split("/", 1)[0] for k in self.tensors} - _RESERVED)
+
+    def group(self, name: str) -> dict[str, torch.Tensor]:
+        """Extra tensor group `name`, keyed without the `name/` prefix (empty if there is none)."""
+        prefix = f"{name}/"
+        return {k[len(prefix):]: v for k, v in self.tensors.items() if k.startswith(prefix)}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
 def _fs(url: str) -> tuple[Any, str]:
@@ -34,42 +72,75 @@ def _fs(url: str) -> tuple[Any, str]:
     return fsspec.core.url_to_fs(url)
 
 
-def save_trainer_state(
-    url: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int,
-    loss_state: dict[str, Any] | None, extra: dict[str, Any] | None = None,
-) -> None:
-    """Write the state under `url` (files first, the `COMPLETE` marker last)."""
-    import numpy as np
-    from safetensors.torch import save
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU tensor that owns its memory: `copy=True` copies even a CPU tensor (a plain `.cpu()` of
+    one returns the tensor itself, which training would go on changing)."""
+    return t.detach().to("cpu", copy=True, memory_format=torch.contiguous_format)
 
-    fs, root = _fs(url)
-    names = _param_names(model, optimizer)
-    tensors = {f"model/{k}": v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+
+def capture_trainer_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int, loss_state: dict[str, Any] | None,
+    extra: dict[str, Any] | None = None, extra_tensors: dict[str, dict[str, torch.Tensor]] | None = None,
+    extra_json: dict[str, Any] | None = None,
+) -> TrainerSnapshot:
+    """Copy the state now, so that training can go on while it is written: every tensor to CPU, the JSON part
+    through JSON (which also refuses anything that is not JSON here rather than in the writer).
+
+    `extra_tensors` are named groups of tensors (stored as `<group>/<name>`), `extra_json` named JSON parts."""
+    import numpy as np
+
+    groups = extra_tensors or {}
+    bad = sorted(g for g in groups if g in _RESERVED or not g or "/" in g)
+    if bad:
+        raise ValueError(f"extra tensor groups {bad}: names must be non-empty, without '/', and not {sorted(_RESERVED)}")
+    tensors = {f"model/{k}": _copy(v) for k, v in model.state_dict().items()}
     state = optimizer.state_dict()
     for index, entry in state["state"].items():
         for key, value in entry.items():
-            tensors[f"optim/{index}/{key}"] = torch.as_tensor(value).detach().contiguous().cpu()
-    tensors["rng/torch"] = torch.get_rng_state()
+            tensors[f"optim/{index}/{key}"] = _copy(torch.as_tensor(value))
+    tensors["rng/torch"] = torch.get_rng_state()  # a new tensor already
+    for group, named in groups.items():
+        tensors.update({f"{group}/{name}": _copy(t) for name, t in named.items()})
     np_state = np.random.get_state()
     meta = {
-        "format": FORMAT, "step": step, "param_names": names,
+        "format": FORMAT, "step": step, "param_names": _param_names(model, optimizer),
         "param_groups": state["param_groups"], "loss_state": loss_state, "extra": extra or {},
+        "extra_json": extra_json or {},
         "python_rng": _jsonable(random.getstate()),
         "numpy_rng": [np_state[0], np_state[1].tolist(), *np_state[2:]],
     }
+    return TrainerSnapshot(tensors, json.loads(json.dumps(meta)))
+
+
+def write_trainer_state(url: str, snapshot: TrainerSnapshot) -> None:
+    """Write `snapshot` under `url`: the state files first, the `COMPLETE` marker last. Over an earlier state the
+    old marker is removed first, so a write that dies half-way never leaves a marker over mixed files."""
+    from safetensors.torch import save
+
+    fs, root = _fs(url)
     fs.makedirs(root, exist_ok=True)
+    if fs.exists(f"{root}/{_MARKER}"):
+        fs.rm(f"{root}/{_MARKER}")
     with fs.open(f"{root}/state.safetensors", "wb") as f:
-        f.write(save(tensors))
+        f.write(save(snapshot.tensors))
     with fs.open(f"{root}/state.json", "w") as f:
-        f.write(json.dumps(meta))
+        f.write(json.dumps(snapshot.meta))
     with fs.open(f"{root}/{_MARKER}", "w") as f:
         f.write("ok\n")
 
 
-def load_trainer_state(url: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """Load the state under `url` into `model` and `optimizer` and restore the RNGs; returns the JSON part
-    (`step`, `loss_state`, `extra`). Raises TrainerStateError naming what is wrong and where."""
-    import numpy as np
+def save_trainer_state(
+    url: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int,
+    loss_state: dict[str, Any] | None, extra: dict[str, Any] | None = None,
+    extra_tensors: dict[str, dict[str, torch.Tensor]] | None = None, extra_json: dict[str, Any] | None = None,
+) -> None:
+    """Capture and write in one go (on the caller's thread)."""
+    write_trainer_state(url, capture_trainer_state(model, optimizer, step, loss_state, extra, extra_tensors, extra_json))
+
+
+def read_trainer_state(url: str) -> TrainerSnapshot:
+    """Read the state under `url` without applying it. Raises TrainerStateError if it is half-written,
+    unreadable or of another format."""
     from safetensors.torch import load
 
     fs, root = _fs(url)
@@ -85,6 +156,18 @@ def load_trainer_state(url: str, model: torch.nn.Module, optimizer: torch.optim.
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise TrainerStateError(f"{url}/state.json: format {meta.get('format') if isinstance(meta, dict) else meta!r}, "
                                 f"expected {FORMAT}")
+    meta.setdefault("extra_json", {})  # states written before extra groups existed
+    return TrainerSnapshot(tensors, meta)
+
+
+def restore_trainer_state(
+    url: str, snapshot: TrainerSnapshot, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+) -> None:
+    """Load `snapshot` into `model` and `optimizer` and restore the RNGs, after checking it fits them (names,
+    shapes, dtypes, optimizer order). Extra groups are the caller's to apply. `url` names it in errors."""
+    import numpy as np
+
+    meta, tensors = snapshot.meta, snapshot.tensors
     _check_model(url, model, tensors)
     names = _param_names(model, optimizer)
     if meta["param_names"] != names:
@@ -103,7 +186,15 @@ def load_trainer_state(url: str, model: torch.nn.Module, optimizer: torch.optim.
     random.setstate(_tupled(meta["python_rng"]))
     kind, keys, *rest = meta["numpy_rng"]
     np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
-    return meta
+
+
+def load_trainer_state(url: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Load the state under `url` into `model` and `optimizer` and restore the RNGs; returns the JSON part
+    (`step`, `loss_state`, `extra`, `extra_json`) plus `extra_tensors` (group -> name -> tensor), for the caller
+    to apply. Raises TrainerStateError naming what is wrong and where."""
+    snapshot = read_trainer_state(url)
+    restore_trainer_state(url, snapshot, model, optimizer)
+    return {**snapshot.meta, "extra_tensors": {g: snapshot.group(g) for g in snapshot.groups}}
 
 
 def _check_model(url: str, model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:

@@ -174,6 +174,15 @@ class DiLoCoConfig(BaseModel):
     def scheme(self) -> str:
         return self.store_uri.partition("://")[0]
 
+    def checkpointable(self, step: int) -> bool:
+        """Whether a replica's full state may be saved after `step` inner steps (counted from the run's start).
+
+        A fragment's sync is prepared `fragment_sync_delay` steps before it is applied; in between its round is
+        in flight (pseudo-gradients sent, result not yet applied) and cannot be saved. With delay 0 every step
+        is safe: a round is prepared and applied within one optimizer step."""
+        per_fragment = self.sync_every // self.fragments
+        return step % per_fragment < per_fragment - self.fragment_sync_delay
+
     def check_against(self, named_shapes: Mapping[str, Sequence[int]] | Iterable[tuple[str, Sequence[int], int]],
                       bytes_per_element: int = 4) -> None:
         """Refuse settings that would silently diverge for this model.

@@ -14,6 +14,10 @@ Usage (one per trainer replica, each in its own process or proc mesh):
 Construction validates the config against the model's tensors, then loads the starting state from the store:
 the latest checkpoint if the run is in progress (a restarted replica resumes identical to the others), else
 one θ0 agreed by all replicas (the first replica's initial weights win), so replicas never start apart.
+
+A replica's own full state (to resume a stopped run bitwise, with the trainer's model and inner optimizer) is
+`replica_state()` / `load_replica_state()`: global parameters and outer optimizers, round, outer and local step.
+Loading rewinds the store to the saved round (`ObjectStoreManager.rewind`).
 """
 
 from __future__ import annotations
@@ -32,6 +36,12 @@ from composer_mesh.mesh.objectstore.manager import ObjectStoreManager, RoundRepo
 from composer_mesh.mesh.objectstore.store import Store
 
 log = logging.getLogger(__name__)
+
+_SHAPE = ("replicas", "sync_every", "fragments", "fragment_sync_delay")
+
+
+class DiLoCoStateError(ValueError):
+    """A replica's DiLoCo state that cannot be saved now (a sync in flight) or loaded here (another shape)."""
 
 
 class _Fragment(nn.Module):
@@ -60,6 +70,27 @@ def split_fragments(model: nn.Module, n: int) -> list[nn.Module]:
         groups[-1].append((name, p))
         acc += p.numel()
     return [_Fragment(g) for g in groups]
+
+
+def _fragment_state(i: int, fragment: nn.Module, tensors: dict[str, torch.Tensor], info: dict[str, Any]) -> StateDict:
+    """Fragment i's saved state (`ObjectStoreDiLoCo.replica_state`) as its registered load fn takes it, checked
+    against the live fragment's parameter names and shapes (a copy would broadcast a wrong shape silently)."""
+    live = dict(fragment.named_parameters())
+    saved = {n: tensors[f"f{i}/global/{n}"] for n in info["params"] if f"f{i}/global/{n}" in tensors}
+    bad = [n for n in live if n not in saved or saved[n].shape != live[n].shape]
+    if info["params"] != list(live) or bad:
+        raise DiLoCoStateError(f"fragment {i}: the saved global parameters do not fit this model (saved "
+                               f"{len(info['params'])}, live {len(live)}; missing or of another shape: {bad[:3]})")
+    outer: dict[int, dict[str, Any]] = {}
+    prefix = f"f{i}/outer/"
+    for key, value in tensors.items():
+        if key.startswith(prefix):
+            index, name = key[len(prefix):].split("/", 1)
+            outer.setdefault(int(index), {})[name] = value
+    for key, value in info["outer_state"].items():
+        index, name = key.split("/", 1)
+        outer.setdefault(int(index), {})[name] = value
+    return {"original_parameters": saved, "outer_optimizer": {"state": outer, "param_groups": info["outer_param_groups"]}}
 
 
 class ObjectStoreDiLoCo:
@@ -174,6 +205,75 @@ class ObjectStoreDiLoCo:
                 if buf is not None:
                     out[f"f{i}/momentum/{name}"] = buf.detach().clone()
         return out
+
+    # --------------------------------------------------------------- a replica's full state (resume)
+    def replica_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """What this replica needs, besides its model and inner optimizer, to continue bitwise: per fragment the
+        global parameters (`f{i}/global/<name>`) and the outer optimizer's state tensors (`f{i}/outer/<index>/<key>`),
+        and as JSON the outer param groups, the round and committed outer step, DiLoCo's local step and the
+        shape (replica id, replicas, sync_every, fragments, delay) a resumed replica must have.
+
+        The tensors are the live ones, not copies: copy them before training goes on (`capture_trainer_state`
+        does). Raises DiLoCoStateError while a fragment's sync is in flight (`DiLoCoConfig.checkpointable`)."""
+        if self.manager.round_open:
+            raise DiLoCoStateError(self._in_flight())
+        states = self.manager.collect_state()
+        tensors: dict[str, torch.Tensor] = {}
+        fragments: list[dict[str, Any]] = []
+        for i in range(len(self.fragments)):
+            state = states[f"StreamingDiLoCoFragment_{i}"]
+            for name, t in state["original_parameters"].items():
+                tensors[f"f{i}/global/{name}"] = t
+            outer = state["outer_optimizer"]
+            scalars: dict[str, Any] = {}
+            for index, entry in outer["state"].items():
+                for key, value in entry.items():
+                    if isinstance(value, torch.Tensor):
+                        tensors[f"f{i}/outer/{index}/{key}"] = value
+                    else:
+                        scalars[f"{index}/{key}"] = value
+            fragments.append({"params": list(state["original_parameters"]), "outer_param_groups": outer["param_groups"],
+                              "outer_state": scalars})
+        meta = {
+            "replica_id": self.manager.replica_id, **{k: getattr(self.config, k) for k in _SHAPE},
+            "run_id": self.config.run_id, "quorum_id": self.manager.quorum_id, "step": self.manager.current_step(),
+            "local_step": self._diloco._local_step, "needs_heal": self.manager.needs_heal, "fragment_state": fragments,
+        }
+        return tensors, meta
+
+    def _in_flight(self) -> str:
+        c = self.config
+        per = c.sync_every // c.fragments
+        return (f"DiLoCo replica {self.manager.replica_id}: fragment {self.outer_step % c.fragments}'s sync (round "
+                f"{self.round_id}) is in flight: prepared after local step {per - c.fragment_sync_delay}, applied "
+                f"after local step {per} (now {self._diloco._local_step}); its state can be saved only after an "
+                f"inner step k with k % {per} < {per - c.fragment_sync_delay} (DiLoCoConfig.checkpointable)")
+
+    def check_replica_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> dict[str, StateDict]:
+        """Refuse (DiLoCoStateError, saved vs live) a state of another replica or DiLoCo shape, or one whose
+        tensors do not fit this replica's fragments; returns it as the registered load fns take it."""
+        if self.manager.round_open:
+            raise DiLoCoStateError(self._in_flight())
+        me = self.manager.replica_id
+        if meta["replica_id"] != me:
+            raise DiLoCoStateError(f"the state is DiLoCo replica {meta['replica_id']}'s, this is replica {me}")
+        differ = [f"{k}: saved {meta[k]}, live {getattr(self.config, k)}" for k in _SHAPE
+                  if meta[k] != getattr(self.config, k)]
+        if differ:
+            raise DiLoCoStateError(f"the state is for another DiLoCo shape: {'; '.join(differ)}")
+        if not self.config.checkpointable(int(meta["local_step"])):
+            raise DiLoCoStateError(f"the state was saved at local step {meta['local_step']}, with a sync in flight")
+        return {f"StreamingDiLoCoFragment_{i}": _fragment_state(i, frag, tensors, meta["fragment_state"][i])
+                for i, frag in enumerate(self.fragments)}
+
+    def load_replica_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        """Continue from `replica_state`'s state: global parameters and outer optimizers, the round, the outer and
+        local steps; the store is rewound to the saved round (`ObjectStoreManager.rewind`). The model's own
+        (local) parameters are not touched: they come with the trainer's state."""
+        states = self.check_replica_state(tensors, meta)
+        self.manager.restore_state(states)
+        self.manager.rewind(int(meta["quorum_id"]), int(meta["step"]), bool(meta["needs_heal"]))
+        self._diloco._local_step = int(meta["local_step"])
 
     def close(self) -> None:
         """Finish pending checkpoint writes and stop the I/O threads."""

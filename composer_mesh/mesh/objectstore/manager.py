@@ -33,6 +33,9 @@ own marker and deletes only checkpoints `keep_rounds` below it, so the newest co
 deleted and the latest never moves backwards. A checkpoint write that fails is raised (`CheckpointError`, naming
 the object and the cause) at the next `maybe_checkpoint`/`start_quorum` or at `shutdown`, unless a newer
 checkpoint was committed meanwhile (then nothing depends on it).
+
+A replica resumed from its own saved state calls `rewind(quorum_id, step)`: the rounds and checkpoints after the
+saved round are the stopped run's abandoned future, and are deleted before anyone trains again.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from composer_mesh.mesh.objectstore.config import DiLoCoConfig
 from composer_mesh.mesh.objectstore.store import (
     ShardError,
     Store,
+    StoreError,
     decode_shard,
     encode_shard,
     encode_shard_parts,
@@ -254,6 +258,16 @@ class ObjectStoreManager:
     @property
     def quorum_id(self) -> int:
         return self._quorum_id
+
+    @property
+    def round_open(self) -> bool:
+        """A round was started (`start_quorum`) and its result is not applied yet: the sync is in flight."""
+        return not self._round_done
+
+    @property
+    def needs_heal(self) -> bool:
+        """This replica's last round failed locally: it heals from the store at the next `start_quorum`."""
+        return self._needs_heal
 
     # ------------------------------------------------------------------ round driving
     def flush(self) -> None:
@@ -688,6 +702,47 @@ class ObjectStoreManager:
         """What the registered state-dict fns return now (DiLoCo: global params + outer optimizer per fragment)."""
         return {key: save() for key, (_, save) in sorted(self._state_fns.items())}
 
+    def restore_state(self, state: dict[str, StateDict]) -> None:
+        """Hand `state` (as `collect_state` returns it) to the registered load fns. Unlike healing, the model's
+        parameters are left alone: a resumed replica's local parameters come from its own saved state."""
+        missing = sorted(set(self._state_fns) - set(state))
+        if missing:
+            raise ValueError(f"state lacks {missing}; it has {sorted(state)}")
+        for key, (load, _) in self._state_fns.items():
+            load(state[key])
+
+    def rewind(self, quorum_id: int, step: int, needs_heal: bool = False) -> None:
+        """Put this replica and the store back at the end of round `quorum_id` (committed outer step `step`), to
+        resume a replica's saved state.
+
+        Rounds and checkpoints newer than `quorum_id` belong to the abandoned future of the run the state was
+        saved from. Left in place, the next `start_quorum` would heal from a newer checkpoint, or join an old
+        round's membership and read its stale averages. They are deleted (checkpoints first, so the latest never
+        names a deleted future) and the deletion is checked. Deleting is idempotent: every replica of the
+        resumed run rewinds, and none may train before all have (the controller waits for every `load_state`).
+        The replicas of the stopped run must be gone: a late write of theirs would bring a newer round back."""
+        if self.round_open:
+            raise RuntimeError(f"replica {self.replica_id}: cannot rewind while round {self._quorum_id} is open")
+        pending, self._ckpt_future = self._ckpt_future, None
+        if pending is not None and pending.exception() is not None:  # its round is being abandoned anyway
+            log.warning("replica %d: a checkpoint write failed before the rewind: %s", self.replica_id,
+                        pending.exception())
+        self._pending_checkpoint = None
+        for top in ("ckpt", "rounds"):
+            newer = self._newer_than(top, quorum_id)
+            for _ in range(3):  # another replica may be deleting the same objects: look again
+                for name in newer:
+                    self.store.rm_prefix(f"{top}/{name}")
+                newer = self._newer_than(top, quorum_id)
+                if not newer:
+                    break
+            if newer:
+                raise StoreError(f"replica {self.replica_id}: rewinding to round {quorum_id}: {self.store.uri}/{top} "
+                                 f"still holds {newer}")
+        self._quorum_id, self._step, self._needs_heal = quorum_id, step, needs_heal
+        self._errored = None
+        log.info("replica %d rewound to round %d (step %d)", self.replica_id, quorum_id, step)
+
     def _raise_checkpoint_error(self, block: bool) -> None:
         """Re-raise the background checkpoint writer's failure (once). `block`: wait for a write in progress."""
         fut = self._ckpt_future
@@ -819,6 +874,10 @@ class ObjectStoreManager:
             meta.get("quorum_id"),
             meta.get("step"),
         )
+
+    def _newer_than(self, top: str, quorum_id: int) -> list[str]:
+        """Entries `qNNNNNNNN` under `top` (`rounds` or `ckpt`) of rounds after `quorum_id`."""
+        return [n for n in self.store.list(top) if (r := _ckpt_round(n)) is not None and r > quorum_id]
 
     def shutdown(self, wait: bool = True) -> None:
         """Stop the I/O threads; raises CheckpointError if the last checkpoint write failed (waited for if

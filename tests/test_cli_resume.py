@@ -1,0 +1,71 @@
+"""`composer-mesh run` stopped by a real SIGTERM writes a checkpoint and exits with a message saying how to
+resume; `--resume` continues it to the end; a missing checkpoint is one clear message."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from composer_mesh import cli
+
+ROOT = Path(__file__).resolve().parents[1]
+TOPOLOGY = ROOT / "tests" / "loop" / "tiny_run.yaml"
+
+
+def _command(*argv: str) -> tuple[list[str], dict[str, str]]:
+    exe = Path(sys.executable).parent / "composer-mesh"
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "composer_mesh.cli"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    return [*cmd, *argv], env
+
+
+def _steps(run_dir: Path) -> list[int]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:  # a line being written
+            break
+    return [r["step"] for r in rows if "event" not in r]
+
+
+def test_sigterm_checkpoints_and_resume_finishes_the_run(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    cmd, env = _command("run", str(TOPOLOGY), "--run-dir", str(run_dir), "--steps", "6")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 300
+    while not _steps(run_dir) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert proc.poll() is None, proc.communicate()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == cli.EXIT_TERMINATED, err
+    assert "Traceback" not in err
+    assert f"resume with: composer-mesh run {TOPOLOGY} --run-dir {run_dir} --resume" in err
+    stopped = _steps(run_dir)
+    assert 1 <= stopped[-1] < 6 and stopped == list(range(1, stopped[-1] + 1))
+    assert (run_dir / "checkpoints" / f"step-{stopped[-1]:08d}" / "COMMITTED.json").is_file()
+
+    cmd, env = _command("run", str(TOPOLOGY), "--run-dir", str(run_dir), "--steps", "6", "--resume")
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == cli.EXIT_OK, done.stderr
+    assert _steps(run_dir) == [1, 2, 3, 4, 5, 6]
+    assert f"resumed from step {stopped[-1]}" in done.stdout
+    events = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events if e.get("event") == "resumed"] == [stopped[-1]]
+
+
+def test_resume_without_a_checkpoint_is_one_message(tmp_path: Path) -> None:
+    cmd, env = _command("run", str(TOPOLOGY), "--run-dir", str(tmp_path / "nothing"), "--resume")
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == cli.EXIT_INVALID
+    assert "cannot resume" in done.stderr and "no such checkpoint or run directory" in done.stderr
+    assert "Traceback" not in done.stderr

@@ -1,0 +1,65 @@
+"""How `composer-mesh run` turns signals and Slurm notices into a checkpointed stop (the loop's side is
+tests/loop/test_resume.py, the real SIGTERM is tests/test_cli_resume.py, the real Slurm notices
+tests/launch/test_launch_slurm.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+from rich.console import Console
+
+from composer_mesh.app.runner import StopRequests
+from composer_mesh.mesh.slurm import JobNotice
+
+
+class RecordingLoop:
+    def __init__(self) -> None:
+        self.reasons: list[str] = []
+
+    def request_stop(self, reason: str) -> None:
+        self.reasons.append(reason)
+
+
+async def test_first_signal_asks_for_a_checkpointed_stop_the_second_cancels():
+    async def session() -> None:
+        stops = StopRequests(Console(quiet=True))
+        loop = RecordingLoop()
+        stops.loop = loop  # type: ignore[assignment]
+        stops.stop("SIGTERM", "SIGTERM received")
+        assert loop.reasons == ["SIGTERM received"] and stops.cause == "SIGTERM"
+        await asyncio.sleep(0)  # still running: the loop decides when to stop
+        stops.stop("SIGINT", "SIGINT received")  # the second one: at once
+        assert stops.cause == "SIGTERM"  # what stopped the run first
+        await asyncio.sleep(10)
+
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.create_task(session())
+
+
+async def test_a_signal_before_the_loop_runs_cancels_at_once():
+    async def session() -> None:
+        stops = StopRequests(Console(quiet=True))
+        stops.stop("SIGINT", "SIGINT received")
+        assert stops.cause == "SIGINT"
+        await asyncio.sleep(10)
+
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.create_task(session())
+
+
+async def test_a_slurm_notice_stops_the_run_with_its_message():
+    notice = JobNotice("trainer", "42", "warning", "will reach its time limit in ~120 s (SIGUSR1 from --signal)")
+
+    async def watch_jobs(poll_s: float = 5.0) -> JobNotice:
+        await asyncio.sleep(0.01)
+        return notice
+
+    stops = StopRequests(Console(quiet=True))
+    loop = RecordingLoop()
+    stops.loop = loop  # type: ignore[assignment]
+    mesh = SimpleNamespace(launched=SimpleNamespace(watch_jobs=watch_jobs))
+    await asyncio.wait_for(stops.watch_slurm(mesh), 5)  # type: ignore[arg-type]
+    assert stops.cause == "slurm"
+    assert loop.reasons == ["Slurm job 42 of mesh 'trainer' will reach its time limit in ~120 s (SIGUSR1 from --signal)"]
