@@ -18,6 +18,7 @@ weights + AdamW moments (float32): ~12 bytes per parameter, so a 0.5B policy's s
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import statistics
@@ -84,6 +85,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--rollouts", type=int, default=16)
     p.add_argument("--out", help="checkpoint destination directory (default: a temporary directory)")
+    p.add_argument("--json", help="also write the results as JSON to this file")
     args = p.parse_args()
     shape = PRESETS["quick" if args.quick else args.model]
     steps = 4 if args.quick else args.steps
@@ -110,6 +112,9 @@ def main() -> None:
     print("|---|---:|---:|---:|")
     for name, r in rows:
         print(f"| {name} | {r['step_s']:.3f} | {r['step_s'] / base:.2f} | {r['drain_s']:.2f} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"params": params, **sizes, "versions": versions, "device": args.device,
+                                               "modes": {name: r for name, r in rows}}, indent=1))
 
 
 if __name__ == "__main__":

@@ -23,11 +23,18 @@ from composer_mesh.actors.messages import (
     TrainMetrics,
 )
 from composer_mesh.app.launch import launch
-from composer_mesh.app.runner import apply_overrides, print_summary, run_topology
+from composer_mesh.app.runner import (
+    apply_overrides,
+    checkpoint_policy,
+    print_summary,
+    resume_point,
+    run_topology,
+)
 from composer_mesh.loss.config import LossConfig
 from composer_mesh.mesh.launch import LaunchError, MeshFailureError
+from composer_mesh.orchestration.checkpoint import CheckpointPolicy, RunCheckpointError
 from composer_mesh.orchestration.config import RunConfig
-from composer_mesh.orchestration.loop import LagGate, PromptSource, RLLoop, merge_signals
+from composer_mesh.orchestration.loop import LagGate, PromptSource, ResumePoint, RLLoop, merge_signals
 from composer_mesh.orchestration.metrics import RunSummary, StepRecord
 from composer_mesh.orchestration.schedule import Chunk, GroupResult, StepScheduler, row_seed
 from composer_mesh.roles import ROLES, Role, RoleMesh
@@ -35,6 +42,7 @@ from composer_mesh.topology import Topology, TopologyError, load_topology
 
 __all__ = [
     "ROLES",
+    "CheckpointPolicy",
     "Chunk",
     "GenerationRequest",
     "GroupResult",
@@ -45,11 +53,13 @@ __all__ = [
     "Prompt",
     "PromptSource",
     "RLLoop",
+    "ResumePoint",
     "RewardResult",
     "Role",
     "RoleMesh",
     "Rollout",
     "RolloutGroup",
+    "RunCheckpointError",
     "RunConfig",
     "RunSummary",
     "ScoredGroup",
@@ -64,10 +74,12 @@ __all__ = [
     "TrainBatch",
     "TrainMetrics",
     "apply_overrides",
+    "checkpoint_policy",
     "launch",
     "load_topology",
     "merge_signals",
     "print_summary",
+    "resume_point",
     "row_seed",
     "run_topology",
 ]

@@ -99,3 +99,11 @@ def test_bench_generator_scaling_quick_runs_1_and_2_generators(tmp_path: Path) -
     for row in result["rows"]:
         assert row["status"] == "ok" and row["samples_per_s"] > 0 and row["rollouts"] == 4 * 8 * 4, row
     assert (tmp_path / "out" / "results.json").is_file()
+
+
+def test_bench_checkpoint_quick_measures_every_mode(tmp_path: Path) -> None:
+    stdout, result = run_quick("bench_checkpoint.py", tmp_path / "bench_checkpoint.json", 300)
+    assert "| no checkpoint |" in stdout and "x no checkpoint" in stdout
+    modes = result["modes"]
+    assert len(modes) == 4 and all(m["step_s"] > 0 for m in modes.values())
+    assert result["state_gib"] > 0 and result["copy_s"] > 0 and result["write_s"] > 0

@@ -252,7 +252,7 @@ def test_run_failures_inside_the_event_loop(
 ) -> None:
     from composer_mesh.app import runner
 
-    async def failing_run(topology: object, console: object = None) -> None:
+    async def failing_run(topology: object, console: object = None, **_: object) -> None:
         await asyncio.sleep(0)
         raise exc
 

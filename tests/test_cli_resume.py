@@ -39,7 +39,7 @@ def _steps(run_dir: Path) -> list[int]:
 
 def test_sigterm_checkpoints_and_resume_finishes_the_run(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    cmd, env = _command("run", str(TOPOLOGY), "--run-dir", str(run_dir), "--steps", "6")
+    cmd, env = _command("run", str(TOPOLOGY), "--run-dir", str(run_dir), "--steps", "30")  # outlasts the signal
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     deadline = time.monotonic() + 300
     while not _steps(run_dir) and proc.poll() is None and time.monotonic() < deadline:
@@ -51,13 +51,13 @@ def test_sigterm_checkpoints_and_resume_finishes_the_run(tmp_path: Path) -> None
     assert "Traceback" not in err
     assert f"resume with: composer-mesh run {TOPOLOGY} --run-dir {run_dir} --resume" in err
     stopped = _steps(run_dir)
-    assert 1 <= stopped[-1] < 6 and stopped == list(range(1, stopped[-1] + 1))
+    assert 1 <= stopped[-1] < 30 and stopped == list(range(1, stopped[-1] + 1))
     assert (run_dir / "checkpoints" / f"step-{stopped[-1]:08d}" / "COMMITTED.json").is_file()
 
-    cmd, env = _command("run", str(TOPOLOGY), "--run-dir", str(run_dir), "--steps", "6", "--resume")
+    cmd, env = _command("run", str(TOPOLOGY), "--run-dir", str(run_dir), "--steps", "30", "--resume")
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == cli.EXIT_OK, done.stderr
-    assert _steps(run_dir) == [1, 2, 3, 4, 5, 6]
+    assert _steps(run_dir) == list(range(1, 31))
     assert f"resumed from step {stopped[-1]}" in done.stdout
     events = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [e["step"] for e in events if e.get("event") == "resumed"] == [stopped[-1]]

@@ -109,7 +109,8 @@ class CheckpointStore:
         return f"{self.root}/{_STEP_PREFIX}{step:08d}" + (f"/{name}" if name else "")
 
     def steps(self) -> list[int]:
-        """Every step that has a directory here, committed or not."""
+        """Every step that has a directory here, committed or not (listed afresh: other processes write here)."""
+        self.fs.invalidate_cache(self.root)
         try:
             names = [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self.root, detail=False)]
         except FileNotFoundError:
