@@ -62,6 +62,14 @@ def test_sigterm_checkpoints_and_resume_finishes_the_run(tmp_path: Path) -> None
     events = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [e["step"] for e in events if e.get("event") == "resumed"] == [stopped[-1]]
 
+    # A corrupted trainer state in the newest committed checkpoint is refused with one message.
+    state = run_dir / "checkpoints" / f"step-{30:08d}" / "trainer" / "r0" / "state.safetensors"
+    state.write_bytes(state.read_bytes()[:100])
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == cli.EXIT_INVALID, done.stderr
+    assert "cannot resume: a trainer replica could not load its state" in done.stderr
+    assert "unreadable trainer state" in done.stderr and "Traceback" not in done.stderr
+
 
 def test_resume_without_a_checkpoint_is_one_message(tmp_path: Path) -> None:
     cmd, env = _command("run", str(TOPOLOGY), "--run-dir", str(tmp_path / "nothing"), "--resume")

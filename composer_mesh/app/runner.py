@@ -17,6 +17,7 @@ from rich.table import Table
 from composer_mesh.app.launch import launch
 from composer_mesh.orchestration.checkpoint import (
     CheckpointPolicy,
+    RunCheckpointError,
     check_fingerprint,
     find_checkpoint,
     read_checkpoint,
@@ -64,6 +65,9 @@ def resume_point(topology: Topology, path: str | None) -> ResumePoint:
     url = find_checkpoint(where)
     state = read_checkpoint(url)
     check_fingerprint(url, state.fingerprint, topology.training_fingerprint())
+    if state.step > topology.run.steps:
+        raise RunCheckpointError(f"{url} is at step {state.step}, beyond run.steps={topology.run.steps}: raise "
+                                 "run.steps (--steps) to train on from it")
     return ResumePoint(url, state)
 
 

@@ -29,6 +29,7 @@ from composer_mesh.orchestration.checkpoint import (
     CheckpointPolicy,
     CheckpointStore,
     ControllerState,
+    RunCheckpointError,
     restore_rng,
 )
 from composer_mesh.orchestration.config import RunConfig
@@ -134,7 +135,8 @@ class RLLoop:
         self.resume = resume
         self.stop_reason: str | None = None
         self._stop = asyncio.Event()
-        self._commits: dict[int, _PendingCheckpoint] = {}
+        self._commits: dict[int, _PendingCheckpoint] = {}  # checkpoints taken and not committed yet
+        self._checkpointed = 0  # the last step a checkpoint was taken of
         self._recorded_through = 0  # the last step whose record is written
         self.last_checkpoint: str | None = None
         self.prompts = PromptSource(run.task, run.seed)
@@ -386,12 +388,16 @@ class RLLoop:
         generators pull its weights, the prompt stream and the scheduler continue where they were."""
         st = resume.state
         if st.replicas != len(self.trainers):
-            raise RuntimeError(f"{resume.url} holds {st.replicas} trainer replica(s), this run has {len(self.trainers)}")
+            raise RunCheckpointError(f"{resume.url} holds {st.replicas} trainer replica(s), this run has "
+                                     f"{len(self.trainers)}")
         if st.step > self.cfg.steps:
-            raise RuntimeError(f"{resume.url} is at step {st.step}, beyond run.steps={self.cfg.steps}: raise run.steps "
-                               "(--steps) to train on from it")
-        manifests = await asyncio.gather(*(t.load_state.call_one(f"{resume.url}/trainer/r{i}")
-                                           for i, t in enumerate(self.trainers)))
+            raise RunCheckpointError(f"{resume.url} is at step {st.step}, beyond run.steps={self.cfg.steps}: raise "
+                                     "run.steps (--steps) to train on from it")
+        try:
+            manifests = await asyncio.gather(*(t.load_state.call_one(f"{resume.url}/trainer/r{i}")
+                                               for i, t in enumerate(self.trainers)))
+        except Exception as e:  # the replica's refusal (TrainerStateError) arrives wrapped in Monarch's ActorError
+            raise RunCheckpointError(f"a trainer replica could not load its state: {_last_line(e)}") from e
         if manifests[0].version != st.weight_version:
             raise RuntimeError(f"{resume.url}: the trainer state is at weight version {manifests[0].version}, the "
                                f"controller state at {st.weight_version}")
@@ -438,7 +444,7 @@ class RLLoop:
             last = step
             if self.checkpoints.due(step, self.cfg.steps) or (self._stop.is_set() and self._can_stop_after(step, first)):
                 self._checkpoint(step, schedule, writer)
-        if last >= first and last not in self._commits and self.checkpoints.checkpointable(last):
+        if last >= first and last != self._checkpointed and self.checkpoints.checkpointable(last):
             self._checkpoint(last, schedule, writer)  # stopped while waiting for the next step
         for step in sorted(steps):
             self._write(await self._until(steps.pop(step)), schedule, writer, t_start)
@@ -467,6 +473,7 @@ class RLLoop:
         if self._recorded_through >= step:
             pending.recorded.set()
         self._commits[step] = pending
+        self._checkpointed = step
         pending.task = self._spawn(self._commit(pending, saves, state, writer))
 
     def _counters(self) -> dict[str, Any]:
@@ -482,6 +489,7 @@ class RLLoop:
         await pending.trainers.wait()
         await pending.recorded.wait()
         url = await asyncio.to_thread(self.store.commit, pending.step, self.checkpoints.keep)
+        self._commits.pop(pending.step, None)
         self.last_checkpoint = url
         writer.write_event("checkpoint", step=pending.step, url=url, weight_version=state.weight_version)
 
@@ -500,7 +508,6 @@ class RLLoop:
         for pending in list(self._commits.values()):
             assert pending.task is not None
             await self._until(pending.task)
-        self._commits.clear()
 
     def trainer_version_after(self, step: int) -> int:
         """The weight version the trainer publishes with step `step` (one version per step; step 0 = setup's)."""
@@ -608,6 +615,12 @@ class _PendingCheckpoint:
     trainers: asyncio.Event = field(default_factory=asyncio.Event)
     recorded: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
+
+
+def _last_line(error: BaseException) -> str:
+    """The gist of a remote error: Monarch's ActorError carries the remote traceback, whose last line is it."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[-1] if lines else type(error).__name__
 
 
 def _spread(scored: list[ScoredGroup], informative: list[int], signals: TeacherSignals) -> list[TokenDistribution | None]:

@@ -197,9 +197,10 @@ class HFTrainer:
     def snapshot_state(self, extra: dict[str, Any] | None = None) -> TrainerSnapshot:
         """A copy of everything needed to continue training bitwise (`trainer_state.py`): weights, AdamW state,
         the step, the RNGs, the loss state and, on a DiLoCo replica, its DiLoCo state. Taken on the training
-        thread between steps, and cheap (CPU copies, no serialisation, no I/O): write it with `write_trainer_state`, also from another
-        thread while training goes on. The reference model is not saved: `start` rebuilds it from the model
-        source. A DiLoCo replica refuses while a fragment's sync is in flight (`DiLoCoConfig.checkpointable`)."""
+        thread between steps, and cheap (CPU copies, no serialisation, no I/O): write it with
+        `write_trainer_state`, also from another thread while training goes on. The reference model is not
+        saved: `start` rebuilds it from the model source. A DiLoCo replica refuses while a fragment's sync is
+        in flight (`DiLoCoConfig.checkpointable`)."""
         from composer_mesh.actors.backends.trainer_state import capture_trainer_state
 
         assert self.model is not None, "call start() first"

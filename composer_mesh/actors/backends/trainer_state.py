@@ -141,6 +141,7 @@ def save_trainer_state(
 def read_trainer_state(url: str) -> TrainerSnapshot:
     """Read the state under `url` without applying it. Raises TrainerStateError if it is half-written,
     unreadable or of another format."""
+    from safetensors import SafetensorError
     from safetensors.torch import load
 
     fs, root = _fs(url)
@@ -151,7 +152,7 @@ def read_trainer_state(url: str) -> TrainerSnapshot:
             meta = json.loads(f.read())
         with fs.open(f"{root}/state.safetensors", "rb") as f:
             tensors = load(f.read())
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, SafetensorError) as e:
         raise TrainerStateError(f"{url}: unreadable trainer state: {type(e).__name__}: {e}") from e
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise TrainerStateError(f"{url}/state.json: format {meta.get('format') if isinstance(meta, dict) else meta!r}, "
