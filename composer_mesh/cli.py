@@ -30,7 +30,8 @@ EXIT_PREEMPTED = 75  # a Slurm job of the run was warned of its end, preempted o
 # checkpoint (EX_TEMPFAIL: run it again with --resume)
 EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT)
 EXIT_TERMINATED = 143  # SIGTERM during `run` (128 + SIGTERM): the run stops with a checkpoint, a second one at once
-_STOP_EXIT = {"SIGINT": EXIT_INTERRUPTED, "SIGTERM": EXIT_TERMINATED, "slurm": EXIT_PREEMPTED}
+_STOP_EXIT = {"SIGINT": EXIT_INTERRUPTED, "SIGTERM": EXIT_TERMINATED, "slurm": EXIT_PREEMPTED,
+              "failure": EXIT_RUN_FAILED}
 
 _DEBUG_HINT = "(run with --debug for the traceback)"
 _MESH_DEBUG_HINT = "(run with --debug for the traceback and Monarch's failure reports)"
@@ -83,8 +84,9 @@ def report_failure(exc: BaseException, debug: bool = False) -> int:
         )
         return EXIT_BUG
     code, message = known
+    notes = [n for n in getattr(exc, "__notes__", ()) if isinstance(n, str)]
     if not debug:
-        print(message, file=sys.stderr)
+        print("\n".join([message, *notes]), file=sys.stderr)
         return code
     from composer_mesh.mesh.launch import MeshFailureError
 
@@ -174,15 +176,18 @@ def _positive_int(text: str) -> int:
 def _run(args: argparse.Namespace) -> int:
     from composer_mesh.app.runner import main as run_main
 
-    summary, cause = run_main(args.file, steps=args.steps, run_dir=args.run_dir, resume=args.resume)
+    resume = f"resume with: composer-mesh run {args.file}{f' --run-dir {args.run_dir}' if args.run_dir else ''} --resume"
+    try:
+        summary, cause = run_main(args.file, steps=args.steps, run_dir=args.run_dir, resume=args.resume)
+    except Exception as e:  # a failed run that left a checkpoint says how to continue, after its message
+        checkpoint = getattr(e, "checkpoint", None)
+        if checkpoint is not None:
+            e.add_note(f"the last full checkpoint is {checkpoint}\n{resume}")
+        raise
     if cause is None:
         return EXIT_OK
-    where = f" --run-dir {args.run_dir}" if args.run_dir else ""
-    print(
-        f"composer-mesh: stopped ({summary.stopped}); the full checkpoint is {summary.checkpoint}\n"
-        f"resume with: composer-mesh run {args.file}{where} --resume",
-        file=sys.stderr,
-    )
+    print(f"composer-mesh: stopped ({summary.stopped}); the full checkpoint is {summary.checkpoint}\n{resume}",
+          file=sys.stderr)
     return _STOP_EXIT.get(cause, EXIT_RUN_FAILED)
 
 

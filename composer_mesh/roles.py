@@ -120,6 +120,20 @@ class RoleMesh:
         self._role(role)
         return self.launched.per_proc(role)
 
+    def mesh_of(self, role: Role) -> str:
+        """The mesh `role` runs on."""
+        self._role(role)
+        return self.launched.placements[role].mesh
+
+    def roles_on(self, mesh: str) -> list[str]:
+        """The roles that share mesh `mesh` (they are replaced together)."""
+        return self.launched.actors_on(mesh)
+
+    async def respawn(self, role: Role) -> list[str]:
+        """Replace the procs of `role`'s mesh after one died, with every role on it (`LaunchedMeshes.respawn`);
+        returns the roles replaced: their handles are new and need their `setup` again."""
+        return await self.launched.respawn(self.mesh_of(role))
+
     @property
     def failures(self) -> list[ActorFailure]:
         """Failures recorded so far; each names its role (`actor`) and mesh."""

@@ -77,3 +77,52 @@ def test_resume_without_a_checkpoint_is_one_message(tmp_path: Path) -> None:
     assert done.returncode == cli.EXIT_INVALID
     assert "cannot resume" in done.stderr and "no such checkpoint or run directory" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def _procs_of_mesh(root: int, mesh: str) -> list[int]:
+    """Descendant pids of `root` whose environment says they are procs of mesh `mesh`."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [root]
+    while todo:
+        for pid in children.get(todo.pop(), []):
+            todo.append(pid)
+            try:
+                if f"COMPOSER_MESH_MESH={mesh}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                    found.append(pid)
+            except OSError:
+                pass
+    return found
+
+
+def test_a_dead_trainer_stops_the_run_and_resume_continues_from_its_last_checkpoint(tmp_path: Path) -> None:
+    topology = tmp_path / "run.yaml"
+    topology.write_text(TOPOLOGY.read_text() + "  checkpoint_every: 2\n")  # the run: section is the file's last
+    run_dir = tmp_path / "run"
+    cmd, env = _command("run", str(topology), "--run-dir", str(run_dir), "--steps", "30")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 300
+    while len(_steps(run_dir)) < 3 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    trainers = _procs_of_mesh(proc.pid, "trainer")
+    assert proc.poll() is None and trainers, proc.communicate()
+    for pid in trainers:
+        os.kill(pid, signal.SIGKILL)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == cli.EXIT_RUN_FAILED, err
+    assert "run failed" in err and "'trainer' on mesh 'trainer'" in err and "Traceback" not in err
+    assert "the last full checkpoint is" in err and f"composer-mesh run {topology} --run-dir {run_dir} --resume" in err
+    committed = sorted(p.parent.name for p in (run_dir / "checkpoints").glob("step-*/COMMITTED.json"))
+    last = int(committed[-1].removeprefix("step-"))
+    assert last % 2 == 0 and last >= _steps(run_dir)[-1] - 4  # no older than checkpoint_every (+ the pipeline)
+
+    cmd, env = _command("run", str(topology), "--run-dir", str(run_dir), "--steps", "30", "--resume")
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == cli.EXIT_OK, done.stderr
+    assert _steps(run_dir) == list(range(1, 31))

@@ -3,6 +3,8 @@ service object that its `setup` endpoint builds (endpoints delegate to it)."""
 
 from __future__ import annotations
 
+import os
+import socket
 from typing import Generic, TypeVar
 
 from monarch.actor import Actor, endpoint
@@ -21,6 +23,11 @@ class RoleActor(Actor, Generic[S]):
     async def ready(self) -> bool:
         """Answered once `__init__` succeeded: the launcher waits for it on every actor."""
         return True
+
+    @endpoint
+    async def process(self) -> dict[str, int | str]:
+        """Where this actor runs (pid, host): for operators and for tests that kill a proc."""
+        return {"pid": os.getpid(), "host": socket.gethostname()}
 
     @property
     def service(self) -> S:

@@ -134,6 +134,9 @@ async def run_topology(topology: Topology, console: Console | None = None, resum
                 f"reward={_fmt(r.reward)} {ch} lag={r.policy_lag} sync={r.weight_sync_s * 1000:.0f}ms "
                 f"train={t.get('train_s', 0.0):.2f}s idle={t.get('trainer_idle_s', 0.0):.2f}s dropped={r.dropped_batches}"
             )
+            restarts = r.metrics.get("faults/restarts", 0.0)
+            if restarts:
+                status += f" restarts={restarts:.0f} reissued={r.metrics.get('faults/reissued', 0.0):.0f}"
             progress.update(task, completed=r.step, status=status)
 
         async with launch(topology) as mesh:
@@ -185,7 +188,13 @@ def main(path: str, steps: int | None = None, run_dir: str | None = None,
                 if stops.cause == "SIGINT":
                     raise KeyboardInterrupt from None
                 raise
-        return summary, stops.cause if summary.stopped else None
+            except Exception as e:  # e.g. the trainer died: say where the run can continue from
+                if stops.loop is not None and stops.loop.last_checkpoint is not None:
+                    e.checkpoint = stops.loop.last_checkpoint  # type: ignore[attr-defined]
+                raise
+        if not summary.stopped:
+            return summary, None
+        return summary, stops.cause or "failure"  # no signal: the loop stopped itself (a role died too often)
 
     summary, cause = asyncio.run(session())
     print_summary(summary, console)

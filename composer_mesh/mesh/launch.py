@@ -133,7 +133,16 @@ class _FailureSink:
     def __init__(self) -> None:
         self.names: dict[str, tuple[str | None, str]] = {}  # monarch name -> (actor mesh, mesh)
         self.failures: list[ActorFailure] = []
+        self.recovered: list[ActorFailure] = []  # failures of meshes since replaced (`LaunchedMeshes.respawn`)
+        self.retired: set[str] = set()  # monarch names of replaced meshes: their late reports are expected
         self.stopping = False
+
+    def retire(self, mesh: str) -> None:
+        """Mesh `mesh` is being replaced: its failures so far are recovered, later reports of it expected."""
+        old = {name for name, (_, m) in self.names.items() if m == mesh}
+        self.retired |= old
+        self.recovered += [f for f in self.failures if f.mesh == mesh]
+        self.failures = [f for f in self.failures if f.mesh != mesh]
 
     def __call__(self, failure: Any) -> bool:
         name = str(getattr(failure, "mesh_name", ""))
@@ -141,7 +150,7 @@ class _FailureSink:
         owner = self.names.get(name.split("-", 1)[0])
         if owner is None:
             return False
-        if self.stopping:
+        if self.stopping or name.split("-", 1)[0] in self.retired:
             return True
         actor, mesh = owner
         try:
@@ -170,6 +179,10 @@ class LaunchedMeshes:
         self.placements: dict[str, PlacedActor] = {}
         self.slurm_job_ids: dict[str, str] = {}
         self.slurm_log_dir: str | None = None  # where the Slurm jobs write their logs and warning files
+        self.host_meshes: dict[str, Any] = {}  # mesh -> the Monarch host mesh its procs were spawned on
+        self.placed: list[ActorPlacement] = []  # what was spawned, in order (respawn spawns it again)
+        self.respawns: dict[str, int] = {}  # mesh -> times its procs were replaced
+        self.ready_timeout = 900.0
         self._sink = _FailureSink()
         self._warned: set[str] = set()  # Slurm job ids whose warning watch_jobs has returned
         self._ended: set[str] = set()  # meshes whose Slurm job watch_jobs saw stop running
@@ -207,6 +220,35 @@ class LaunchedMeshes:
         if notice.kind != "warning":
             self._ended.add(notice.mesh)
         return notice
+
+    def actors_on(self, mesh: str) -> list[str]:
+        """The actor meshes placed on mesh `mesh` (they live and die with its procs)."""
+        return [p.name for p in self.placed if p.mesh == mesh]
+
+    async def respawn(self, mesh: str, stop_timeout: float = 10.0) -> list[str]:
+        """Replace mesh `mesh`'s procs and every actor on it after one of its procs died; returns the actor
+        meshes replaced (their handles in `actors` are new: the callers set them up again).
+
+        A new proc mesh on the same hosts: Monarch 0.7 cannot add a proc to a proc mesh, and spawning on a
+        proc mesh with a dead rank hangs. The old proc mesh is stopped first (its surviving procs too); its
+        failures move to `recovered`, and its late reports are expected. A Slurm mesh whose job has ended
+        cannot be replaced here (a new job is a new launch)."""
+        if mesh in self._ended:
+            raise LaunchError(f"mesh {mesh!r}: its Slurm job {self.slurm_job_ids.get(mesh)} has ended; its procs "
+                              "cannot be replaced inside that job")
+        self._sink.retire(mesh)
+        try:
+            await asyncio.wait_for(self.proc_meshes[mesh].stop(), stop_timeout)
+        except Exception as e:
+            log.warning("stopping the damaged proc mesh %s failed (%s); replacing it anyway", mesh, e)
+        count = self.respawns[mesh] = self.respawns.get(mesh, 0) + 1
+        _spawn_proc_mesh(self, mesh, self.host_meshes[mesh], suffix=f"r{count}")
+        placements = [p for p in self.placed if p.mesh == mesh]
+        _spawn_actors(self, placements, suffix=f"r{count}")
+        await asyncio.gather(*(_ready(self, p, self.ready_timeout) for p in placements))
+        log.warning("mesh %s: procs replaced (respawn %d); actors %s spawned again", mesh, count,
+                    ", ".join(p.name for p in placements))
+        return [p.name for p in placements]
 
     async def settled_failures(self, wait: float) -> list[ActorFailure]:
         """Failures, waiting up to `wait` s for the fault hook when a supervision error is in flight."""
@@ -284,6 +326,7 @@ async def _launch(
     runtime.setup_controller()
     launched = LaunchedMeshes(meshes, uuid.uuid4().hex[:8])
     launched.slurm_log_dir = slurm_logs
+    launched.ready_timeout = ready_timeout
     jobs = _Jobs()
     runtime.add_failure_claimer(launched._sink)
     restore_sigterm = _cancel_on_sigterm()
@@ -333,6 +376,12 @@ def _cancel_on_sigterm() -> Callable[[], None]:
             loop.remove_signal_handler(signal.SIGTERM)
 
     return restore
+
+
+def is_proc_death(exc: BaseException) -> bool:
+    """Whether a call failed because the actor's proc died (Monarch's SupervisionError, directly or as the
+    cause), as opposed to an exception raised by the endpoint (`ActorError`)."""
+    return _is_supervision_error(exc)
 
 
 def _is_supervision_error(exc: BaseException) -> bool:
@@ -395,31 +444,39 @@ async def _host_meshes(
 
 
 async def _start_meshes(launched: LaunchedMeshes, run_name: str, jobs: _Jobs, slurm_logs: str) -> None:
-    hosts = await _host_meshes(launched, run_name, jobs, slurm_logs)
-    for name, spec in launched.specs.items():
-        per_host = {"procs": spec.procs_per_host}
-        if spec.backend == "local":
-            # this_host() has no hosts dim: add one so every backend gives the same {hosts, procs} shape.
-            per_host = {"hosts": 1, **per_host}
-        monarch_name = f"mesh_{name}_{launched.launch_id}"
-        launched._sink.names[monarch_name] = (None, name)
-        launched.proc_meshes[name] = hosts[name].spawn_procs(
-            per_host=per_host,
-            name=monarch_name,
-            bootstrap=runtime.proc_setup,
-            bootstrap_command=_bootstrap_command(name, spec, launched.gpu_devices.get(name)),
-        )
+    launched.host_meshes = await _host_meshes(launched, run_name, jobs, slurm_logs)
+    for name in launched.specs:
+        _spawn_proc_mesh(launched, name, launched.host_meshes[name])
 
 
-def _spawn_actors(launched: LaunchedMeshes, actors: list[ActorPlacement]) -> None:
+def _spawn_proc_mesh(launched: LaunchedMeshes, name: str, host: Any, suffix: str = "") -> None:
+    """Mesh `name`'s procs on `host`, named for the failure sink (`suffix` tells a replacement apart)."""
+    spec = launched.specs[name]
+    per_host = {"procs": spec.procs_per_host}
+    if spec.backend == "local":
+        # this_host() has no hosts dim: add one so every backend gives the same {hosts, procs} shape.
+        per_host = {"hosts": 1, **per_host}
+    monarch_name = f"mesh_{name}_{launched.launch_id}{suffix}"
+    launched._sink.names[monarch_name] = (None, name)
+    launched.proc_meshes[name] = host.spawn_procs(
+        per_host=per_host,
+        name=monarch_name,
+        bootstrap=runtime.proc_setup,
+        bootstrap_command=_bootstrap_command(name, spec, launched.gpu_devices.get(name)),
+    )
+
+
+def _spawn_actors(launched: LaunchedMeshes, actors: list[ActorPlacement], suffix: str = "") -> None:
     for placement in actors:
         spec = launched.specs[placement.mesh]
-        monarch_name = f"{placement.name}_{launched.launch_id}"
+        monarch_name = f"{placement.name}_{launched.launch_id}{suffix}"
         launched._sink.names[monarch_name] = (placement.name, placement.mesh)
         cls = placement.actor_class
         launched.actors[placement.name] = launched.proc_meshes[placement.mesh].spawn(
             monarch_name, cls, *placement.args
         )
+        if not suffix:
+            launched.placed.append(placement)
         launched.placements[placement.name] = PlacedActor(
             name=placement.name,
             mesh=placement.mesh,

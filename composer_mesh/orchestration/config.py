@@ -50,14 +50,20 @@ class RunConfig(BaseModel):
     seed: int = Field(0, description="Seed for prompt sampling and generation.")
     run_dir: Path = Field(Path("runs/local"), description="Where metrics.jsonl, checkpoints and plot.png are written.")
     checkpoint_every: int = Field(
-        0, ge=0, description="Save a full checkpoint (trainer state, optimizer, RNGs, prompt stream, rollouts not yet "
-        "trained on) every N steps; 0: only at the end. A stop (SIGTERM, Ctrl-C, a Slurm warning) always "
+        50, ge=0, description="Save a full checkpoint (trainer state, optimizer, RNGs, prompt stream, rollouts not yet "
+        "trained on) every N steps, and at the end; 0: only at the end. If the trainer dies, `--resume` continues "
+        "from the last one, so this bounds the steps lost. A stop (SIGTERM, Ctrl-C, a Slurm warning) always "
         "checkpoints. Resume with `composer-mesh run FILE --resume`."
     )
     keep_checkpoints: int = Field(2, ge=1, description="Full checkpoints kept; older ones are deleted after each commit.")
     checkpoint_url: str | None = Field(
         None, description="Where full checkpoints go: a path or any fsspec URL (file://, s3://, gs://) that the "
         "controller and the trainer procs can both reach. null: <run_dir>/checkpoints."
+    )
+    max_restarts: int = Field(
+        3, ge=0, description="How many times the procs of a generators, rewarder or teachers mesh are replaced "
+        "after one died (kill -9, OOM) before the run stops with a checkpoint. The trainer is never replaced: its "
+        "death stops the run, and `--resume` continues from the last checkpoint."
     )
     eval_prompts: int = Field(64, ge=0, description="Held-out prompts scored greedily at start and end (0: skip).")
 

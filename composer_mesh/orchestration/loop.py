@@ -35,6 +35,7 @@ from composer_mesh.orchestration.checkpoint import (
 from composer_mesh.orchestration.config import RunConfig
 from composer_mesh.orchestration.metrics import MetricsWriter, RunSummary, StepRecord, window_mean
 from composer_mesh.orchestration.plotting import plot_run
+from composer_mesh.orchestration.recovery import Recovery, RestartsExhausted
 from composer_mesh.orchestration.schedule import (
     Chunk,
     GroupResult,
@@ -150,6 +151,8 @@ class RLLoop:
         self.rewarders = mesh.procs("rewarder")
         self._next_rewarder = 0
         self.teachers = mesh.teachers if mesh.has("teachers") else None  # optional role
+        self.recovery = Recovery(mesh, run.max_restarts, self._set_up)
+        self._manifest: Any = None  # the weights the generators hold (a replacement generator pulls them)
         self.traces_scored = 0
         self._idle_seen = 0.0  # generator idle seconds already reported
         self._last_trained_s: float | None = None  # when the previous step's training answer arrived
@@ -175,7 +178,20 @@ class RLLoop:
         manifests, *_ = await asyncio.gather(*tasks)
         manifest = manifests[0]
         self.trainer_version = manifest.version
+        self._manifest = manifest
         await m.generators.update_weights.call(manifest)
+
+    async def _set_up(self, roles: list[str]) -> None:
+        """Build replaced role actors (`Recovery`): new generators also pull the weights the others hold."""
+        if "generators" in roles:
+            self.generators = self.mesh.procs("generators")
+            await self.mesh.generators.setup.call()
+            await self.mesh.generators.update_weights.call(self._manifest)
+        if "rewarder" in roles:
+            self.rewarders = self.mesh.procs("rewarder")
+        if "teachers" in roles and self.teachers is not None:
+            self.teachers = self.mesh.teachers
+            await self.teachers.setup.call()
 
     def request(self, prompts: list[Prompt], first: int) -> GenerationRequest:
         """Sampling request for `prompts`, the first of which is prompt `first` of the stream."""
@@ -200,7 +216,7 @@ class RLLoop:
             seed=row_seed(self.cfg.seed, first, 1),
         )
         t0 = time.perf_counter()
-        answers = await self.teachers.signals.call(request)
+        answers = await self.recovery.attempt("teachers", lambda: self.teachers.signals.call(request))
         if times is not None:
             times.teacher_s += time.perf_counter() - t0
         signals = merge_signals(list(answers.values()), len(rollouts))
@@ -209,7 +225,7 @@ class RLLoop:
 
     async def _score(self, groups: list[RolloutGroup], times: StepTimes | None = None) -> list[ScoredGroup]:
         t0 = time.perf_counter()
-        scored: list[ScoredGroup] = await self._rewarder().score.call_one(groups)
+        scored: list[ScoredGroup] = await self.recovery.attempt("rewarder", lambda: self._rewarder().score.call_one(groups))
         if times is not None:
             times.score_s += time.perf_counter() - t0
         return scored
@@ -255,24 +271,41 @@ class RLLoop:
             prompts=held_out.take(n, prefix="eval"), samples_per_prompt=1,
             max_new_tokens=self.cfg.max_new_tokens, temperature=0.0, seed=seed,
         )
-        gen = self.generators[0]
-        await gen.version.call_one()  # apply any pulled weights before evaluating
-        scored = await self._score(await gen.generate.call_one(request))
+
+        async def generate() -> list[RolloutGroup]:
+            gen = self.generators[0]
+            await gen.version.call_one()  # apply any pulled weights before evaluating
+            return await gen.generate.call_one(request)  # type: ignore[no-any-return]
+
+        scored = await self._score(await self.recovery.attempt("generators", generate))
         scores = [rw.score for g in scored for rw in g.rewards]
         return sum(scores) / len(scores)
 
     # ---- chunk work (one task per generator, one per generated chunk) -------------------------------
-    async def _generate_chunks(self, generator: Any, schedule: StepScheduler) -> None:
-        while True:
-            chunk = await schedule.next_chunk()
-            t0 = time.perf_counter()
-            groups = await generator.generate.call_one(self.request(chunk.prompts, chunk.first))
-            schedule.plans[chunk.step].times.generate_s += time.perf_counter() - t0
-            self._spawn(self._complete_chunk(chunk, groups, schedule))
+    async def _generate_chunks(self, index: int, schedule: StepScheduler) -> None:
+        """Generator `index`'s loop: the next admitted chunk, generated (again on a replacement if its proc
+        dies meanwhile), then completed in a task of its own."""
+        try:
+            while True:
+                chunk = await schedule.next_chunk()
+                request = self.request(chunk.prompts, chunk.first)
+                t0 = time.perf_counter()
+                groups = await self.recovery.attempt(
+                    "generators", lambda r=request: self.generators[index].generate.call_one(r))
+                schedule.plans[chunk.step].times.generate_s += time.perf_counter() - t0
+                self._spawn(self._complete_chunk(chunk, groups, schedule))
+        except RestartsExhausted as e:
+            self.request_stop(str(e))
 
     async def _complete_chunk(self, chunk: Chunk, groups: list[RolloutGroup], schedule: StepScheduler) -> None:
         """Score the chunk and get its teacher signals. With dynamic sampling the teachers are asked only
         about groups whose rewards differ (the others are set aside), so scoring comes first."""
+        try:
+            await self._complete(chunk, groups, schedule)
+        except RestartsExhausted as e:
+            self.request_stop(str(e))
+
+    async def _complete(self, chunk: Chunk, groups: list[RolloutGroup], schedule: StepScheduler) -> None:
         times = schedule.plans[chunk.step].times
         if not self.cfg.dynamic_sampling:
             results = _group_results(chunk, await self.complete(groups, chunk.first, times))
@@ -341,8 +374,8 @@ class RLLoop:
             self._eval_before = eval_before
             train_start = time.perf_counter() - t_start
             writer.write_event("train_start", elapsed_s=train_start, step=resumed + 1)
-            for g in self.generators:
-                self._spawn(self._generate_chunks(g, schedule))
+            for index in range(len(self.generators)):
+                self._spawn(self._generate_chunks(index, schedule))
             try:
                 last = await self._train(schedule, writer, t_start, resumed + 1)
             finally:
@@ -402,6 +435,7 @@ class RLLoop:
             raise RuntimeError(f"{resume.url}: the trainer state is at weight version {manifests[0].version}, the "
                                f"controller state at {st.weight_version}")
         self.trainer_version, self._first_version = st.weight_version, st.first_version
+        self._manifest = manifests[0]
         await self.mesh.generators.update_weights.call(manifests[0])
         self.prompts.count = st.prompts_count
         restore_rng(self.prompts.rng, st.prompts_rng)
@@ -409,6 +443,7 @@ class RLLoop:
         c = st.counters
         self.traces_scored, self.teacher_usage = int(c["traces_scored"]), dict(c["teacher_usage"])
         self.gate.dropped_batches, self.gate.dropped_rollouts = int(c["dropped_batches"]), int(c["dropped_rollouts"])
+        self.recovery.restore(c.get("recovery", {}))
         self._recorded_through = st.step
         self.last_checkpoint = resume.url
         writer.write_event("resumed", step=st.step, checkpoint=resume.url, weight_version=st.weight_version)
@@ -479,7 +514,7 @@ class RLLoop:
     def _counters(self) -> dict[str, Any]:
         return {"eval_before": self._eval_before, "traces_scored": self.traces_scored,
                 "teacher_usage": dict(self.teacher_usage), "dropped_batches": self.gate.dropped_batches,
-                "dropped_rollouts": self.gate.dropped_rollouts}
+                "dropped_rollouts": self.gate.dropped_rollouts, "recovery": self.recovery.state()}
 
     async def _commit(self, pending: _PendingCheckpoint, saves: list[Any], state: ControllerState,
                       writer: MetricsWriter) -> None:
@@ -525,7 +560,12 @@ class RLLoop:
         if len(outputs) > 1:
             done.metrics.metrics["reward_mean_all_replicas"] = sum(m.metrics["reward_mean"] for m, _ in outputs) / len(outputs)
         done.trained_s = time.perf_counter()
-        await self.mesh.generators.update_weights.call(manifest)
+        self._manifest = manifest  # a generator replaced from now on pulls these weights
+        try:
+            await self.recovery.attempt("generators", lambda: self.mesh.generators.update_weights.call(manifest))
+        except RestartsExhausted as e:
+            self.request_stop(str(e))
+            return done
         await schedule.synced(done.step)
         done.sync_s = time.perf_counter() - done.trained_s
         return done
@@ -558,7 +598,7 @@ class RLLoop:
         extra = {"sampling/zero_variance_groups": float(schedule.zero_variance_groups),
                  "sampling/backfilled_groups": float(schedule.backfilled_groups),
                  "sampling/short_step": float(done.plan.short), "replay/traces_scored": float(self.traces_scored),
-                 "sampling/generators": float(len({r.generator for r in rollouts}))}
+                 "sampling/generators": float(len({r.generator for r in rollouts})), **self.recovery.metrics()}
         record = self._record(done.step, done.metrics, done.lag, done.sync_s, since, timing, extra,
                               len(rollouts), time.perf_counter() - t_start)
         record.prompts = [g.group.prompt.prompt_id for b in done.batches for g in b.groups]

@@ -1,0 +1,107 @@
+"""Replacing role actors whose proc died, so the run goes on: at most `max_restarts` per role.
+
+`Recovery.attempt(role, call)` runs `call()` (which must read the role's handles afresh each time) and, when
+the call failed because a proc under it died (Monarch supervision, not an exception of the endpoint), waits
+for the role's mesh to be replaced through the launcher (new procs, the actors spawned and set up again) and
+runs it again: the request the dead actor had in flight is re-issued with the same inputs (prompts, seeds), so
+nothing is generated, scored or trained twice and nothing is lost. Calls that fail together (every actor of a
+mesh, or roles sharing a mesh) share one replacement. The trainer is never replaced here: its state lives in
+its process, so its death stops the run and the last checkpoint is where `--resume` continues.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from composer_mesh.mesh.launch import failure_reason, is_proc_death
+from composer_mesh.roles import RoleMesh
+
+log = logging.getLogger("composer_mesh.recovery")
+T = TypeVar("T")
+
+
+class RestartsExhausted(RuntimeError):
+    """A role's procs died more often than `run.max_restarts` allows (or hold the trainer): the run stops."""
+
+
+class Recovery:
+    """Replaces dead role actors through the launcher and counts what it cost (restarts per role, re-issued
+    requests, seconds lost waiting for replacements). `set_up(roles)` is the loop's: it builds the new actors
+    (models, weights) before the failed calls are re-issued."""
+
+    def __init__(self, mesh: RoleMesh, max_restarts: int, set_up: Callable[[list[str]], Awaitable[None]]) -> None:
+        self.mesh = mesh
+        self.max_restarts = max_restarts
+        self.set_up = set_up
+        self.restarts: dict[str, int] = {}  # role -> times replaced
+        self.reissued = 0  # calls re-issued to a replacement
+        self.lost_s = 0.0  # seconds spent replacing (calls waiting meanwhile)
+        self._generation: dict[str, int] = {}  # mesh -> replacements so far (tells a stale failure apart)
+        self._locks: dict[str, asyncio.Lock] = {}
+        # One entry per replacement (perf_counter times): when the death surfaced, when the replacement was set
+        # up, when the first call re-issued to it answered. benchmarks/bench_recovery.py reads these.
+        self.events: list[dict[str, Any]] = []
+
+    async def attempt(self, role: str, call: Callable[[], Awaitable[T]]) -> T:
+        """`call()`, re-issued after a replacement each time the proc under it died."""
+        while True:
+            mesh = self.mesh.mesh_of(role)  # type: ignore[arg-type]
+            seen = self._generation.get(mesh, 0)
+            try:
+                result = await call()
+            except Exception as e:
+                if not is_proc_death(e):
+                    raise
+                await self._replace(role, mesh, seen, e)
+                self.reissued += 1
+                continue
+            if seen:
+                self._answered(mesh)
+            return result
+
+    def _answered(self, mesh: str) -> None:
+        """The first answer of a replacement: when its role was working again."""
+        for event in reversed(self.events):
+            if event["mesh"] == mesh:
+                event.setdefault("first_result_s", time.perf_counter())
+                return
+
+    async def _replace(self, role: str, mesh: str, seen: int, error: BaseException) -> None:
+        async with self._locks.setdefault(mesh, asyncio.Lock()):
+            if self._generation.get(mesh, 0) != seen:  # replaced while this call was failing: just re-issue
+                return
+            roles = self.mesh.roles_on(mesh)
+            why = failure_reason(str(error))
+            if "trainer" in roles:
+                raise RestartsExhausted(f"mesh {mesh!r} holds the trainer, whose state dies with it ({why})") from error
+            over = [r for r in roles if self.restarts.get(r, 0) >= self.max_restarts]
+            if over:
+                raise RestartsExhausted(f"{over[0]} died again after {self.restarts[over[0]]} restart(s) "
+                                        f"(run.max_restarts={self.max_restarts}): {why}") from error
+            log.warning("%s on mesh %s died (%s): replacing its procs", role, mesh, why)
+            t0 = time.perf_counter()
+            replaced = await self.mesh.respawn(role)  # type: ignore[arg-type]
+            await self.set_up(replaced)
+            self.lost_s += time.perf_counter() - t0
+            self.events.append({"role": role, "mesh": mesh, "roles": replaced, "failed_s": t0,
+                                "replaced_s": time.perf_counter()})
+            for r in replaced:
+                self.restarts[r] = self.restarts.get(r, 0) + 1
+            self._generation[mesh] = seen + 1
+
+    def metrics(self) -> dict[str, float]:
+        out = {"faults/restarts": float(sum(self.restarts.values())), "faults/reissued": float(self.reissued),
+               "faults/lost_s": self.lost_s}
+        out.update({f"faults/restarts/{role}": float(n) for role, n in sorted(self.restarts.items())})
+        return out
+
+    def state(self) -> dict[str, Any]:
+        return {"restarts": dict(self.restarts), "reissued": self.reissued, "lost_s": self.lost_s}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self.restarts = {str(k): int(v) for k, v in state.get("restarts", {}).items()}
+        self.reissued, self.lost_s = int(state.get("reissued", 0)), float(state.get("lost_s", 0.0))

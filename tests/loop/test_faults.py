@@ -1,0 +1,79 @@
+"""kill -9 of a generator, rewarder or teacher proc in the middle of a real run: its mesh is replaced, the
+requests it had in flight are re-issued, and the run finishes every step with every prompt trained exactly
+once; metrics show the restart. A role that keeps dying stops the run with a checkpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from composer_mesh.app.launch import launch
+from composer_mesh.app.runner import apply_overrides, checkpoint_policy
+from composer_mesh.orchestration.loop import RLLoop
+from composer_mesh.orchestration.metrics import RunSummary, StepRecord
+from composer_mesh.topology import Topology, load_topology
+
+TOPOLOGY = Path(__file__).with_name("tiny_run.yaml")
+
+
+def topology(run_dir: Path, **run: object) -> Topology:
+    topo = apply_overrides(load_topology(TOPOLOGY), None, run_dir)
+    return topo.model_copy(update={"run": topo.run.model_copy(update={"eval_prompts": 0, **run})})
+
+
+async def run_killing(topo: Topology, role: str, at_steps: tuple[int, ...]) -> tuple[RunSummary, list[int]]:
+    """The run, with one proc of `role` killed (SIGKILL) once each step of `at_steps` is recorded."""
+    killed: list[int] = []
+    kills: list[asyncio.Task[None]] = []
+    async with launch(topo) as mesh:
+
+        async def kill() -> None:
+            where = await getattr(mesh, role).process.call()
+            pid = int(sorted(w["pid"] for w in where.values())[0])
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+
+        def progress(record: StepRecord) -> None:
+            if record.step in at_steps and len(kills) < at_steps.index(record.step) + 1:
+                kills.append(asyncio.get_running_loop().create_task(kill()))
+
+        loop = RLLoop(mesh, topo.run, topo.loss, progress=progress, checkpoints=checkpoint_policy(topo))
+        summary = await loop.run()
+        await asyncio.gather(*kills)
+    return summary, killed
+
+
+def records(run_dir: Path) -> list[dict]:
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in lines if "event" not in r]
+
+
+@pytest.mark.parametrize("role", ["generators", "rewarder", "teachers"])
+async def test_a_killed_proc_is_replaced_and_the_run_finishes(tmp_path, role):
+    steps = 6
+    topo = topology(tmp_path / "run", steps=steps, max_policy_lag=1)
+    summary, killed = await run_killing(topo, role, at_steps=(2,))
+    assert killed and summary.stopped is None and summary.steps == steps
+    rows = records(tmp_path / "run")
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    trained = sorted((p for r in rows for p in r["prompts"]), key=lambda p: int(p[1:]))
+    assert trained == [f"p{i}" for i in range(steps * 4)]  # none twice, none lost
+    last = rows[-1]["metrics"]
+    assert last[f"faults/restarts/{role}"] == 1.0 and last["faults/restarts"] == 1.0
+    assert last["faults/reissued"] >= 1.0 and last["faults/lost_s"] > 0
+    assert all(r["metrics"].get("faults/restarts", 0.0) == 0.0 for r in rows[:2])
+
+
+async def test_a_role_that_keeps_dying_stops_the_run_with_a_checkpoint(tmp_path):
+    topo = topology(tmp_path / "run", steps=30, max_policy_lag=1, max_restarts=1)
+    summary, killed = await run_killing(topo, "rewarder", at_steps=(2, 4))
+    assert len(killed) == 2
+    assert summary.stopped is not None and "rewarder died again after 1 restart(s)" in summary.stopped
+    assert summary.checkpoint is not None and Path(summary.checkpoint, "COMMITTED.json").is_file()
+    stopped_at = int(summary.checkpoint.rsplit("step-", 1)[1])
+    assert [r["step"] for r in records(tmp_path / "run")] == list(range(1, stopped_at + 1))
