@@ -22,6 +22,7 @@ from composer_mesh.actors.messages import (
     TrainBatch,
     TrainMetrics,
 )
+from composer_mesh.actors.teacher_errors import TeacherFailed, TeacherUnavailable
 from composer_mesh.app.launch import launch
 from composer_mesh.app.runner import (
     apply_overrides,
@@ -65,9 +66,11 @@ __all__ = [
     "ScoredGroup",
     "StepRecord",
     "StepScheduler",
+    "TeacherFailed",
     "TeacherRequest",
     "TeacherSignals",
     "TeacherTrace",
+    "TeacherUnavailable",
     "TokenDistribution",
     "Topology",
     "TopologyError",

@@ -49,12 +49,15 @@ def failure_of(exc: BaseException) -> tuple[int, str] | None:
     """The exit code and message of an expected failure, or None if `exc` is unexpected (a bug)."""
     import asyncio
 
+    from composer_mesh.actors.teacher_errors import TeacherFailed
     from composer_mesh.mesh.launch import LaunchError, MeshFailureError
     from composer_mesh.orchestration.checkpoint import RunCheckpointError
     from composer_mesh.topology.yaml_errors import TopologyError
 
     if isinstance(exc, TopologyError):  # every problem with its file:line:column
         return EXIT_INVALID, str(exc)
+    if isinstance(exc, TeacherFailed):  # a teacher with `on_failure: stop` was unavailable
+        return EXIT_RUN_FAILED, f"composer-mesh: run stopped: {exc}"
     if isinstance(exc, RunCheckpointError):  # a checkpoint that is missing, half-written, corrupted or foreign
         return EXIT_INVALID, f"composer-mesh: cannot resume: {exc}"
     if isinstance(exc, MeshFailureError):

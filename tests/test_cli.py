@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from composer_mesh import cli
+from composer_mesh.actors.teacher_errors import TeacherFailed
 from composer_mesh.cli import (
     EXIT_BUG,
     EXIT_INTERRUPTED,
@@ -24,6 +25,7 @@ from composer_mesh.cli import (
     report_failure,
 )
 from composer_mesh.mesh.launch import ActorFailure, LaunchError, MeshFailureError
+from composer_mesh.orchestration.checkpoint import RunCheckpointError
 from composer_mesh.topology import TopologyError, load_topology, parse_topology
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -207,8 +209,12 @@ def test_mesh_failure_report(capsys: pytest.CaptureFixture[str]) -> None:
         (KeyboardInterrupt(), EXIT_INTERRUPTED, "interrupted"),
         (asyncio.CancelledError(), EXIT_TERMINATED, "SIGTERM"),
         (TopologyError([], "t.yaml"), EXIT_INVALID, "t.yaml: 0 errors"),
+        (TeacherFailed("teacher 'api' (replay) unavailable: HTTP 503", teacher="api"), EXIT_RUN_FAILED,
+         "run stopped: teacher 'api' (replay) unavailable: HTTP 503"),
+        (RunCheckpointError("ckpt: format 9, expected 1"), EXIT_INVALID, "cannot resume: ckpt: format 9"),
     ],
-    ids=["launch_error", "os_error_with_path", "ctrl_c", "cancelled", "topology_error"],
+    ids=["launch_error", "os_error_with_path", "ctrl_c", "cancelled", "topology_error", "teacher_stop",
+         "checkpoint"],
 )
 def test_expected_failures(exc: BaseException, code: int, text: str) -> None:
     got = failure_of(exc)

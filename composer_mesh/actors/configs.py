@@ -7,6 +7,7 @@ launcher hands one to every actor of the role (`ActorClass(config)`); Monarch pi
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from composer_mesh.bindings import BoundBinding
 from composer_mesh.loss.config import LossConfig
@@ -53,13 +54,19 @@ class RewarderConfig(RoleConfig):
     binding: BoundBinding
 
 
+# What the pool does when a teacher is unavailable (`composer_mesh.actors.teacher_errors`): `skip` turns its
+# channel off for that request, `stop` stops the run.
+OnFailure = Literal["skip", "stop"]
+
+
 @dataclass(frozen=True)
 class TeacherMemberConfig:
-    """One teacher of the pool: its name, the loss channels it feeds and its binding."""
+    """One teacher of the pool: its name, the loss channels it feeds, its binding and its `on_failure`."""
 
     name: str
     channels: tuple[str, ...]
     binding: BoundBinding
+    on_failure: OnFailure = "skip"
 
 
 @dataclass(frozen=True)

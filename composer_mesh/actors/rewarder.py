@@ -13,7 +13,16 @@ from composer_mesh.actors.role_actor import RoleActor
 
 
 def score_groups(backend: RewardBackend, groups: list[RolloutGroup]) -> list[ScoredGroup]:
-    return [ScoredGroup(group=g, rewards=[backend.score(g.prompt, r) for r in g.rollouts]) for g in groups]
+    """All rollouts of the request in one `score_batch` call where the binding has one (its graders then
+    run concurrently), else one `score` call per rollout."""
+    pairs = [(g.prompt, r) for g in groups for r in g.rollouts]
+    score_batch = getattr(backend, "score_batch", None)
+    rewards = score_batch(pairs) if score_batch is not None else [backend.score(p, r) for p, r in pairs]
+    scored, start = [], 0
+    for g in groups:
+        scored.append(ScoredGroup(group=g, rewards=rewards[start : start + len(g.rollouts)]))
+        start += len(g.rollouts)
+    return scored
 
 
 class RewarderActor(RoleActor[RewardBackend]):
@@ -25,10 +34,16 @@ class RewarderActor(RoleActor[RewardBackend]):
 
     @endpoint
     async def score(self, groups: list[RolloutGroup]) -> list[ScoredGroup]:
-        # Graders may be subprocesses: keep them off the actor's event loop.
+        # Graders are subprocesses and worker processes we wait for: keep them off the actor's event loop.
         return await asyncio.to_thread(score_groups, self.service, groups)
 
     @endpoint
     async def stats(self) -> dict[str, float]:
         backend = self.service
         return {k: float(getattr(backend, k)) for k in ("calls", "failures") if hasattr(backend, k)}
+
+    async def __cleanup__(self, exc: Exception | None) -> None:
+        """Monarch calls this when the actor stops: stop the binding's worker processes, if it has any."""
+        close = getattr(self._service, "close", None)
+        if close is not None:
+            await asyncio.to_thread(close)

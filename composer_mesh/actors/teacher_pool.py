@@ -2,20 +2,34 @@
 
 Distill teachers share the student's tokenizer; rollouts are spread over them round-robin (one teacher per
 rollout). Every replay teacher gives one trace per prompt (N-teacher trace replay). Teachers are queried
-concurrently, and a failing teacher costs only its own signals: the failure is counted and reported.
+concurrently, and every call finishes before the pool answers or raises (no orphaned request keeps spending).
+
+Failures (`composer_mesh.actors.teacher_errors`): a binding raises `TeacherUnavailable` for what is outside
+our control; the member's `on_failure` then decides: `skip` leaves its signals out of this answer (counted in
+`<teacher>/failures`, warned the first time and every `WARN_EVERY` failures), `stop` raises `TeacherFailed`.
+Any other exception is a bug and propagates whatever `on_failure` says.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from composer_mesh.actors.backends.base import TeacherBackend
+from composer_mesh.actors.configs import OnFailure
 from composer_mesh.actors.messages import TeacherRequest, TeacherSignals, TeacherTrace, TokenDistribution
+from composer_mesh.actors.teacher_errors import TeacherFailed, TeacherUnavailable
 
 log = logging.getLogger(__name__)
+
+WARN_EVERY = 10  # a skipped teacher is warned about on its 1st failure and every WARN_EVERY-th after
+CHANNEL_NAMES = {"distill": "channel-2 distributions", "replay": "channel-3 traces"}
+# The pool's own counters, per teacher (they replace a binding's counter of the same name in `usage`).
+COUNTERS = ("failures", "consecutive_failures", "skipped_rollouts", "skipped_prompts")
 
 
 @dataclass
@@ -23,12 +37,14 @@ class PoolMember:
     name: str
     channels: frozenset[str]
     backend: TeacherBackend
+    on_failure: OnFailure = "skip"
 
 
 @dataclass
 class TeacherPool:
     members: list[PoolMember]
-    failures: dict[str, int] = field(default_factory=dict)
+    counters: dict[str, dict[str, int]] = field(default_factory=dict)
+    last_errors: dict[str, str] = field(default_factory=dict)  # teacher -> its latest failure, for scripts
 
     def __post_init__(self) -> None:
         names = [m.name for m in self.members]
@@ -38,6 +54,9 @@ class TeacherPool:
             missing = m.channels - frozenset(getattr(m.backend, "capabilities", frozenset()))
             if missing:
                 raise ValueError(f"teacher {m.name!r} is asked for channels {sorted(missing)} its binding cannot supply")
+            if m.on_failure not in ("skip", "stop"):
+                raise ValueError(f"teacher {m.name!r}: on_failure must be 'skip' or 'stop', got {m.on_failure!r}")
+            self.counters.setdefault(m.name, dict.fromkeys(COUNTERS, 0))
 
     @property
     def distill(self) -> list[PoolMember]:
@@ -56,54 +75,94 @@ class TeacherPool:
             if "distill" in m.channels and check is not None:
                 check()
 
-    def _failed(self, member: PoolMember, what: str, error: BaseException) -> None:
-        self.failures[member.name] = self.failures.get(member.name, 0) + 1
-        log.warning("teacher %s failed to give %s: %s: %s", member.name, what, type(error).__name__, error)
-
-    async def _distributions(self, request: TeacherRequest) -> list[TokenDistribution | None]:
-        out: list[TokenDistribution | None] = [None] * len(request.rollouts)
-        teachers = self.distill
-        if not teachers or not request.rollouts:
-            return out
-        assigned = [list(range(i, len(request.rollouts), len(teachers))) for i in range(len(teachers))]
-
-        async def ask(member: PoolMember, rows: list[int]) -> None:
-            if not rows:
-                return
-            try:
-                dists = await member.backend.distributions([request.rollouts[i] for i in rows], request.top_k)
-            except Exception as e:
-                self._failed(member, "distributions", e)
-                return
-            for i, d in zip(rows, dists):
-                out[i] = d
-
-        await asyncio.gather(*(ask(m, rows) for m, rows in zip(teachers, assigned)))
-        return out
-
-    async def _traces(self, request: TeacherRequest) -> list[TeacherTrace]:
-        if not request.prompts:
-            return []
-
-        async def ask(member: PoolMember) -> list[TeacherTrace]:
-            try:
-                return await member.backend.traces(request.prompts, request.max_new_tokens, seed=request.seed)
-            except Exception as e:
-                self._failed(member, "traces", e)
-                return []
-
-        results = await asyncio.gather(*(ask(m) for m in self.replay))
-        return [t for traces in results for t in traces]
-
     async def signals(self, request: TeacherRequest) -> TeacherSignals:
-        dists, traces = await asyncio.gather(self._distributions(request), self._traces(request))
+        """Every member's signals for `request`; a skipped member's are absent (its rollouts get None).
+
+        All calls finish before anything is raised; the first error in member order (distill, then replay)
+        is raised: `TeacherFailed` for a `stop` member that was unavailable, or a binding's bug as it is."""
+        rollouts, prompts = request.rollouts, request.prompts
+        distill = [(m, rows) for m, rows in self._assign(len(rollouts)) if rows]
+        replay = self.replay if prompts else []
+        calls = [
+            self._ask(m, "distill", len(rows), functools.partial(
+                m.backend.distributions, [rollouts[i] for i in rows], request.top_k))
+            for m, rows in distill
+        ]
+        calls += [
+            self._ask(m, "replay", len(prompts), functools.partial(
+                m.backend.traces, prompts, request.max_new_tokens, seed=request.seed))
+            for m in replay
+        ]
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        dists: list[TokenDistribution | None] = [None] * len(rollouts)
+        for (m, rows), got in zip(distill, results):
+            if got is None:
+                continue
+            if len(got) != len(rows):
+                raise RuntimeError(f"teacher {m.name!r} gave {len(got)} distributions for {len(rows)} rollouts")
+            for i, d in zip(rows, got):
+                dists[i] = d
+        traces: list[TeacherTrace] = [t for got in results[len(distill):] for t in (got or [])]
         return TeacherSignals(distributions=dists, traces=traces, usage=self.usage())
 
     def usage(self) -> dict[str, float]:
-        """Per-teacher counters, flattened as `<teacher>/<counter>` for the run's metrics."""
+        """Per-teacher counters, flattened as `<teacher>/<counter>` for the run's metrics: the binding's own,
+        then the pool's (`COUNTERS`: expected failures, the current run of them, what was skipped)."""
         out: dict[str, float] = {}
         for m in self.members:
             for k, v in m.backend.usage().items():
                 out[f"{m.name}/{k}"] = float(v)
-            out[f"{m.name}/failures"] = float(self.failures.get(m.name, 0))
+            for k, n in self.counters[m.name].items():
+                out[f"{m.name}/{k}"] = float(n)
         return out
+
+    # -- internals ----------------------------------------------------------------------------------------
+    def _assign(self, n: int) -> list[tuple[PoolMember, list[int]]]:
+        """Rollout indices per distill teacher, round-robin."""
+        teachers = self.distill
+        return [(m, list(range(i, n, len(teachers)))) for i, m in enumerate(teachers)]
+
+    async def _ask(
+        self, member: PoolMember, channel: str, size: int, call: Callable[[], Awaitable[list[Any]]]
+    ) -> list[Any] | None:
+        """`call()`'s result, or None when the member is unavailable and skipped. Raises `TeacherFailed` for an
+        unavailable `stop` member, and a bug (any other exception) as it is, with the teacher named in a note."""
+        try:
+            got = await call()
+        except TeacherUnavailable as e:
+            self._unavailable(member, channel, size, e)
+            return None
+        except Exception as e:
+            add_note = getattr(e, "add_note", None)  # Python 3.11+: shown in the traceback the controller gets
+            if add_note is not None:
+                add_note(f"raised by teacher {member.name!r} giving {CHANNEL_NAMES[channel]}: a bug in a binding "
+                         "stops the run whatever its on_failure says")
+            raise
+        self.counters[member.name]["consecutive_failures"] = 0
+        return list(got)
+
+    def _unavailable(self, member: PoolMember, channel: str, size: int, error: TeacherUnavailable) -> None:
+        """Count an expected failure; raise `TeacherFailed` (stop) or warn now and then (skip)."""
+        c = self.counters[member.name]
+        c["failures"] += 1
+        c["consecutive_failures"] += 1
+        what = CHANNEL_NAMES[channel]
+        cause = f"{type(error).__name__}: {error}"
+        self.last_errors[member.name] = cause
+        if member.on_failure == "stop":
+            raise TeacherFailed(
+                f"teacher {member.name!r} could not give {what} (on_failure: stop, so the run stops): {cause}",
+                teacher=member.name, channel=channel,
+            ) from error
+        c["skipped_rollouts" if channel == "distill" else "skipped_prompts"] += size
+        n = c["failures"]
+        level = logging.WARNING if n == 1 or n % WARN_EVERY == 0 else logging.DEBUG
+        log.log(
+            level, "teacher %r could not give %s for %d %s (on_failure: skip, so its channel is off for this "
+            "request); %d failure(s) so far, %d in a row: %s",
+            member.name, what, size, "rollouts" if channel == "distill" else "prompts", n,
+            c["consecutive_failures"], cause,
+        )

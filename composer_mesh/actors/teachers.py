@@ -29,13 +29,17 @@ class TeacherPoolActor(RoleActor[TeacherPool]):
     async def setup(self) -> list[str]:
         rank, size = actor_position()
         mine = members_for_rank(self.config.members, rank, size)
-        pool = TeacherPool([PoolMember(m.name, frozenset(m.channels), m.binding.build()) for m in mine])
+        pool = TeacherPool(
+            [PoolMember(m.name, frozenset(m.channels), m.binding.build(), m.on_failure) for m in mine]
+        )
         await asyncio.to_thread(pool.start, self.config.student)
         self._service = pool
         return [m.name for m in mine]
 
     @concurrent_endpoint
     async def signals(self, request: TeacherRequest) -> TeacherSignals:
+        """This proc's members' signals. Raises `TeacherFailed` (an unavailable `on_failure: stop` member) or a
+        binding's bug; the controller gets it as an endpoint error and the run stops."""
         return await self.service.signals(request)
 
     @endpoint

@@ -24,6 +24,7 @@ from composer_mesh.actors.messages import (
     TrainBatch,
     TrainMetrics,
 )
+from composer_mesh.actors.teacher_errors import TeacherFailed
 from composer_mesh.loss.config import LossConfig
 from composer_mesh.orchestration.checkpoint import (
     CheckpointPolicy,
@@ -216,7 +217,12 @@ class RLLoop:
             seed=row_seed(self.cfg.seed, first, 1),
         )
         t0 = time.perf_counter()
-        answers = await self.recovery.attempt("teachers", lambda: self.teachers.signals.call(request))
+        try:
+            answers = await self.recovery.attempt("teachers", lambda: self.teachers.signals.call(request))
+        except Exception as e:  # `on_failure: stop`: the teacher's own error, without Monarch's wrapper
+            if isinstance(getattr(e, "exception", None), TeacherFailed):
+                raise e.exception from None  # type: ignore[attr-defined]
+            raise
         if times is not None:
             times.teacher_s += time.perf_counter() - t0
         signals = merge_signals(list(answers.values()), len(rollouts))

@@ -27,6 +27,7 @@ from pydantic import (
 
 from composer_mesh.actors.configs import (
     GeneratorConfig,
+    OnFailure,
     RewarderConfig,
     RoleConfig,
     TeacherMemberConfig,
@@ -177,6 +178,13 @@ class TeacherSpec(BoundSpec):
         description="Loss channels this teacher feeds: `distill` (channel 2: per-token distributions over the "
         "student's tokens; binding capability `distill`) and/or `replay` (channel 3: full traces; capability "
         "`replay`).",
+    )
+    on_failure: OnFailure = Field(
+        "skip",
+        description="When this teacher is unavailable (an HTTP error or timeout that outlived the binding's "
+        "retries, a malformed response, out of memory, a dead engine): `skip` turns its channels off for that "
+        "request only (the run goes on; counted in `teacher/<name>/failures`, warned the first time and every "
+        "10th) or `stop` stops the run naming the teacher. A bug in a binding always stops the run.",
     )
     settings: Settings = _settings_field()
 
@@ -378,7 +386,7 @@ class Topology(StrictModel):
 
     def _teachers_config(self, spec: TeachersSpec) -> TeachersConfig:
         members = tuple(
-            TeacherMemberConfig(name=m.name, channels=tuple(m.channels), binding=m.bound())
+            TeacherMemberConfig(name=m.name, channels=tuple(m.channels), binding=m.bound(), on_failure=m.on_failure)
             for m in spec.members
         )
         return TeachersConfig(role="teachers", mesh=spec.mesh, members=members, student=self.model)

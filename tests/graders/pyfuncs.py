@@ -1,4 +1,9 @@
-"""Reward callables referenced by import path in tests."""
+"""Reward callables referenced by import path in tests. The rewarder runs them in its worker processes."""
+
+import os
+import signal
+import time
+from pathlib import Path
 
 
 def length_bonus(prompt: str, completion: str, answer: str | None) -> float:
@@ -11,3 +16,51 @@ def broken(prompt: str, completion: str, answer: str | None) -> float:
 
 def not_finite(prompt: str, completion: str, answer: str | None) -> float:
     return float("nan")
+
+
+def not_a_number(prompt: str, completion: str, answer: str | None) -> float:
+    return {"score": 1.0}  # type: ignore[return-value]
+
+
+def slow(prompt: str, completion: str, answer: str | None) -> float:
+    """0.2 s of waiting, like a grader that calls a checker: for timing a batch."""
+    time.sleep(0.2)
+    return 1.0
+
+
+def misbehave(prompt: str, completion: str, answer: str | None) -> float:
+    """Does what the completion says: 'hang', 'exit' (os._exit(7)), 'sigkill', 'exit_call' (sys.exit in
+    the function: a raise, not a crash); anything else scores the worker's pid, so tests see which worker
+    ran a call."""
+    if completion == "hang":
+        time.sleep(3600)
+    elif completion == "exit":
+        os._exit(7)
+    elif completion == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif completion == "exit_call":
+        raise SystemExit(5)
+    return float(os.getpid())
+
+
+def together(prompt: str, completion: str, answer: str | None) -> float:
+    """Leaves its pid in directory `completion`, then waits up to 20 s for `answer` calls to be in flight at
+    once (files present): 1.0 if they were, 0.0 if not (calls run one after another)."""
+    folder, needed = Path(completion), int(answer or 0)
+    (folder / f"{os.getpid()}.{time.monotonic_ns()}").touch()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if len(list(folder.iterdir())) >= needed:
+            return 1.0
+        time.sleep(0.01)
+    return 0.0
+
+
+def leave_child_and_hang(prompt: str, completion: str, answer: str | None) -> float:
+    """Starts a child process that would outlive the call (its pid written to file `completion`), then hangs."""
+    import subprocess
+
+    child = subprocess.Popen(["sleep", "3600"])
+    Path(completion).write_text(str(child.pid))
+    time.sleep(3600)
+    return 1.0

@@ -37,7 +37,8 @@ from composer_mesh.actors.backends.openrouter_client import (
     OpenRouterTransportError,
     parse_retry_after,
 )
-from composer_mesh.actors.messages import Prompt, Rollout
+from composer_mesh.actors.messages import Prompt, Rollout, TeacherRequest
+from composer_mesh.actors.teacher_errors import TeacherFailed, TeacherUnavailable
 from composer_mesh.roles import resolve_binding
 
 KEY = "sk-or-v1-TEST-c0ffee-DISTINCTIVE-5f3a9e"
@@ -345,8 +346,9 @@ async def test_error_inside_http_200(fake: FakeOpenRouter) -> None:
 async def test_missing_logprobs_is_an_error_by_default(fake: FakeOpenRouter) -> None:
     t = teacher(fake)
     fake.push(Reply(success=True, logprobs=False))
-    with pytest.raises(OpenRouterMissingLogprobs) as info:
+    with pytest.raises(TeacherUnavailable) as info:  # the teacher's error, from the client's
         await t.traces(prompts(1), max_new_tokens=64)
+    assert isinstance(info.value.__cause__, OpenRouterMissingLogprobs)
     assert "log-probs were requested but the response has none" in str(info.value)
     assert "require_parameters" in str(info.value) and "p0" in str(info.value)
     assert len(fake.requests) == 1  # not retried
@@ -515,9 +517,11 @@ async def test_slow_teacher_does_not_block_the_event_loop(fake: FakeOpenRouter) 
 async def test_batch_failure_waits_for_all_and_names_the_prompt(fake: FakeOpenRouter) -> None:
     t = teacher(fake, max_retries=0, max_concurrency=1, partial_traces=False)
     fake.push(Reply(success=True), Reply(400, error_body(400, "bad prompt")))
-    with pytest.raises(OpenRouterHTTPError) as info:
+    with pytest.raises(TeacherUnavailable) as info:  # the pool applies the member's on_failure
         await t.traces(prompts(4), max_new_tokens=8)
     assert "1/4 requests failed" in str(info.value) and "prompt 'p1'" in str(info.value)
+    assert "OpenRouterHTTPError" in str(info.value) and "bad prompt" in str(info.value)
+    assert isinstance(info.value.__cause__, OpenRouterHTTPError) and info.value.__cause__.status == 400
     assert len(fake.requests) == 4  # the other requests still completed (no orphaned, still-billing tasks)
     u = t.usage()
     assert u["completions"] == 3 and u["failed_requests"] == 1
@@ -532,7 +536,7 @@ async def test_partial_traces_keep_the_successful_prompts(fake: FakeOpenRouter) 
     assert t.usage()["failed_requests"] == 1
 
     fake.push(*[Reply(400, error_body(400, "bad prompt")) for _ in range(2)])
-    with pytest.raises(OpenRouterHTTPError, match="2/2 requests failed"):  # nothing usable: raise
+    with pytest.raises(TeacherUnavailable, match="2/2 requests failed"):  # nothing usable: raise
         await t.traces(prompts(2), max_new_tokens=64)
     await t.aclose()
 
@@ -594,8 +598,9 @@ async def test_traces_the_student_cannot_represent_are_dropped_not_mangled(fake:
     assert [(tr.prompt_id, tr.text, tr.completion_ids) for tr in traces] == [("p0", "3;", [3, 12])]
     assert t.usage()["untokenizable_traces"] == 1
 
-    with pytest.raises(TeacherTraceError, match="cannot be written in the student's vocabulary"):
+    with pytest.raises(TeacherTraceError, match="cannot be written in the student's vocabulary") as info:
         await t.traces([Prompt("p1", "2+2=", [])], max_new_tokens=8)
+    assert isinstance(info.value, TeacherUnavailable)  # the hosted model's text: an expected failure
     assert t.usage()["untokenizable_traces"] == 2
     await t.aclose()
 
@@ -675,7 +680,6 @@ def test_errors_cross_process_boundaries_intact() -> None:
 
 async def test_in_a_teacher_pool(fake: FakeOpenRouter) -> None:
     """The binding as the pool uses it (plain classes, no Monarch): traces and `<teacher>/<counter>` usage."""
-    from composer_mesh.actors.messages import TeacherRequest
     from composer_mesh.actors.teacher_pool import PoolMember, TeacherPool
 
     t = OpenRouterTeacher(settings(fake))
@@ -689,3 +693,74 @@ async def test_in_a_teacher_pool(fake: FakeOpenRouter) -> None:
     with pytest.raises(ValueError, match="cannot supply"):
         TeacherPool([PoolMember("api", frozenset({"distill"}), OpenRouterTeacher(settings(fake)))])
     await t.aclose()
+
+
+# ------------------------------------------------------------------------------------------ failures in the pool
+@pytest.mark.parametrize(
+    ("replies", "cause", "says"),
+    [
+        (lambda: [Reply(500, error_body(500, "internal error")) for _ in range(2)], OpenRouterHTTPError, "HTTP 500"),
+        (lambda: [Reply(429, error_body(429, f"key {KEY} is rate limited")) for _ in range(2)], OpenRouterHTTPError,
+         "HTTP 429"),
+        (lambda: [Reply(success=True, delay=1.0) for _ in range(2)], OpenRouterTimeout, "timed out after 0.25s"),
+        (lambda: [Reply(200, raw=b"<html>upstream proxy") for _ in range(2)], OpenRouterResponseError,
+         "malformed response body"),
+    ],
+    ids=["500", "429", "timeout", "malformed"],
+)
+async def test_failures_after_retries_are_teacher_unavailable(
+    fake: FakeOpenRouter, replies: Any, cause: type, says: str
+) -> None:
+    """What the client gives up on (after `max_retries`) reaches the pool as `TeacherUnavailable`, from the
+    client's error, redacted (the 429 body echoes the key)."""
+    t = teacher(fake, max_retries=1, request_timeout=0.25)
+    fake.push(*replies())
+    with pytest.raises(TeacherUnavailable) as info:
+        await t.traces(prompts(1), max_new_tokens=8)
+    msg = str(info.value)
+    assert "teacher 't0' (binding openrouter): 1/1 requests failed" in msg and cause.__name__ in msg
+    assert says in msg and "gave up after 2 attempts" in msg
+    assert isinstance(info.value.__cause__, cause)
+    assert_no_key(info.value)
+    assert t.usage()["failed_requests"] == 1
+    await t.aclose()
+
+
+def _down_and_up(fake: FakeOpenRouter, on_failure: str) -> tuple[Any, OpenRouterTeacher, OpenRouterTeacher]:
+    """A pool of two openrouter teachers: `down` points at a port nobody listens on, `up` at the fake server."""
+    from composer_mesh.actors.teacher_pool import PoolMember, TeacherPool
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    down = OpenRouterTeacher(settings(fake, base_url=f"http://127.0.0.1:{port}/api/v1", max_retries=1),
+                             sleep=RecordingSleep())
+    up = OpenRouterTeacher(settings(fake))
+    pool = TeacherPool([PoolMember("down", frozenset({"replay"}), down, on_failure),  # type: ignore[arg-type]
+                        PoolMember("up", frozenset({"replay"}), up)])
+    pool.start(ByteTokenizer())
+    return pool, down, up
+
+
+async def test_an_unreachable_teacher_is_skipped_and_counted(fake: FakeOpenRouter) -> None:
+    pool, down, up = _down_and_up(fake, "skip")
+    signals = await pool.signals(TeacherRequest(prompts=prompts(2), max_new_tokens=64))
+    assert sorted((tr.teacher, tr.prompt_id) for tr in signals.traces) == [("up", "p0"), ("up", "p1")]
+    u = signals.usage
+    assert u["down/failures"] == 1 and u["down/skipped_prompts"] == 2 and u["down/failed_requests"] == 2
+    assert u["up/failures"] == 0 and u["up/completions"] == 2
+    assert "OpenRouterTransportError" in pool.last_errors["down"]
+    await down.aclose()
+    await up.aclose()
+
+
+async def test_an_unreachable_teacher_with_stop_stops_naming_it(fake: FakeOpenRouter) -> None:
+    pool, down, up = _down_and_up(fake, "stop")
+    with pytest.raises(TeacherFailed) as info:
+        await pool.signals(TeacherRequest(prompts=prompts(2), max_new_tokens=64))
+    assert info.value.teacher == "down" and info.value.channel == "replay"
+    assert "channel-3 traces" in str(info.value) and "OpenRouterTransportError" in str(info.value)
+    assert_no_key(info.value)
+    assert up.usage()["completions"] == 2  # the other teacher's requests finished (none orphaned)
+    await down.aclose()
+    await up.aclose()

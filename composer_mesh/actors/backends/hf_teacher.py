@@ -12,6 +12,7 @@ ids with their log-probs (log_softmax over the whole vocabulary). Rollouts are s
 most `max_batch` rows and `score_batch_tokens` padded tokens; each rollout's rows are reduced on the device
 (top-k) or copied to the CPU (dense) while its batch's logits are alive, and nothing else of them is kept.
 Compute runs in a worker thread so the actor's event loop stays responsive; one computation runs at a time.
+Out of memory raises `TeacherUnavailable` (the pool applies the member's `on_failure`); other errors propagate.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ time in a worker thread (so the actor's event loop stays responsive), re-tokenis
 the student's vocabulary, and trimming/padding dense rows to the student's vocabulary. A binding supplies
 `_require_started`, `_compute_distributions` (teacher-forced rows for rollouts it has checked) and
 `_sample_traces` (the teacher's own token ids for each prompt). `LocalTeacherSettings` holds the settings
-both bindings share.
+both bindings share. A computation that fails for a reason outside our code (out of memory; for vllm, a
+failed engine: `_unavailable_reason`) raises `TeacherUnavailable`; any other error is a bug and propagates.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pydantic import Field
 
 from composer_mesh.actors.backends.local_model import LocalModelSettings, as_model_config, prompt_ids
 from composer_mesh.actors.messages import Prompt, Rollout, TeacherTrace, TokenDistribution
+from composer_mesh.actors.teacher_errors import TeacherUnavailable
 from composer_mesh.actors.teacher_topk import TopK, resolve_top_k
 from composer_mesh.models.config import ModelConfig, WarmStartConfig
 
@@ -262,8 +264,22 @@ class LocalTeacher(ABC):
         self._usage["requests"] += 1
         try:
             return await asyncio.to_thread(locked)
-        except Exception:
+        except Exception as e:
             self._usage["failures"] += 1
-            raise
+            reason = self._unavailable_reason(e)
+            if reason is None:
+                raise
+            raise TeacherUnavailable(
+                f"teacher {self.name!r} (binding {self.binding}): {reason}: {type(e).__name__}: {e}"
+            ) from e
         finally:
             self._usage["seconds"] += time.perf_counter() - t0
+
+    def _unavailable_reason(self, error: Exception) -> str | None:
+        """Why `error` is outside our code (then `_run` raises `TeacherUnavailable`), or None for a bug, which
+        propagates as it is. Out of memory is the local teacher's expected failure: a batch too large for the
+        device now. A binding adds its own (the vllm teacher: a failed or dead engine)."""
+        if isinstance(error, torch.OutOfMemoryError):
+            torch.cuda.empty_cache()  # give the cached blocks back, so the next (smaller) batch can fit
+            return "out of memory"
+        return None

@@ -4,7 +4,9 @@ Capabilities: {"replay"} only. Channel 2 ("distill") needs a teacher distributio
 ids at every student position; OpenRouter returns token strings from the teacher's own tokenizer (and at
 most 20 alternatives), so there is no faithful mapping. `distributions()` therefore raises, and the topology
 validator rejects `channels: [distill]` for this binding from `capabilities`. Traces are re-tokenised with
-the student's tokenizer (`TeacherTrace.completion_ids` are student ids).
+the student's tokenizer (`TeacherTrace.completion_ids` are student ids). A batch that fails for a reason
+outside our code (the client's `OpenRouterError`s after their retries, or no usable trace) raises
+`TeacherUnavailable`, so the pool applies the member's `on_failure`; anything else is a bug and propagates.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from composer_mesh.actors.backends.openrouter_client import (
     OpenRouterSettings,
 )
 from composer_mesh.actors.messages import Prompt, Rollout, TeacherTrace, TokenDistribution
+from composer_mesh.actors.teacher_errors import TeacherUnavailable
 from composer_mesh.actors.teacher_topk import TopK
 
 log = logging.getLogger("composer_mesh.openrouter")
@@ -37,8 +40,10 @@ class TeacherCapabilityError(NotImplementedError):
     """A teacher was asked for a signal its binding cannot supply."""
 
 
-class TeacherTraceError(ValueError):
-    """Teacher completions came back but none can be used as a trace in the student's vocabulary."""
+class TeacherTraceError(TeacherUnavailable, ValueError):
+    """Teacher completions came back but none can be used as a trace in the student's vocabulary.
+
+    An expected failure (`TeacherUnavailable`): what a hosted model writes is outside our control."""
 
 
 @runtime_checkable
@@ -112,8 +117,9 @@ class OpenRouterTeacher:
         sampling is not reproducible anyway (providers treat a seed as best effort, when at all).
 
         Failed prompts are left out when `partial_traces` (already-paid traces are kept; the pool's traces
-        are a flat list, not aligned with prompts); otherwise, or when every request failed, the first
-        failure is raised naming its prompt and how many failed.
+        are a flat list, not aligned with prompts); otherwise, or when every request failed, raises
+        `TeacherUnavailable` from the first failure (an `OpenRouterError`: HTTP error, rate limit or timeout
+        after the retries, malformed response), naming its prompt and how many failed.
         """
         client, tokenizer = self._require_started()
         cap = self.settings.max_tokens
@@ -122,12 +128,11 @@ class OpenRouterTeacher:
         failed = [(p, r) for p, r in zip(prompts, results) if isinstance(r, OpenRouterError)]
         if failed and (not self.settings.partial_traces or len(failed) == len(prompts)):
             prompt, err = failed[0]
-            raise type(err)(
-                f"teacher {self.name!r}: {len(failed)}/{len(prompts)} requests failed; first "
-                f"(prompt {prompt.prompt_id!r}): {err}",
-                status=err.status,
-                retryable=err.retryable,
-            )
+            # The client's errors are already redacted and carry no httpx exception (which holds the headers).
+            raise TeacherUnavailable(
+                f"teacher {self.name!r} (binding openrouter): {len(failed)}/{len(prompts)} requests failed; first "
+                f"(prompt {prompt.prompt_id!r}): {type(err).__name__}: {err}"
+            ) from err
         for p, r in failed:
             log.warning("teacher %s: no trace for prompt %s: %s", self.name, p.prompt_id, r)
         out: list[TeacherTrace] = []

@@ -1,23 +1,27 @@
 """Reward functions by import path plus shell graders, combined as a weighted sum.
 
 A grader that crashes, hangs past its timeout or prints garbage scores `failure_score` with `ok=False`
-and an error saying what happened; it never raises into the actor.
+and an error saying what happened; it never raises into the actor. Python functions run in worker
+processes (`reward_pool`), since only a process can be killed at a timeout; shell graders are
+subprocesses. Every (rollout, grader) pair of a batch is submitted at once, so graders run concurrently.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
-from collections.abc import Callable
+import threading
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from composer_mesh.actors.backends.reward_pool import CallFailed, FunctionPool
 from composer_mesh.actors.messages import Prompt, RewardResult, Rollout
 from composer_mesh.bindings import import_object
-
-RewardFn = Callable[[str, str, "str | None"], float]
 
 
 class FunctionReward(BaseModel):
@@ -25,6 +29,11 @@ class FunctionReward(BaseModel):
 
     path: str = Field(description="Import path 'pkg.mod:fn' of `fn(prompt, completion, answer) -> float`.")
     weight: float = Field(1.0, description="Weight of this function in the summed reward.")
+    timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="Seconds a call may take before its worker process is killed and the call scored as a failure.",
+    )
 
     @field_validator("path")
     @classmethod
@@ -33,6 +42,11 @@ class FunctionReward(BaseModel):
         if not callable(fn):
             raise ValueError(f"reward function {v!r} is not callable")
         return v
+
+    @property
+    def name(self) -> str:
+        """Label in metrics and errors: the function's name."""
+        return self.path.rsplit(":", 1)[-1]
 
 
 class ShellGrader(BaseModel):
@@ -72,6 +86,16 @@ class PythonRewarderSettings(BaseModel):
     )
     shell: list[ShellGrader] = Field(default_factory=list, description="External grader programs, summed with weights.")
     failure_score: float = Field(0.0, description="Score given for a grader that crashed, timed out or printed garbage.")
+    workers: int | None = Field(
+        None,
+        ge=1,
+        description="Worker processes for the reward functions, and the most shell graders run at once "
+        "(null: min(4, CPU count)).",
+    )
+
+    @property
+    def concurrency(self) -> int:
+        return self.workers or min(4, os.cpu_count() or 1)
 
     @model_validator(mode="after")
     def _something(self) -> PythonRewarderSettings:
@@ -85,7 +109,13 @@ def run_shell_grader(grader: ShellGrader, prompt: str, completion: str, answer: 
     payload = json.dumps({"prompt": prompt, "completion": completion, "answer": answer})
     try:
         proc = subprocess.run(
-            grader.command, input=payload, capture_output=True, text=True, timeout=grader.timeout_s, check=False
+            grader.command,
+            input=payload,
+            capture_output=True,
+            text=True,
+            errors="replace",  # bytes that are not UTF-8 make garbage output, not an exception
+            timeout=grader.timeout_s,
+            check=False,
         )
     except subprocess.TimeoutExpired:
         raise GraderFailure(f"grader {grader.label!r} timed out after {grader.timeout_s:g}s") from None
@@ -109,41 +139,77 @@ class GraderFailure(Exception):
 
 
 class PythonRewarder:
-    """Binding `python` for the rewarder role."""
+    """Binding `python` for the rewarder role. `close()` (or garbage collection) stops its worker processes."""
 
     Settings: ClassVar[type[BaseModel]] = PythonRewarderSettings
     capabilities: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, settings: PythonRewarderSettings) -> None:
         self.settings = settings
-        self.functions: list[tuple[str, float, RewardFn]] = [
-            (f.path.rsplit(":", 1)[-1], f.weight, import_object(f.path)) for f in settings.functions
-        ]
+        n = settings.concurrency
+        self.pool = FunctionPool([f.path for f in settings.functions], n) if settings.functions else None
+        self._shell = ThreadPoolExecutor(n, thread_name_prefix="shell-grader") if settings.shell else None
+        self._finalizer = weakref.finalize(self, _close, self.pool, self._shell)
+        self._count_lock = threading.Lock()
         self.calls = 0
         self.failures = 0
 
+    def close(self) -> None:
+        self._finalizer()
+
     def score(self, prompt: Prompt, rollout: Rollout) -> RewardResult:
-        self.calls += 1
-        total, parts, errors = 0.0, {}, []
-        for name, weight, fn in self.functions:
-            try:
-                value = float(fn(prompt.text, rollout.text, prompt.answer))
-                if not math.isfinite(value):
-                    raise GraderFailure(f"reward function {name!r} returned {value}")
-            except Exception as e:  # a user function's bug is a scored failure, not an actor crash
-                errors.append(e if isinstance(e, GraderFailure) else f"reward function {name!r} raised {type(e).__name__}: {e}")
-                value = self.settings.failure_score
-            parts[name] = value
-            total += weight * value
+        return self.score_batch([(prompt, rollout)])[0]
+
+    def score_batch(self, items: list[tuple[Prompt, Rollout]]) -> list[RewardResult]:
+        """Score many rollouts: every (rollout, grader) call is submitted before any is waited for."""
+        pending = [self._submit(prompt, rollout) for prompt, rollout in items]
+        results = [self._combine(parts) for parts in pending]
+        with self._count_lock:
+            self.calls += len(results)
+            self.failures += sum(not r.ok for r in results)
+        return results
+
+    def _submit(self, prompt: Prompt, rollout: Rollout) -> list[tuple[str, float, Future[float]]]:
+        """(label, weight, future score) of each grader for one rollout; the futures raise `GraderFailure`."""
+        args = (prompt.text, rollout.text, prompt.answer)
+        parts = []
+        for f in self.settings.functions:
+            assert self.pool is not None
+            parts.append((f.name, f.weight, self.pool.submit(f.path, args, f.timeout_s)))
         for grader in self.settings.shell:
+            assert self._shell is not None
+            parts.append((grader.label, grader.weight, self._shell.submit(run_shell_grader, grader, *args)))
+        return parts
+
+    def _combine(self, parts: list[tuple[str, float, Future[float]]]) -> RewardResult:
+        total, scores, errors = 0.0, {}, []
+        for label, weight, future in parts:
             try:
-                value = run_shell_grader(grader, prompt.text, rollout.text, prompt.answer)
+                value = _finite(label, future)
             except GraderFailure as e:
-                errors.append(e)
+                errors.append(str(e))
                 value = self.settings.failure_score
-            parts[grader.label] = value
-            total += grader.weight * value
+            scores[label] = value
+            total += weight * value
         if errors:
-            self.failures += 1
-            return RewardResult(score=total, ok=False, error="; ".join(str(e) for e in errors), components=parts)
-        return RewardResult(score=total, components=parts)
+            return RewardResult(score=total, ok=False, error="; ".join(errors), components=scores)
+        return RewardResult(score=total, components=scores)
+
+
+def _finite(label: str, future: Future[float]) -> float:
+    """The future's score; `GraderFailure` naming the function for a failed call or a non-finite number."""
+    try:
+        value = future.result()
+    except CallFailed as e:
+        raise GraderFailure(f"reward function {label!r} {e}") from None
+    if not math.isfinite(value):
+        raise GraderFailure(f"reward function {label!r} returned {value}")
+    return value
+
+
+def _close(pool: FunctionPool | None, shell: ThreadPoolExecutor | None) -> None:
+    """Stop the worker processes and shell threads; a `weakref.finalize` callback, so it holds no rewarder."""
+    if pool is not None:
+        pool.close()
+    if shell is not None:
+        shell.shutdown(wait=True, cancel_futures=True)

@@ -15,7 +15,8 @@ binding name only:
 - Channel 3 ("replay"): one trace per prompt (greedy unless `trace_temperature` > 0), stopping after EOS or
   the task's end marker; with another tokenizer the trace is re-tokenised into the student's vocabulary
   exactly as the hf teacher does (a text the student cannot write is dropped and counted).
-Engine calls block, so the async methods run them in a worker thread, one computation at a time.
+Engine calls block, so the async methods run them in a worker thread, one computation at a time. Out of
+memory and a failed or dead engine raise `TeacherUnavailable` (the pool applies the member's `on_failure`).
 """
 
 from __future__ import annotations
@@ -76,6 +77,18 @@ class VLLMTeacher(LocalTeacher):
         if self.engine is None:
             raise RuntimeError("VLLMTeacher: call start(student_model, name) first")
         return self.engine
+
+    def _unavailable_reason(self, error: Exception) -> str | None:
+        """Out of memory (the hf teacher's reason) or a failed engine: `EngineGenerateError` (that request) or
+        `EngineDeadError` (the engine core died; every later call fails too, so with `on_failure: skip` the
+        teacher's channels stay off and its `failures` count grows each request)."""
+        from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
+
+        if isinstance(error, EngineDeadError):
+            return "the vLLM engine died"
+        if isinstance(error, EngineGenerateError):
+            return "the vLLM engine failed the request"
+        return super()._unavailable_reason(error)
 
     def close(self) -> None:
         """Shut the engine down (frees its KV cache)."""
