@@ -64,7 +64,8 @@ async def one_role(role: str, steps: int, kill_at: int, run_dir: Path) -> dict[s
     event = loop.recovery.events[0] if loop.recovery.events else {}
     since = lambda key: event[key] - killed["at"] if key in event else float("nan")  # noqa: E731
     return {
-        "role": role, "detect_s": since("failed_s"), "replaced_s": since("replaced_s"),
+        "role": role, "detect_s": since("failed_s"), "respawned_s": since("respawned_s"),
+        "replaced_s": since("replaced_s"),
         "first_result_s": since("first_result_s"), "steps_lost": steps - summary.steps,
         "prompts_twice": len(trained) - len(set(trained)), "prompts_lost": len(expected - set(trained)),
         "reissued": loop.recovery.reissued, "restarts": sum(loop.recovery.restarts.values()),
@@ -89,11 +90,12 @@ def main() -> None:
           + ", ".join(f"{k} {v}" for k, v in versions.items()))
     print(f"# topologies/local.yaml, {steps} steps of 8 prompts x 4 samples, one proc SIGKILLed after step {kill_at}; "
           "seconds since the kill")
-    print("| role | death surfaced s | replacement set up s | first result s | steps lost | prompts twice / lost | "
-          "calls re-issued |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("| role | death surfaced s | new procs + actors s | set up (models, weights) s | first result s | "
+          "steps lost | prompts twice / lost | calls re-issued |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
-        print(f"| {r['role']} | {r['detect_s']:.2f} | {r['replaced_s']:.2f} | {r['first_result_s']:.2f} | "
+        print(f"| {r['role']} | {r['detect_s']:.2f} | {r['respawned_s']:.2f} | {r['replaced_s']:.2f} | "
+              f"{r['first_result_s']:.2f} | "
               f"{r['steps_lost']} | {r['prompts_twice']} / {r['prompts_lost']} | {r['reissued']} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"versions": versions, "results": results}, indent=1))

@@ -39,7 +39,7 @@ def _steps(run_dir: Path) -> list[int]:
 
 def test_sigterm_checkpoints_and_resume_finishes_the_run(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    cmd, env = _command("run", str(TOPOLOGY), "--run-dir", str(run_dir), "--steps", "30")  # outlasts the signal
+    cmd, env = _command("run", str(TOPOLOGY), "--run-dir", str(run_dir), "--steps", "12")  # outlasts the signal
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     deadline = time.monotonic() + 300
     while not _steps(run_dir) and proc.poll() is None and time.monotonic() < deadline:
@@ -51,19 +51,19 @@ def test_sigterm_checkpoints_and_resume_finishes_the_run(tmp_path: Path) -> None
     assert "Traceback" not in err
     assert f"resume with: composer-mesh run {TOPOLOGY} --run-dir {run_dir} --resume" in err
     stopped = _steps(run_dir)
-    assert 1 <= stopped[-1] < 30 and stopped == list(range(1, stopped[-1] + 1))
+    assert 1 <= stopped[-1] < 12 and stopped == list(range(1, stopped[-1] + 1))
     assert (run_dir / "checkpoints" / f"step-{stopped[-1]:08d}" / "COMMITTED.json").is_file()
 
-    cmd, env = _command("run", str(TOPOLOGY), "--run-dir", str(run_dir), "--steps", "30", "--resume")
+    cmd, env = _command("run", str(TOPOLOGY), "--run-dir", str(run_dir), "--steps", "12", "--resume")
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == cli.EXIT_OK, done.stderr
-    assert _steps(run_dir) == list(range(1, 31))
+    assert _steps(run_dir) == list(range(1, 13))
     assert f"resumed from step {stopped[-1]}" in done.stdout
     events = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [e["step"] for e in events if e.get("event") == "resumed"] == [stopped[-1]]
 
     # A corrupted trainer state in the newest committed checkpoint is refused with one message.
-    state = run_dir / "checkpoints" / f"step-{30:08d}" / "trainer" / "r0" / "state.safetensors"
+    state = run_dir / "checkpoints" / f"step-{12:08d}" / "trainer" / "r0" / "state.safetensors"
     state.write_bytes(state.read_bytes()[:100])
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == cli.EXIT_INVALID, done.stderr
@@ -105,7 +105,7 @@ def test_a_dead_trainer_stops_the_run_and_resume_continues_from_its_last_checkpo
     topology = tmp_path / "run.yaml"
     topology.write_text(TOPOLOGY.read_text() + "  checkpoint_every: 2\n")  # the run: section is the file's last
     run_dir = tmp_path / "run"
-    cmd, env = _command("run", str(topology), "--run-dir", str(run_dir), "--steps", "30")
+    cmd, env = _command("run", str(topology), "--run-dir", str(run_dir), "--steps", "12")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     deadline = time.monotonic() + 300
     while len(_steps(run_dir)) < 3 and proc.poll() is None and time.monotonic() < deadline:
@@ -122,7 +122,7 @@ def test_a_dead_trainer_stops_the_run_and_resume_continues_from_its_last_checkpo
     last = int(committed[-1].removeprefix("step-"))
     assert last % 2 == 0 and last >= _steps(run_dir)[-1] - 4  # no older than checkpoint_every (+ the pipeline)
 
-    cmd, env = _command("run", str(topology), "--run-dir", str(run_dir), "--steps", "30", "--resume")
+    cmd, env = _command("run", str(topology), "--run-dir", str(run_dir), "--steps", "12", "--resume")
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == cli.EXIT_OK, done.stderr
-    assert _steps(run_dir) == list(range(1, 31))
+    assert _steps(run_dir) == list(range(1, 13))

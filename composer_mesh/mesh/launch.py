@@ -138,7 +138,8 @@ class _FailureSink:
         self.stopping = False
 
     def retire(self, mesh: str) -> None:
-        """Mesh `mesh` is being replaced: its failures so far are recovered, later reports of it expected."""
+        """Mesh `mesh` is being replaced, or given up on by a caller that handles it (e.g. a run that stops
+        with a checkpoint): its failures so far are recovered, later reports of it expected."""
         old = {name for name, (_, m) in self.names.items() if m == mesh}
         self.retired |= old
         self.recovered += [f for f in self.failures if f.mesh == mesh]
@@ -237,18 +238,26 @@ class LaunchedMeshes:
             raise LaunchError(f"mesh {mesh!r}: its Slurm job {self.slurm_job_ids.get(mesh)} has ended; its procs "
                               "cannot be replaced inside that job")
         self._sink.retire(mesh)
+        t0 = time.perf_counter()
         try:
             await asyncio.wait_for(self.proc_meshes[mesh].stop(), stop_timeout)
         except Exception as e:
             log.warning("stopping the damaged proc mesh %s failed (%s); replacing it anyway", mesh, e)
+        t1 = time.perf_counter()
         count = self.respawns[mesh] = self.respawns.get(mesh, 0) + 1
         _spawn_proc_mesh(self, mesh, self.host_meshes[mesh], suffix=f"r{count}")
         placements = [p for p in self.placed if p.mesh == mesh]
         _spawn_actors(self, placements, suffix=f"r{count}")
         await asyncio.gather(*(_ready(self, p, self.ready_timeout) for p in placements))
-        log.warning("mesh %s: procs replaced (respawn %d); actors %s spawned again", mesh, count,
-                    ", ".join(p.name for p in placements))
+        log.warning("mesh %s: procs replaced (respawn %d) in %.2f s (stopping the old %.2f s); actors %s spawned "
+                    "again", mesh, count, time.perf_counter() - t0, t1 - t0, ", ".join(p.name for p in placements))
         return [p.name for p in placements]
+
+    def give_up(self, mesh: str) -> None:
+        """The caller handles mesh `mesh`'s failure itself (it stops cleanly without it): leaving the `launch`
+        block does not raise for it. Its procs are still stopped on exit."""
+        log.warning("mesh %s: failed and not replaced; the caller handles it", mesh)
+        self._sink.retire(mesh)
 
     async def settled_failures(self, wait: float) -> list[ActorFailure]:
         """Failures, waiting up to `wait` s for the fault hook when a supervision error is in flight."""

@@ -398,12 +398,21 @@ class RLLoop:
                 writer.write_event("model", path=checkpoint, weight_version=self.trainer_version)
             else:
                 writer.write_event("stopped", step=last, reason=self.stop_reason, checkpoint=self.last_checkpoint)
+            self._forgive_idle_deaths(writer)
             await self.mesh.trainer.close.call()
         finally:
             writer.close()
         if writer.records:
             plot_run(writer.records, cfg.run_dir / "plot.png")
         return self._summary(writer, schedule, t_start, train_start, resumed, last, eval_before, eval_after)
+
+    def _forgive_idle_deaths(self, writer: MetricsWriter) -> None:
+        """A generators/rewarder/teachers proc that died after its last call cost the run nothing: it is
+        recorded (event `died_idle`) and not raised when the launch block ends. The trainer's death always is."""
+        for failure in self.mesh.failures:
+            if "trainer" not in self.mesh.roles_on(failure.mesh):
+                writer.write_event("died_idle", mesh=failure.mesh, actor=failure.actor)
+                self.mesh.launched.give_up(failure.mesh)
 
     def _summary(self, writer: MetricsWriter, schedule: StepScheduler, t_start: float, train_start: float,
                  resumed: int, last: int, eval_before: float, eval_after: float | None) -> RunSummary:

@@ -80,15 +80,17 @@ class Recovery:
                 raise RestartsExhausted(f"mesh {mesh!r} holds the trainer, whose state dies with it ({why})") from error
             over = [r for r in roles if self.restarts.get(r, 0) >= self.max_restarts]
             if over:
+                self.mesh.launched.give_up(mesh)  # the run stops with a checkpoint instead
                 raise RestartsExhausted(f"{over[0]} died again after {self.restarts[over[0]]} restart(s) "
                                         f"(run.max_restarts={self.max_restarts}): {why}") from error
             log.warning("%s on mesh %s died (%s): replacing its procs", role, mesh, why)
             t0 = time.perf_counter()
             replaced = await self.mesh.respawn(role)  # type: ignore[arg-type]
+            respawned = time.perf_counter()
             await self.set_up(replaced)
             self.lost_s += time.perf_counter() - t0
             self.events.append({"role": role, "mesh": mesh, "roles": replaced, "failed_s": t0,
-                                "replaced_s": time.perf_counter()})
+                                "respawned_s": respawned, "replaced_s": time.perf_counter()})
             for r in replaced:
                 self.restarts[r] = self.restarts.get(r, 0) + 1
             self._generation[mesh] = seen + 1

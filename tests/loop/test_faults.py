@@ -10,8 +10,6 @@ import os
 import signal
 from pathlib import Path
 
-import pytest
-
 from composer_mesh.app.launch import launch
 from composer_mesh.app.runner import apply_overrides, checkpoint_policy
 from composer_mesh.orchestration.loop import RLLoop
@@ -26,25 +24,25 @@ def topology(run_dir: Path, **run: object) -> Topology:
     return topo.model_copy(update={"run": topo.run.model_copy(update={"eval_prompts": 0, **run})})
 
 
-async def run_killing(topo: Topology, role: str, at_steps: tuple[int, ...]) -> tuple[RunSummary, list[int]]:
-    """The run, with one proc of `role` killed (SIGKILL) once each step of `at_steps` is recorded."""
+async def run_killing(topo: Topology, kills: dict[int, str]) -> tuple[RunSummary, list[int]]:
+    """The run, with one proc of role `kills[step]` killed (SIGKILL) once that step is recorded."""
     killed: list[int] = []
-    kills: list[asyncio.Task[None]] = []
+    tasks: list[asyncio.Task[None]] = []
     async with launch(topo) as mesh:
 
-        async def kill() -> None:
+        async def kill(role: str) -> None:
             where = await getattr(mesh, role).process.call()
             pid = int(sorted(w["pid"] for w in where.values())[0])
             os.kill(pid, signal.SIGKILL)
             killed.append(pid)
 
         def progress(record: StepRecord) -> None:
-            if record.step in at_steps and len(kills) < at_steps.index(record.step) + 1:
-                kills.append(asyncio.get_running_loop().create_task(kill()))
+            if record.step in kills:
+                tasks.append(asyncio.get_running_loop().create_task(kill(kills.pop(record.step))))
 
         loop = RLLoop(mesh, topo.run, topo.loss, progress=progress, checkpoints=checkpoint_policy(topo))
         summary = await loop.run()
-        await asyncio.gather(*kills)
+        await asyncio.gather(*tasks)
     return summary, killed
 
 
@@ -53,25 +51,25 @@ def records(run_dir: Path) -> list[dict]:
     return [r for r in lines if "event" not in r]
 
 
-@pytest.mark.parametrize("role", ["generators", "rewarder", "teachers"])
-async def test_a_killed_proc_is_replaced_and_the_run_finishes(tmp_path, role):
-    steps = 6
+async def test_killed_generator_rewarder_and_teacher_procs_are_replaced_and_the_run_finishes(tmp_path):
+    steps = 8
     topo = topology(tmp_path / "run", steps=steps, max_policy_lag=1)
-    summary, killed = await run_killing(topo, role, at_steps=(2,))
-    assert killed and summary.stopped is None and summary.steps == steps
+    summary, killed = await run_killing(topo, {2: "generators", 3: "rewarder", 4: "teachers"})
+    assert len(killed) == 3 and summary.stopped is None and summary.steps == steps
     rows = records(tmp_path / "run")
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     trained = sorted((p for r in rows for p in r["prompts"]), key=lambda p: int(p[1:]))
     assert trained == [f"p{i}" for i in range(steps * 4)]  # none twice, none lost
     last = rows[-1]["metrics"]
-    assert last[f"faults/restarts/{role}"] == 1.0 and last["faults/restarts"] == 1.0
-    assert last["faults/reissued"] >= 1.0 and last["faults/lost_s"] > 0
-    assert all(r["metrics"].get("faults/restarts", 0.0) == 0.0 for r in rows[:2])
+    assert {role: last[f"faults/restarts/{role}"] for role in ("generators", "rewarder", "teachers")} == {
+        "generators": 1.0, "rewarder": 1.0, "teachers": 1.0}
+    assert last["faults/restarts"] == 3.0 and last["faults/reissued"] >= 3.0 and last["faults/lost_s"] > 0
+    assert all(r["metrics"].get("faults/restarts", 0.0) == 0.0 for r in rows[:2])  # nothing died before step 2
 
 
 async def test_a_role_that_keeps_dying_stops_the_run_with_a_checkpoint(tmp_path):
     topo = topology(tmp_path / "run", steps=30, max_policy_lag=1, max_restarts=1)
-    summary, killed = await run_killing(topo, "rewarder", at_steps=(2, 4))
+    summary, killed = await run_killing(topo, {2: "rewarder", 4: "rewarder"})
     assert len(killed) == 2
     assert summary.stopped is not None and "rewarder died again after 1 restart(s)" in summary.stopped
     assert summary.checkpoint is not None and Path(summary.checkpoint, "COMMITTED.json").is_file()
