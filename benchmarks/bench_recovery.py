@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY", "1s")  # before Monarch is imported
 
 
-async def one_role(role: str, steps: int, kill_at: int, run_dir: Path) -> dict[str, Any]:
+async def one_role(role: str, steps: int, kill_at: int, run_dir: Path, spare: bool) -> dict[str, Any]:
     from composer_mesh.app.launch import launch
     from composer_mesh.app.runner import apply_overrides, checkpoint_policy
     from composer_mesh.orchestration.loop import RLLoop
@@ -40,6 +40,11 @@ async def one_role(role: str, steps: int, kill_at: int, run_dir: Path) -> dict[s
 
     topo = apply_overrides(load_topology(ROOT / "topologies" / "local.yaml"), steps, run_dir)
     topo = topo.model_copy(update={"run": topo.run.model_copy(update={"eval_prompts": 0, "prompts_per_step": 8})})
+    if spare:  # the killed role's mesh keeps a warm spare
+        meshes = dict(topo.meshes)
+        name = getattr(topo.roles, role).mesh
+        meshes[name] = meshes[name].model_copy(update={"spare": True})
+        topo = topo.model_copy(update={"meshes": meshes})
     killed: dict[str, float] = {}
     async with launch(topo) as mesh:
 
@@ -52,7 +57,8 @@ async def one_role(role: str, steps: int, kill_at: int, run_dir: Path) -> dict[s
         tasks: list[asyncio.Task[None]] = []
 
         def progress(record: StepRecord) -> None:
-            if record.step == kill_at and not tasks:
+            ready = not spare or mesh.launched.spares.get(mesh.mesh_of(role))  # type: ignore[arg-type]
+            if record.step >= kill_at and ready and not tasks:
                 tasks.append(asyncio.get_running_loop().create_task(kill()))
 
         loop = RLLoop(mesh, topo.run, topo.loss, progress=progress, checkpoints=checkpoint_policy(topo))
@@ -64,7 +70,7 @@ async def one_role(role: str, steps: int, kill_at: int, run_dir: Path) -> dict[s
     event = loop.recovery.events[0] if loop.recovery.events else {}
     since = lambda key: event[key] - killed["at"] if key in event else float("nan")  # noqa: E731
     return {
-        "role": role, "detect_s": since("failed_s"), "respawned_s": since("respawned_s"),
+        "role": role + (" (warm spare)" if spare else ""), "detect_s": since("failed_s"), "respawned_s": since("respawned_s"),
         "replaced_s": since("replaced_s"),
         "first_result_s": since("first_result_s"), "steps_lost": steps - summary.steps,
         "prompts_twice": len(trained) - len(set(trained)), "prompts_lost": len(expected - set(trained)),
@@ -78,13 +84,16 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--kill-at", type=int, default=4)
     p.add_argument("--roles", nargs="+", default=["generators", "rewarder", "teachers"])
+    p.add_argument("--spare", action="store_true", help="also measure each role with a warm spare on its mesh")
     p.add_argument("--json", help="also write the results as JSON to this file")
     args = p.parse_args()
     steps, kill_at = (5, 2) if args.quick else (args.steps, args.kill_at)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
-        for role in args.roles:
-            results.append(asyncio.run(one_role(role, steps, kill_at, Path(tmp) / role)))
+        for spare in (False, True) if args.spare else (False,):
+            for role in args.roles:  # with a spare, the kill waits for it to be ready: a longer run
+                n = steps * 3 if spare else steps
+                results.append(asyncio.run(one_role(role, n, kill_at, Path(tmp) / f"{role}{spare}", spare)))
     versions = package_versions("torchmonarch", "torch", "transformers")
     print(f"# recovery — {platform.node()} {cpu_model()} ({os.cpu_count()} cores); "
           + ", ".join(f"{k} {v}" for k, v in versions.items()))

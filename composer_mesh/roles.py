@@ -129,9 +129,10 @@ class RoleMesh:
         """The roles that share mesh `mesh` (they are replaced together)."""
         return self.launched.actors_on(mesh)
 
-    async def respawn(self, role: Role) -> list[str]:
+    async def respawn(self, role: Role) -> tuple[list[str], bool]:
         """Replace the procs of `role`'s mesh after one died, with every role on it (`LaunchedMeshes.respawn`);
-        returns the roles replaced: their handles are new and need their `setup` again."""
+        returns the roles replaced (their handles are new) and whether a warm spare took over (then they are
+        set up already; otherwise they need their `setup` again)."""
         return await self.launched.respawn(self.mesh_of(role))
 
     @property

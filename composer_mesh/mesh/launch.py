@@ -183,8 +183,12 @@ class LaunchedMeshes:
         self.host_meshes: dict[str, Any] = {}  # mesh -> the Monarch host mesh its procs were spawned on
         self.placed: list[ActorPlacement] = []  # what was spawned, in order (respawn spawns it again)
         self.respawns: dict[str, int] = {}  # mesh -> times its procs were replaced
+        self.spares: dict[str, tuple[Any, dict[str, Any]]] = {}  # mesh -> (spare proc mesh, its actor meshes)
+        self._preparing: dict[str, Any] = {}  # mesh -> proc mesh of a spare not set up yet
+        self._spawned = 0  # replacement and spare proc meshes spawned (unique names)
         self.ready_timeout = 900.0
         self._sink = _FailureSink()
+        self._stopping: set[asyncio.Future[None]] = set()  # replaced proc meshes being stopped
         self._warned: set[str] = set()  # Slurm job ids whose warning watch_jobs has returned
         self._ended: set[str] = set()  # meshes whose Slurm job watch_jobs saw stop running
 
@@ -226,32 +230,61 @@ class LaunchedMeshes:
         """The actor meshes placed on mesh `mesh` (they live and die with its procs)."""
         return [p.name for p in self.placed if p.mesh == mesh]
 
-    async def respawn(self, mesh: str, stop_timeout: float = 10.0) -> list[str]:
+    async def respawn(self, mesh: str, stop_timeout: float = 10.0) -> tuple[list[str], bool]:
         """Replace mesh `mesh`'s procs and every actor on it after one of its procs died; returns the actor
-        meshes replaced (their handles in `actors` are new: the callers set them up again).
+        meshes replaced (their handles in `actors` are new: the callers set them up again) and whether they
+        came from a warm spare (`spare_up`: already set up by the caller).
 
-        A new proc mesh on the same hosts: Monarch 0.7 cannot add a proc to a proc mesh, and spawning on a
-        proc mesh with a dead rank hangs. The old proc mesh is stopped first (its surviving procs too); its
-        failures move to `recovered`, and its late reports are expected. A Slurm mesh whose job has ended
-        cannot be replaced here (a new job is a new launch)."""
+        Without a spare, a new proc mesh on the same hosts: Monarch 0.7 cannot add a proc to a proc mesh, and
+        spawning on a proc mesh with a dead rank hangs. The old proc mesh is stopped (its surviving procs too;
+        in the background when a spare takes over); its failures move to `recovered`, its late reports are
+        expected. A Slurm mesh whose job has ended cannot be replaced here (a new job is a new launch)."""
         if mesh in self._ended:
             raise LaunchError(f"mesh {mesh!r}: its Slurm job {self.slurm_job_ids.get(mesh)} has ended; its procs "
                               "cannot be replaced inside that job")
         self._sink.retire(mesh)
         t0 = time.perf_counter()
-        try:
-            await asyncio.wait_for(self.proc_meshes[mesh].stop(), stop_timeout)
-        except Exception as e:
-            log.warning("stopping the damaged proc mesh %s failed (%s); replacing it anyway", mesh, e)
-        t1 = time.perf_counter()
-        count = self.respawns[mesh] = self.respawns.get(mesh, 0) + 1
-        _spawn_proc_mesh(self, mesh, self.host_meshes[mesh], suffix=f"r{count}")
+        old, count = self.proc_meshes[mesh], self.respawns.get(mesh, 0) + 1
+        self.respawns[mesh] = count
+        if mesh in self.spares:
+            self.proc_meshes[mesh], actors = self.spares.pop(mesh)
+            self.actors.update(actors)
+            self._stopping.add(asyncio.ensure_future(_stop_quietly(mesh, old, stop_timeout)))
+            log.warning("mesh %s: its warm spare took over (respawn %d) in %.2f s", mesh, count,
+                        time.perf_counter() - t0)
+            return list(actors), True
+        await _stop_quietly(mesh, old, stop_timeout)
+        self.proc_meshes[mesh], actors = await self._spawn_mesh(mesh)
+        self.actors.update(actors)
+        log.warning("mesh %s: procs replaced (respawn %d) in %.2f s; actors %s spawned again", mesh, count,
+                    time.perf_counter() - t0, ", ".join(actors))
+        return list(actors), False
+
+    async def spawn_spare(self, mesh: str) -> tuple[Any, dict[str, Any]]:
+        """Procs and actors for a warm spare of mesh `mesh` (`MeshSpec.spare`), ready; the caller sets the
+        actors up (e.g. builds models), then hands them to `keep_spare`, from where `respawn` swaps them in."""
+        return await self._spawn_mesh(mesh, preparing=True)
+
+    def has_spare(self, mesh: str) -> bool:
+        """A spare of mesh `mesh` is ready or being prepared."""
+        return mesh in self.spares or mesh in self._preparing
+
+    def keep_spare(self, mesh: str, spare: tuple[Any, dict[str, Any]]) -> None:
+        self._preparing.pop(mesh, None)
+        self.spares[mesh] = spare
+
+    async def _spawn_mesh(self, mesh: str, preparing: bool = False) -> tuple[Any, dict[str, Any]]:
+        """New procs for mesh `mesh` on its hosts, every actor placed on it spawned there and ready. A spare's
+        procs are noted at once (`preparing`), so they are stopped on exit even if its preparation never ends."""
+        self._spawned += 1
+        suffix = f"r{self._spawned}"
+        procs = _spawn_proc_mesh(self, mesh, self.host_meshes[mesh], suffix)
+        if preparing:
+            self._preparing[mesh] = procs
         placements = [p for p in self.placed if p.mesh == mesh]
-        _spawn_actors(self, placements, suffix=f"r{count}")
-        await asyncio.gather(*(_ready(self, p, self.ready_timeout) for p in placements))
-        log.warning("mesh %s: procs replaced (respawn %d) in %.2f s (stopping the old %.2f s); actors %s spawned "
-                    "again", mesh, count, time.perf_counter() - t0, t1 - t0, ", ".join(p.name for p in placements))
-        return [p.name for p in placements]
+        actors = _spawn_actors(self, placements, suffix, procs)
+        await asyncio.gather(*(_ready(self, p, self.ready_timeout, actors[p.name]) for p in placements))
+        return procs, actors
 
     def give_up(self, mesh: str) -> None:
         """The caller handles mesh `mesh`'s failure itself (it stops cleanly without it): leaving the `launch`
@@ -455,10 +488,10 @@ async def _host_meshes(
 async def _start_meshes(launched: LaunchedMeshes, run_name: str, jobs: _Jobs, slurm_logs: str) -> None:
     launched.host_meshes = await _host_meshes(launched, run_name, jobs, slurm_logs)
     for name in launched.specs:
-        _spawn_proc_mesh(launched, name, launched.host_meshes[name])
+        launched.proc_meshes[name] = _spawn_proc_mesh(launched, name, launched.host_meshes[name])
 
 
-def _spawn_proc_mesh(launched: LaunchedMeshes, name: str, host: Any, suffix: str = "") -> None:
+def _spawn_proc_mesh(launched: LaunchedMeshes, name: str, host: Any, suffix: str = "") -> Any:
     """Mesh `name`'s procs on `host`, named for the failure sink (`suffix` tells a replacement apart)."""
     spec = launched.specs[name]
     per_host = {"procs": spec.procs_per_host}
@@ -467,7 +500,7 @@ def _spawn_proc_mesh(launched: LaunchedMeshes, name: str, host: Any, suffix: str
         per_host = {"hosts": 1, **per_host}
     monarch_name = f"mesh_{name}_{launched.launch_id}{suffix}"
     launched._sink.names[monarch_name] = (None, name)
-    launched.proc_meshes[name] = host.spawn_procs(
+    return host.spawn_procs(
         per_host=per_host,
         name=monarch_name,
         bootstrap=runtime.proc_setup,
@@ -475,17 +508,22 @@ def _spawn_proc_mesh(launched: LaunchedMeshes, name: str, host: Any, suffix: str
     )
 
 
-def _spawn_actors(launched: LaunchedMeshes, actors: list[ActorPlacement], suffix: str = "") -> None:
+def _spawn_actors(
+    launched: LaunchedMeshes, actors: list[ActorPlacement], suffix: str = "", procs: Any = None
+) -> dict[str, Any]:
+    """Spawn each placement on its mesh's procs (on `procs` for a replacement or spare); the handles by name."""
+    spawned = {}
     for placement in actors:
         spec = launched.specs[placement.mesh]
         monarch_name = f"{placement.name}_{launched.launch_id}{suffix}"
         launched._sink.names[monarch_name] = (placement.name, placement.mesh)
         cls = placement.actor_class
-        launched.actors[placement.name] = launched.proc_meshes[placement.mesh].spawn(
-            monarch_name, cls, *placement.args
-        )
-        if not suffix:
-            launched.placed.append(placement)
+        on = procs if procs is not None else launched.proc_meshes[placement.mesh]
+        spawned[placement.name] = on.spawn(monarch_name, cls, *placement.args)
+        if procs is not None:
+            continue
+        launched.actors[placement.name] = spawned[placement.name]
+        launched.placed.append(placement)
         launched.placements[placement.name] = PlacedActor(
             name=placement.name,
             mesh=placement.mesh,
@@ -495,15 +533,16 @@ def _spawn_actors(launched: LaunchedMeshes, actors: list[ActorPlacement], suffix
             gpus_per_proc=spec.gpus_per_proc,
             actor_class=f"{cls.__module__}:{cls.__qualname__}",
         )
+    return spawned
 
 
-async def _ready(launched: LaunchedMeshes, placement: ActorPlacement, timeout: float) -> None:
+async def _ready(launched: LaunchedMeshes, placement: ActorPlacement, timeout: float, handle: Any = None) -> None:
     """Wait until every actor of `placement` has finished `__init__` (if the class has a `ready` endpoint)."""
     from monarch._src.actor.endpoint import EndpointProperty
 
     if not isinstance(getattr(placement.actor_class, READY_ENDPOINT, None), EndpointProperty):
         return
-    endpoint = getattr(launched.actors[placement.name], READY_ENDPOINT)
+    endpoint = getattr(handle if handle is not None else launched.actors[placement.name], READY_ENDPOINT)
     where = f"{placement.name!r} on mesh {placement.mesh!r}"
     try:
         await asyncio.wait_for(endpoint.call(), timeout)
@@ -514,6 +553,14 @@ async def _ready(launched: LaunchedMeshes, placement: ActorPlacement, timeout: f
         if failures:
             raise MeshFailureError(failures, during="while starting") from e
         raise LaunchError(f"{where} failed its ready check: {e}") from e
+
+
+async def _stop_quietly(name: str, procs: Any, timeout: float) -> None:
+    """Stop a replaced proc mesh, bounded: stopping one with a dead proc can hang; failures only log."""
+    try:
+        await asyncio.wait_for(procs.stop(), timeout)
+    except Exception as e:
+        log.warning("stopping the replaced proc mesh of %s failed (%s)", name, e)
 
 
 async def _stop(launched: LaunchedMeshes, timeout: float) -> None:
@@ -529,4 +576,6 @@ async def _stop(launched: LaunchedMeshes, timeout: float) -> None:
     launched._sink.stopping = True
     # A mesh whose Slurm job has ended has no procs left; stopping it would only wait out `timeout`.
     live = {n: pm for n, pm in launched.proc_meshes.items() if n not in launched._ended}
-    await asyncio.gather(*(stop_one(n, pm) for n, pm in live.items()))
+    spares = {f"{n} (spare)": pm for n, (pm, _) in launched.spares.items()}
+    spares.update({f"{n} (spare being prepared)": pm for n, pm in launched._preparing.items()})
+    await asyncio.gather(*(stop_one(n, pm) for n, pm in {**live, **spares}.items()), *launched._stopping)

@@ -195,6 +195,13 @@ class MeshSpec(StrictModel):
         validate_default=True,
         description="Slurm job options; only for backend `slurm` (defaults apply when omitted).",
     )
+    spare: bool = Field(
+        False,
+        description="Keep a warm spare of this mesh's procs, with its actors spawned and set up (models built): "
+        "when a proc dies the spare takes over in about a second instead of new procs being started and set up, "
+        "and a new spare is prepared in the background. Costs a second set of the mesh's processes and memory. "
+        "CPU meshes on backends `local` and `process` (a GPU mesh's spare would hold GPUs idle).",
+    )
 
     @field_validator("hosts")
     @classmethod
@@ -231,6 +238,17 @@ class MeshSpec(StrictModel):
         repeated = sorted({d for d in v if v.count(d) > 1})
         if repeated:
             raise ValueError(f"gpu_devices lists GPU {', '.join(map(str, repeated))} more than once")
+        return v
+
+    @field_validator("spare")
+    @classmethod
+    def _spare_on_cpu_meshes(cls, v: bool, info: ValidationInfo) -> bool:
+        backend, per_proc = info.data.get("backend"), info.data.get("gpus_per_proc")
+        if v and backend == "slurm":
+            raise ValueError("spare is not supported on backend 'slurm' (a spare there is a second job)")
+        if v and per_proc:
+            raise ValueError(f"spare would hold gpus_per_proc={per_proc} GPU(s) per proc idle; only CPU meshes "
+                             "keep a spare")
         return v
 
     @field_validator("slurm")

@@ -5,6 +5,7 @@ generated when)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import time
 from collections.abc import Callable
@@ -47,6 +48,8 @@ from composer_mesh.orchestration.schedule import (
 )
 from composer_mesh.roles import RoleMesh
 from composer_mesh.tasks import get_task
+
+log = logging.getLogger("composer_mesh.loop")
 
 # ---------------------------------------------------------------------------------------------------
 # The loop. Everything below moves small typed messages; model-sized tensors never pass through here.
@@ -182,17 +185,46 @@ class RLLoop:
         self._manifest = manifest
         await m.generators.update_weights.call(manifest)
 
-    async def _set_up(self, roles: list[str]) -> None:
-        """Build replaced role actors (`Recovery`): new generators also pull the weights the others hold."""
+    async def _set_up(self, roles: list[str], warm: bool = False) -> None:
+        """Build replaced role actors (`Recovery`; a warm spare's are built already): generators also pull the
+        weights the others hold. Then a new spare is prepared for the mesh if it keeps one."""
         if "generators" in roles:
             self.generators = self.mesh.procs("generators")
-            await self.mesh.generators.setup.call()
+            if not warm:
+                await self.mesh.generators.setup.call()
             await self.mesh.generators.update_weights.call(self._manifest)
         if "rewarder" in roles:
             self.rewarders = self.mesh.procs("rewarder")
         if "teachers" in roles and self.teachers is not None:
             self.teachers = self.mesh.teachers
-            await self.teachers.setup.call()
+            if not warm:
+                await self.teachers.setup.call()
+        if roles:
+            self._prepare_spares({self.mesh.mesh_of(roles[0])})  # type: ignore[arg-type]
+
+    def _prepare_spares(self, meshes: set[str]) -> None:
+        """Start preparing a warm spare (procs, actors, models) for each of `meshes` that keeps one."""
+        for mesh in sorted(meshes):
+            spec = self.mesh.launched.specs[mesh]
+            if spec.spare and "trainer" not in self.mesh.roles_on(mesh) and not self.mesh.launched.has_spare(mesh):
+                self._spawn(self._prepare_spare(mesh))
+
+    async def _prepare_spare(self, mesh: str) -> None:
+        """A warm spare for `mesh`: spawned and set up ahead of any death. If that fails, dead procs are still
+        replaced, only slower: logged, never fatal."""
+        t0 = time.perf_counter()
+        try:
+            procs, actors = await self.mesh.launched.spawn_spare(mesh)
+            t1 = time.perf_counter()
+            for role in ("generators", "teachers"):
+                if role in actors:
+                    await actors[role].setup.call()
+            self.mesh.launched.keep_spare(mesh, (procs, actors))
+            log.info("warm spare for mesh %s ready in %.1f s (procs %.1f s, set up %.1f s)", mesh,
+                     time.perf_counter() - t0, t1 - t0, time.perf_counter() - t1)
+        except Exception as e:
+            log.warning("preparing a warm spare for mesh %s failed (%s: %s); a dead proc there is replaced by "
+                        "new procs instead", mesh, type(e).__name__, e)
 
     def request(self, prompts: list[Prompt], first: int) -> GenerationRequest:
         """Sampling request for `prompts`, the first of which is prompt `first` of the stream."""
@@ -370,6 +402,9 @@ class RLLoop:
         )
         eval_after: float | None = None
         try:
+            # Spares get ready while the actors are set up (they need no weights until they take over).
+            self._prepare_spares({self.mesh.mesh_of(r) for r in ("generators", "rewarder", "teachers")  # type: ignore[arg-type]
+                                  if self.mesh.has(r)})  # type: ignore[arg-type]
             await self.setup()
             if self.resume is not None:
                 eval_before = await self._restore(self.resume, schedule, writer)

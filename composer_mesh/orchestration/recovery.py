@@ -30,10 +30,11 @@ class RestartsExhausted(RuntimeError):
 
 class Recovery:
     """Replaces dead role actors through the launcher and counts what it cost (restarts per role, re-issued
-    requests, seconds lost waiting for replacements). `set_up(roles)` is the loop's: it builds the new actors
-    (models, weights) before the failed calls are re-issued."""
+    requests, seconds lost waiting for replacements). `set_up(roles, warm)` is the loop's: it builds the new
+    actors (models, weights; only weights when a warm spare took over) before the failed calls are re-issued."""
 
-    def __init__(self, mesh: RoleMesh, max_restarts: int, set_up: Callable[[list[str]], Awaitable[None]]) -> None:
+    def __init__(self, mesh: RoleMesh, max_restarts: int,
+                 set_up: Callable[[list[str], bool], Awaitable[None]]) -> None:
         self.mesh = mesh
         self.max_restarts = max_restarts
         self.set_up = set_up
@@ -85,11 +86,11 @@ class Recovery:
                                         f"(run.max_restarts={self.max_restarts}): {why}") from error
             log.warning("%s on mesh %s died (%s): replacing its procs", role, mesh, why)
             t0 = time.perf_counter()
-            replaced = await self.mesh.respawn(role)  # type: ignore[arg-type]
+            replaced, warm = await self.mesh.respawn(role)  # type: ignore[arg-type]
             respawned = time.perf_counter()
-            await self.set_up(replaced)
+            await self.set_up(replaced, warm)
             self.lost_s += time.perf_counter() - t0
-            self.events.append({"role": role, "mesh": mesh, "roles": replaced, "failed_s": t0,
+            self.events.append({"role": role, "mesh": mesh, "roles": replaced, "warm": warm, "failed_s": t0,
                                 "respawned_s": respawned, "replaced_s": time.perf_counter()})
             for r in replaced:
                 self.restarts[r] = self.restarts.get(r, 0) + 1

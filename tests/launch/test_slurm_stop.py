@@ -4,11 +4,8 @@ the run from it on a new Slurm job."""
 
 from __future__ import annotations
 
-import json
-import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -16,29 +13,12 @@ import pytest
 
 from composer_mesh import cli
 from tests.launch.test_launch_slurm import slurm_cluster  # noqa: F401  (the module's cluster fixture)
+from tests.test_cli_resume import _command, _steps
 
 pytestmark = pytest.mark.slurm
 
 ROOT = Path(__file__).resolve().parents[2]
 TOPOLOGY = ROOT / "tests" / "launch" / "slurm_run.yaml"
-
-
-def _command(*argv: str) -> tuple[list[str], dict[str, str]]:
-    exe = Path(sys.executable).parent / "composer-mesh"
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "composer_mesh.cli"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    return [*cmd, *argv], env
-
-
-def _steps(run_dir: Path) -> list[int]:
-    path = run_dir / "metrics.jsonl"
-    rows = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            break
-    return [r["step"] for r in rows if "event" not in r]
 
 
 def _job_of(name_part: str) -> str:

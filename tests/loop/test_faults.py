@@ -75,3 +75,38 @@ async def test_a_role_that_keeps_dying_stops_the_run_with_a_checkpoint(tmp_path)
     assert summary.checkpoint is not None and Path(summary.checkpoint, "COMMITTED.json").is_file()
     stopped_at = int(summary.checkpoint.rsplit("step-", 1)[1])
     assert [r["step"] for r in records(tmp_path / "run")] == list(range(1, stopped_at + 1))
+
+
+async def test_a_warm_spare_takes_over_and_a_new_one_is_prepared(tmp_path):
+    topo = topology(tmp_path / "run", steps=60, max_policy_lag=1)
+    meshes = dict(topo.meshes)
+    meshes["generators"] = meshes["generators"].model_copy(update={"spare": True})
+    topo = topo.model_copy(update={"meshes": meshes})
+    killed: list[int] = []
+    async with launch(topo) as mesh:
+        before: set[int] = set()
+
+        async def kill() -> None:
+            where = await mesh.generators.process.call()
+            before.update(int(w["pid"]) for w in where.values())
+            pid = min(before)
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+
+        tasks: list[asyncio.Task[None]] = []
+
+        def progress(record: StepRecord) -> None:
+            if record.step >= 2 and mesh.launched.spares.get("generators") and not tasks:  # once the spare is ready
+                tasks.append(asyncio.get_running_loop().create_task(kill()))
+
+        loop = RLLoop(mesh, topo.run, topo.loss, progress=progress, checkpoints=checkpoint_policy(topo))
+        summary = await loop.run()
+        await asyncio.gather(*tasks)
+        after = {int(w["pid"]) for w in (await mesh.generators.process.call()).values()}
+        assert mesh.launched.has_spare("generators")  # the next spare, prepared after the takeover
+    assert killed and summary.steps == 60 and summary.stopped is None
+    (event,) = loop.recovery.events
+    assert event["warm"] is True and event["roles"] == ["generators"]
+    assert after.isdisjoint(before)  # the spare's procs serve now
+    trained = sorted((p for r in records(tmp_path / "run") for p in r["prompts"]), key=lambda p: int(p[1:]))
+    assert trained == [f"p{i}" for i in range(60 * 4)]
