@@ -10,6 +10,8 @@ import os
 import signal
 from pathlib import Path
 
+import pytest
+
 from composer_mesh.app.launch import launch
 from composer_mesh.app.runner import apply_overrides, checkpoint_policy
 from composer_mesh.orchestration.loop import RLLoop
@@ -110,3 +112,15 @@ async def test_a_warm_spare_takes_over_and_a_new_one_is_prepared(tmp_path):
     assert after.isdisjoint(before)  # the spare's procs serve now
     trained = sorted((p for r in records(tmp_path / "run") for p in r["prompts"]), key=lambda p: int(p[1:]))
     assert trained == [f"p{i}" for i in range(60 * 4)]
+
+
+def test_spares_are_only_for_cpu_meshes_off_slurm():
+    from pydantic import ValidationError
+
+    from composer_mesh.mesh.spec import MeshSpec
+
+    assert MeshSpec(backend="local", spare=True).spare and MeshSpec(backend="process", spare=True).spare
+    with pytest.raises(ValidationError, match="spare is not supported on backend 'slurm'"):
+        MeshSpec(backend="slurm", spare=True)
+    with pytest.raises(ValidationError, match=r"spare would hold gpus_per_proc=1 GPU\(s\) per proc idle"):
+        MeshSpec(backend="local", gpus_per_proc=1, spare=True)
