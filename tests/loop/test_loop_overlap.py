@@ -7,6 +7,7 @@ The mesh here is plain Python objects with the shape of the launched handles (en
 from __future__ import annotations
 
 import asyncio
+from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -54,13 +55,23 @@ class Handle(SimpleNamespace):
 
 
 class FakeRoleMesh(SimpleNamespace):
-    """The part of `RoleMesh` the loop uses: role handles, `has` and `procs`."""
+    """The part of `RoleMesh` the loop uses: role handles, `has` and `procs`, and where roles run (each on a
+    mesh of its own, no spares, nothing failed)."""
+
+    failures: tuple[Any, ...] = ()
+    launched = SimpleNamespace(specs=defaultdict(lambda: SimpleNamespace(spare=False)), has_spare=lambda mesh: False)
 
     def has(self, role: str) -> bool:
         return getattr(self, role, None) is not None
 
     def procs(self, role: str) -> list[Handle]:
         return [getattr(self, role)]
+
+    def mesh_of(self, role: str) -> str:
+        return role
+
+    def roles_on(self, mesh: str) -> list[str]:
+        return [mesh]
 
 
 class Log:
