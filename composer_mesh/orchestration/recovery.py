@@ -17,7 +17,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from composer_mesh.mesh.launch import failure_reason, is_proc_death
+from composer_mesh.mesh.launch import LaunchError, failure_reason, is_proc_death
 from composer_mesh.roles import RoleMesh
 
 log = logging.getLogger("composer_mesh.recovery")
@@ -86,7 +86,11 @@ class Recovery:
                                         f"(run.max_restarts={self.max_restarts}): {why}") from error
             log.warning("%s on mesh %s died (%s): replacing its procs", role, mesh, why)
             t0 = time.perf_counter()
-            replaced, warm = await self.mesh.respawn(role)  # type: ignore[arg-type]
+            try:
+                replaced, warm = await self.mesh.respawn(role)  # type: ignore[arg-type]
+            except LaunchError as e:  # e.g. its Slurm job ended: the run stops with a checkpoint instead
+                self.mesh.launched.give_up(mesh)
+                raise RestartsExhausted(f"{role} cannot be replaced: {e}") from error
             respawned = time.perf_counter()
             await self.set_up(replaced, warm)
             self.lost_s += time.perf_counter() - t0
