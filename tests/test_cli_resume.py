@@ -37,35 +37,55 @@ def _steps(run_dir: Path) -> list[int]:
     return [r["step"] for r in rows if "event" not in r]
 
 
-def test_sigterm_checkpoints_and_resume_finishes_the_run(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    cmd, env = _command("run", str(TOPOLOGY), "--run-dir", str(run_dir), "--steps", "12")  # outlasts the signal
+def _start(cmd: list[str], env: dict[str, str], run_dir: Path, records: int) -> subprocess.Popen[str]:
+    """`composer-mesh run` in the background, once it has written `records` step records."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     deadline = time.monotonic() + 300
-    while not _steps(run_dir) and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.2)
+    while len(_steps(run_dir)) < records and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert proc.poll() is None, proc.communicate()
+    return proc
+
+
+def test_sigterm_then_a_dead_trainer_then_resume_finish_the_run(tmp_path: Path) -> None:
+    """One run, three sessions: SIGTERM checkpoints and exits 143 with the resume line; the resumed session's
+    trainer is SIGKILLed: exit 3 naming the last checkpoint (no older than checkpoint_every); `--resume`
+    finishes the run. Then a corrupted trainer state in the newest checkpoint is one 'cannot resume' message."""
+    topology = tmp_path / "run.yaml"
+    topology.write_text(TOPOLOGY.read_text() + "  checkpoint_every: 2\n")  # the run: section is the file's last
+    run_dir = tmp_path / "run"
+    cmd, env = _command("run", str(topology), "--run-dir", str(run_dir), "--steps", "16")
+    resume_line = f"resume with: composer-mesh run {topology} --run-dir {run_dir} --resume"
+
+    proc = _start(cmd, env, run_dir, records=1)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == cli.EXIT_TERMINATED, err
-    assert "Traceback" not in err
-    assert f"resume with: composer-mesh run {TOPOLOGY} --run-dir {run_dir} --resume" in err
+    assert "Traceback" not in err and resume_line in err
     stopped = _steps(run_dir)
-    assert 1 <= stopped[-1] < 12 and stopped == list(range(1, stopped[-1] + 1))
+    assert 1 <= stopped[-1] < 16 and stopped == list(range(1, stopped[-1] + 1))
     assert (run_dir / "checkpoints" / f"step-{stopped[-1]:08d}" / "COMMITTED.json").is_file()
 
-    cmd, env = _command("run", str(TOPOLOGY), "--run-dir", str(run_dir), "--steps", "12", "--resume")
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == cli.EXIT_OK, done.stderr
-    assert _steps(run_dir) == list(range(1, 13))
-    assert f"resumed from step {stopped[-1]}" in done.stdout
-    events = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [e["step"] for e in events if e.get("event") == "resumed"] == [stopped[-1]]
+    proc = _start([*cmd, "--resume"], env, run_dir, records=stopped[-1] + 3)
+    for pid in _procs_of_mesh(proc.pid, "trainer"):
+        os.kill(pid, signal.SIGKILL)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == cli.EXIT_RUN_FAILED, err
+    assert "run failed" in err and "'trainer' on mesh 'trainer'" in err and "Traceback" not in err
+    assert "the last full checkpoint is" in err and resume_line in err
+    committed = sorted(p.parent.name for p in (run_dir / "checkpoints").glob("step-*/COMMITTED.json"))
+    last = int(committed[-1].removeprefix("step-"))
+    assert last % 2 == 0 and last >= _steps(run_dir)[-1] - 4  # no older than checkpoint_every (+ the pipeline)
 
-    # A corrupted trainer state in the newest committed checkpoint is refused with one message.
-    state = run_dir / "checkpoints" / f"step-{12:08d}" / "trainer" / "r0" / "state.safetensors"
+    done = subprocess.run([*cmd, "--resume"], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == cli.EXIT_OK, done.stderr
+    assert _steps(run_dir) == list(range(1, 17)) and "resumed from step" in done.stdout
+    events = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events if e.get("event") == "resumed"][-1] == last
+
+    state = run_dir / "checkpoints" / f"step-{16:08d}" / "trainer" / "r0" / "state.safetensors"
     state.write_bytes(state.read_bytes()[:100])
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    done = subprocess.run([*cmd, "--resume"], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == cli.EXIT_INVALID, done.stderr
     assert "cannot resume: a trainer replica could not load its state" in done.stderr
     assert "unreadable trainer state" in done.stderr and "Traceback" not in done.stderr
@@ -99,30 +119,3 @@ def _procs_of_mesh(root: int, mesh: str) -> list[int]:
             except OSError:
                 pass
     return found
-
-
-def test_a_dead_trainer_stops_the_run_and_resume_continues_from_its_last_checkpoint(tmp_path: Path) -> None:
-    topology = tmp_path / "run.yaml"
-    topology.write_text(TOPOLOGY.read_text() + "  checkpoint_every: 2\n")  # the run: section is the file's last
-    run_dir = tmp_path / "run"
-    cmd, env = _command("run", str(topology), "--run-dir", str(run_dir), "--steps", "12")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    deadline = time.monotonic() + 300
-    while len(_steps(run_dir)) < 3 and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.1)
-    trainers = _procs_of_mesh(proc.pid, "trainer")
-    assert proc.poll() is None and trainers, proc.communicate()
-    for pid in trainers:
-        os.kill(pid, signal.SIGKILL)
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == cli.EXIT_RUN_FAILED, err
-    assert "run failed" in err and "'trainer' on mesh 'trainer'" in err and "Traceback" not in err
-    assert "the last full checkpoint is" in err and f"composer-mesh run {topology} --run-dir {run_dir} --resume" in err
-    committed = sorted(p.parent.name for p in (run_dir / "checkpoints").glob("step-*/COMMITTED.json"))
-    last = int(committed[-1].removeprefix("step-"))
-    assert last % 2 == 0 and last >= _steps(run_dir)[-1] - 4  # no older than checkpoint_every (+ the pipeline)
-
-    cmd, env = _command("run", str(topology), "--run-dir", str(run_dir), "--steps", "12", "--resume")
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == cli.EXIT_OK, done.stderr
-    assert _steps(run_dir) == list(range(1, 13))

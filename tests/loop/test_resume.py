@@ -80,7 +80,7 @@ async def test_lag_0_resumed_run_is_bitwise_the_uninterrupted_run(tmp_path):
     await stop_and_resume(cut, stop_after=1)
     assert_bitwise(final_state(tmp_path / "whole", 4), final_state(tmp_path / "cut", 4))
     whole, resumed = records(tmp_path / "whole"), records(tmp_path / "cut")
-    keys = ("step", "weight_version", "reward", "loss", "channels", "prompts")
+    keys = ("step", "weight_version", "reward", "loss", "channels", "policy_lag", "rollouts", "prompts")
     assert [{k: r[k] for k in keys} for r in whole] == [{k: r[k] for k in keys} for r in resumed]
 
 

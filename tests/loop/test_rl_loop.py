@@ -100,12 +100,10 @@ def _on_policy(records: list[dict]) -> None:
         assert m["grpo/mismatch_kl"] < 1e-6, m["grpo/mismatch_kl"]
 
 
-async def test_lag_0_is_on_policy_and_the_same_seed_gives_the_same_run(tmp_path):
-    first = await _run_lag0(tmp_path, "a", 1.0)
-    _on_policy(first)
-    second = await _run_lag0(tmp_path, "b", 1.0)
-    keys = ("step", "weight_version", "reward", "loss", "channels", "policy_lag", "rollouts")
-    assert [{k: r[k] for k in keys} for r in first] == [{k: r[k] for k in keys} for r in second]
+async def test_lag_0_is_on_policy(tmp_path):
+    # That the same seed gives the same run is shown by tests/loop/test_resume.py: a lag-0 run stopped and
+    # resumed (two more launches) is identical, step by step and bitwise at the end, to the one never stopped.
+    _on_policy(await _run_lag0(tmp_path, "a", 1.0))
 
 
 async def test_lag_0_is_on_policy_at_temperature_0_7(tmp_path):
