@@ -52,7 +52,7 @@ def checkpoint_policy(topology: Topology) -> CheckpointPolicy:
     run = topology.run
     diloco = topology.diloco
     return CheckpointPolicy(
-        url=run.checkpoint_url or str(run.run_dir / "checkpoints"), every=run.checkpoint_every,
+        url=run.checkpoints_url, every=run.checkpoint_every,
         keep=run.keep_checkpoints, fingerprint=topology.training_fingerprint(),
         checkpointable=diloco.checkpointable if diloco is not None else (lambda step: True),
     )

@@ -233,7 +233,7 @@ class LaunchedMeshes:
     async def respawn(self, mesh: str, stop_timeout: float = 10.0) -> tuple[list[str], bool]:
         """Replace mesh `mesh`'s procs and every actor on it after one of its procs died; returns the actor
         meshes replaced (their handles in `actors` are new: the callers set them up again) and whether they
-        came from a warm spare (`spare_up`: already set up by the caller).
+        came from a warm spare (then already set up by the caller, see `spawn_spare`).
 
         Without a spare, a new proc mesh on the same hosts: Monarch 0.7 cannot add a proc to a proc mesh, and
         spawning on a proc mesh with a dead rank hangs. The old proc mesh is stopped (its surviving procs too;
@@ -382,7 +382,7 @@ async def _launch(
     except (asyncio.CancelledError, KeyboardInterrupt, SystemExit, GeneratorExit, MeshFailureError):
         raise
     except BaseException as exc:
-        failures = await launched.settled_failures(2.5 if _is_supervision_error(exc) else 0.0)
+        failures = await launched.settled_failures(2.5 if is_proc_death(exc) else 0.0)
         if failures:
             during = "inside the launch block" if body_started else "while launching"
             raise MeshFailureError(failures, during=during) from exc
@@ -421,13 +421,8 @@ def _cancel_on_sigterm() -> Callable[[], None]:
 
 
 def is_proc_death(exc: BaseException) -> bool:
-    """Whether a call failed because the actor's proc died (Monarch's SupervisionError, directly or as the
-    cause), as opposed to an exception raised by the endpoint (`ActorError`)."""
-    return _is_supervision_error(exc)
-
-
-def _is_supervision_error(exc: BaseException) -> bool:
-    """Monarch's SupervisionError (private class path), directly or as the cause: a proc/actor died."""
+    """Whether a call failed because the actor's proc died: Monarch's SupervisionError (private class path),
+    directly or as the cause, as opposed to an exception raised by the endpoint (`ActorError`)."""
     seen: BaseException | None = exc
     for _ in range(5):
         if seen is None:
@@ -549,28 +544,23 @@ async def _ready(launched: LaunchedMeshes, placement: ActorPlacement, timeout: f
     except asyncio.TimeoutError:
         raise LaunchError(f"{where} was not ready after {timeout:g}s") from None
     except Exception as e:
-        failures = await launched.settled_failures(2.5 if _is_supervision_error(e) else 0.0)
+        failures = await launched.settled_failures(2.5 if is_proc_death(e) else 0.0)
         if failures:
             raise MeshFailureError(failures, during="while starting") from e
         raise LaunchError(f"{where} failed its ready check: {e}") from e
 
 
 async def _stop_quietly(name: str, procs: Any, timeout: float) -> None:
-    """Stop a replaced proc mesh, bounded: stopping one with a dead proc can hang; failures only log."""
+    """Stop a proc mesh, bounded (stopping one with a dead proc can hang); a failure is only logged."""
     try:
         await asyncio.wait_for(procs.stop(), timeout)
     except Exception as e:
-        log.warning("stopping the replaced proc mesh of %s failed (%s)", name, e)
+        log.warning("stopping proc mesh %s failed (%s)", name, e)
 
 
 async def _stop(launched: LaunchedMeshes, timeout: float) -> None:
-    """Stop every proc mesh (in parallel, bounded); errors are logged, never raised over the real one."""
-
-    async def stop_one(name: str, pm: Any) -> None:
-        try:
-            await asyncio.wait_for(pm.stop(), timeout)
-        except Exception as e:
-            log.warning("stopping proc mesh %s failed (%s); its job is killed next", name, e)
+    """Stop every proc mesh (in parallel, bounded; then the jobs are killed); errors are logged, never raised
+    over the real one."""
 
     # Stopping meshes ends actors: failures reported from here on are expected, not news.
     launched._sink.stopping = True
@@ -578,4 +568,5 @@ async def _stop(launched: LaunchedMeshes, timeout: float) -> None:
     live = {n: pm for n, pm in launched.proc_meshes.items() if n not in launched._ended}
     spares = {f"{n} (spare)": pm for n, (pm, _) in launched.spares.items()}
     spares.update({f"{n} (spare being prepared)": pm for n, pm in launched._preparing.items()})
-    await asyncio.gather(*(stop_one(n, pm) for n, pm in {**live, **spares}.items()), *launched._stopping)
+    await asyncio.gather(*(_stop_quietly(n, pm, timeout) for n, pm in {**live, **spares}.items()),
+                         *launched._stopping)

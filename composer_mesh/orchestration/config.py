@@ -67,6 +67,11 @@ class RunConfig(BaseModel):
     )
     eval_prompts: int = Field(64, ge=0, description="Held-out prompts scored greedily at start and end (0: skip).")
 
+    @property
+    def checkpoints_url(self) -> str:
+        """Where full checkpoints go: `checkpoint_url`, else `<run_dir>/checkpoints`."""
+        return self.checkpoint_url or str(self.run_dir / "checkpoints")
+
     @field_validator("task")
     @classmethod
     def _task_named(cls, v: str) -> str:

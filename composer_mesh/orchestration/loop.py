@@ -133,7 +133,7 @@ class RLLoop:
         self.loss = loss
         self.progress = progress
         self.checkpoints = checkpoints or CheckpointPolicy(
-            url=run.checkpoint_url or str(run.run_dir / "checkpoints"), every=run.checkpoint_every,
+            url=run.checkpoints_url, every=run.checkpoint_every,
             keep=run.keep_checkpoints,
         )
         self.store = CheckpointStore(self.checkpoints.url)
@@ -188,19 +188,22 @@ class RLLoop:
     async def _set_up(self, roles: list[str], warm: bool = False) -> None:
         """Build replaced role actors (`Recovery`; a warm spare's are built already): generators also pull the
         weights the others hold. Then a new spare is prepared for the mesh if it keeps one."""
+        if not warm:
+            await self._build({role: getattr(self.mesh, role) for role in roles})
         if "generators" in roles:
             self.generators = self.mesh.procs("generators")
-            if not warm:
-                await self.mesh.generators.setup.call()
             await self.mesh.generators.update_weights.call(self._manifest)
         if "rewarder" in roles:
             self.rewarders = self.mesh.procs("rewarder")
         if "teachers" in roles and self.teachers is not None:
             self.teachers = self.mesh.teachers
-            if not warm:
-                await self.teachers.setup.call()
         if roles:
             self._prepare_spares({self.mesh.mesh_of(roles[0])})  # type: ignore[arg-type]
+
+    @staticmethod
+    async def _build(actors: dict[str, Any]) -> None:
+        """Build the models of new role actors (by role): the roles whose `setup` does (the rewarder needs none)."""
+        await asyncio.gather(*(actors[role].setup.call() for role in ("generators", "teachers") if role in actors))
 
     def _prepare_spares(self, meshes: set[str]) -> None:
         """Start preparing a warm spare (procs, actors, models) for each of `meshes` that keeps one."""
@@ -216,9 +219,7 @@ class RLLoop:
         try:
             procs, actors = await self.mesh.launched.spawn_spare(mesh)
             t1 = time.perf_counter()
-            for role in ("generators", "teachers"):
-                if role in actors:
-                    await actors[role].setup.call()
+            await self._build(actors)
             self.mesh.launched.keep_spare(mesh, (procs, actors))
             log.info("warm spare for mesh %s ready in %.1f s (procs %.1f s, set up %.1f s)", mesh,
                      time.perf_counter() - t0, t1 - t0, time.perf_counter() - t1)

@@ -46,6 +46,7 @@ class Recovery:
         # One entry per replacement (perf_counter times): when the death surfaced, when the replacement was set
         # up, when the first call re-issued to it answered. benchmarks/bench_recovery.py reads these.
         self.events: list[dict[str, Any]] = []
+        self._unanswered: dict[str, dict[str, Any]] = {}  # mesh -> event of a replacement not yet answered
 
     async def attempt(self, role: str, call: Callable[[], Awaitable[T]]) -> T:
         """`call()`, re-issued after a replacement each time the proc under it died."""
@@ -60,16 +61,10 @@ class Recovery:
                 await self._replace(role, mesh, seen, e)
                 self.reissued += 1
                 continue
-            if seen:
-                self._answered(mesh)
+            event = self._unanswered.pop(mesh, None)
+            if event is not None:  # the replacement's first answer: its role works again
+                event["first_result_s"] = time.perf_counter()
             return result
-
-    def _answered(self, mesh: str) -> None:
-        """The first answer of a replacement: when its role was working again."""
-        for event in reversed(self.events):
-            if event["mesh"] == mesh:
-                event.setdefault("first_result_s", time.perf_counter())
-                return
 
     async def _replace(self, role: str, mesh: str, seen: int, error: BaseException) -> None:
         async with self._locks.setdefault(mesh, asyncio.Lock()):
@@ -94,8 +89,10 @@ class Recovery:
             respawned = time.perf_counter()
             await self.set_up(replaced, warm)
             self.lost_s += time.perf_counter() - t0
-            self.events.append({"role": role, "mesh": mesh, "roles": replaced, "warm": warm, "failed_s": t0,
-                                "respawned_s": respawned, "replaced_s": time.perf_counter()})
+            event = {"role": role, "mesh": mesh, "roles": replaced, "warm": warm, "failed_s": t0,
+                     "respawned_s": respawned, "replaced_s": time.perf_counter()}
+            self.events.append(event)
+            self._unanswered[mesh] = event
             for r in replaced:
                 self.restarts[r] = self.restarts.get(r, 0) + 1
             self._generation[mesh] = seen + 1
