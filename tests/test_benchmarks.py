@@ -1,4 +1,7 @@
-"""The benchmarks run end to end at CI size (their numbers are read by people, never asserted here)."""
+"""The benchmarks run end to end at CI size (their numbers are read by people, never asserted here).
+
+The heavy ones are the `bench` tier: outside the default test run (it must stay under 20 minutes on 2 cores),
+run by `.ci/run` right after it (`pytest -m bench`)."""
 
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ def run_quick(script: str, out: Path, timeout: float, *args: str) -> tuple[str, 
     return proc.stdout, json.loads(out.read_text())
 
 
+@pytest.mark.bench
 @pytest.mark.slow  # ~50 s on 2 cores: seven fresh processes that each import torch and transformers
 def test_bench_trainer_quick_writes_both_implementations(tmp_path: Path) -> None:
     stdout, result = run_quick("bench_trainer.py", tmp_path / "bench_trainer.json", 240, "--device", "cpu")
@@ -43,6 +47,7 @@ def test_bench_trainer_quick_writes_both_implementations(tmp_path: Path) -> None
         assert row["micro_batches"] >= 1
 
 
+@pytest.mark.bench
 @pytest.mark.slow  # ~40 s on 2 cores: the HF implementations, then a vLLM engine in a child when vllm imports
 def test_bench_generate_quick_writes_every_implementation(tmp_path: Path) -> None:
     stdout, result = run_quick("bench_generate.py", tmp_path / "bench_generate.json", 300, "--device", "cpu")
@@ -61,6 +66,7 @@ def test_bench_generate_quick_writes_every_implementation(tmp_path: Path) -> Non
     assert all(r["tokens_per_s"] > 0 if r["status"] == "ok" else r["status"] for r in vllm)
 
 
+@pytest.mark.bench
 @pytest.mark.slow  # ~30 s on 2 cores: two blocks of fresh proc meshes
 def test_bench_weight_sync_quick_runs_every_cpu_transport(tmp_path: Path) -> None:
     """Every CPU transport side by side; only that each method moved the version to every generator."""
@@ -73,6 +79,7 @@ def test_bench_weight_sync_quick_runs_every_cpu_transport(tmp_path: Path) -> Non
         assert all(math.isfinite(v) and v > 0 for v in row["mb_per_s"].values()), row
 
 
+@pytest.mark.bench
 @pytest.mark.slow  # ~60 s on 2 cores: a TRL GRPOTrainer child and two composer-mesh runs of 6 steps
 def test_bench_vs_trl_quick_runs_trl_and_composer_mesh(tmp_path: Path) -> None:
     """TRL and composer-mesh (lag 0 and 1) train the same 6 steps; only that each side ran and the tables print."""
@@ -88,6 +95,7 @@ def test_bench_vs_trl_quick_runs_trl_and_composer_mesh(tmp_path: Path) -> None:
     assert (tmp_path / "out" / "results.json").is_file()
 
 
+@pytest.mark.bench
 @pytest.mark.slow  # ~40-110 s on 2 cores: two composer-mesh runs of 4 steps (1 and 2 stand-in generators)
 def test_bench_generator_scaling_quick_runs_1_and_2_generators(tmp_path: Path) -> None:
     """One run per generator count with the fixed-latency stand-in; only that each ran and the table prints."""

@@ -50,6 +50,14 @@ class TrainerService:
         random.seed(rng_seed)
         np.random.seed(rng_seed % 2**32)
 
+    def rejoin(self, model: Any, loss: Any, temperature: float, diloco: Any, replica_id: int, seed: int,
+               round_id: int, first_version: int) -> tuple[int, WeightManifest]:
+        """`start` in place of dead DiLoCo replica `replica_id`, heal at round `round_id` (`HFTrainer.rejoin`) and
+        publish the healed weights as the version of the step they end; returns that step and the manifest."""
+        self.start(model, loss, temperature, diloco, replica_id, seed)
+        step = int(self.backend.rejoin(round_id))
+        return step, self.publish(version=first_version + step)
+
     def publish(self, version: int | None = None) -> WeightManifest:
         """Copy the current weights into the next slot of the plane (registered once, on first use), as the next
         version or as `version` (a resumed run's)."""
@@ -145,6 +153,18 @@ class TrainerActor(RoleActor[TrainerService]):
                                 cfg.seed)
         self._service = service
         return service.publish()
+
+    @endpoint
+    async def rejoin(self, replica_id: int, round_id: int, first_version: int) -> tuple[int, WeightManifest]:
+        """`setup` on a one-proc mesh in place of DiLoCo replica `replica_id`, whose proc died: the weights are
+        the survivors' global parameters of round `round_id` from the store. Returns the step they end (the
+        controller replays the replica's later batches) and their manifest."""
+        cfg = self.config
+        service = TrainerService(cfg.binding.build(), cfg.weights)
+        step, manifest = await asyncio.to_thread(service.rejoin, cfg.model, cfg.loss, cfg.temperature, cfg.diloco,
+                                                 replica_id, cfg.seed, round_id, first_version)
+        self._service = service
+        return step, manifest
 
     def replica_id(self) -> int:
         """This proc's DiLoCo replica: one trainer proc per replica (the binding trains on one proc)."""

@@ -142,7 +142,7 @@ async def run_topology(topology: Topology, console: Console | None = None, resum
         async with launch(topology) as mesh:
             progress.update(task, status="setting up actors (building models)…")
             loop = RLLoop(mesh, topology.run, topology.loss, progress=on_step,
-                          checkpoints=checkpoint_policy(topology), resume=resume)
+                          checkpoints=checkpoint_policy(topology), resume=resume, diloco=topology.diloco)
             watcher = None
             if stops is not None:
                 stops.loop = loop

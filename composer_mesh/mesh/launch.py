@@ -186,6 +186,8 @@ class LaunchedMeshes:
         self.spares: dict[str, tuple[Any, dict[str, Any]]] = {}  # mesh -> (spare proc mesh, its actor meshes)
         self._preparing: dict[str, Any] = {}  # mesh -> proc mesh of a spare not set up yet
         self._spawned = 0  # replacement and spare proc meshes spawned (unique names)
+        self.stand_ins: dict[tuple[str, int], Any] = {}  # (actor mesh, rank) -> actor on a one-proc stand-in
+        self._stand_in_procs: dict[str, Any] = {}  # Monarch name -> one-proc stand-in proc mesh (stopped on exit)
         self.ready_timeout = 900.0
         self._sink = _FailureSink()
         self._stopping: set[asyncio.Future[None]] = set()  # replaced proc meshes being stopped
@@ -193,10 +195,12 @@ class LaunchedMeshes:
         self._ended: set[str] = set()  # meshes whose Slurm job watch_jobs saw stop running
 
     def per_proc(self, name: str) -> list[Any]:
-        """One handle per actor of actor mesh `name`, in (host, proc) order."""
+        """One handle per actor of actor mesh `name`, in (host, proc) order (a proc replaced alone by
+        `respawn_proc` is its one-proc stand-in)."""
         spec = self.specs[self.placements[name].mesh]
         handle = self.actors[name]
-        return [handle.slice(hosts=h, procs=p) for h in range(spec.hosts) for p in range(spec.procs_per_host)]
+        return [self.stand_ins.get((name, h * spec.procs_per_host + p)) or handle.slice(hosts=h, procs=p)
+                for h in range(spec.hosts) for p in range(spec.procs_per_host)]
 
     @property
     def failures(self) -> list[ActorFailure]:
@@ -238,12 +242,12 @@ class LaunchedMeshes:
         Without a spare, a new proc mesh on the same hosts: Monarch 0.7 cannot add a proc to a proc mesh, and
         spawning on a proc mesh with a dead rank hangs. The old proc mesh is stopped (its surviving procs too;
         in the background when a spare takes over); its failures move to `recovered`, its late reports are
-        expected. A Slurm mesh whose job has ended cannot be replaced here (a new job is a new launch)."""
-        if mesh in self._ended:
-            raise LaunchError(f"mesh {mesh!r}: its Slurm job {self.slurm_job_ids.get(mesh)} has ended; its procs "
-                              "cannot be replaced inside that job")
+        expected. A Slurm mesh whose job has ended gets a new job (`_respawn_on_new_job`)."""
+        if mesh in self._ended or await _slurm_job_ended(self, mesh):
+            return await _respawn_on_new_job(self, mesh)
         self._sink.retire(mesh)
         t0 = time.perf_counter()
+        self._retire_stand_ins(mesh)
         old, count = self.proc_meshes[mesh], self.respawns.get(mesh, 0) + 1
         self.respawns[mesh] = count
         if mesh in self.spares:
@@ -259,6 +263,42 @@ class LaunchedMeshes:
         log.warning("mesh %s: procs replaced (respawn %d) in %.2f s; actors %s spawned again", mesh, count,
                     time.perf_counter() - t0, ", ".join(actors))
         return list(actors), False
+
+    async def respawn_proc(self, mesh: str, rank: int) -> dict[str, Any]:
+        """Replace proc `rank` of mesh `mesh` alone, after it died, by a one-proc stand-in mesh on the same host
+        (pinned to the dead proc's GPUs) with every actor placed on the mesh spawned there and ready; returns
+        those actors by name (`per_proc` hands them out from now on; the caller sets them up).
+
+        For procs that are independent replicas (DiLoCo trainers): the mesh's other procs stay and go on, so
+        the damaged proc mesh is not stopped until exit (Monarch 0.7: its live ranks still answer calls made
+        through slices; a call over the whole mesh fails). Its failures move to `recovered`."""
+        spec = self.specs[mesh]
+        if not 0 <= rank < spec.hosts * spec.procs_per_host:
+            raise LaunchError(f"mesh {mesh!r} has no proc {rank} ({spec.hosts} x {spec.procs_per_host} procs)")
+        self._sink.retire(mesh)
+        t0 = time.perf_counter()
+        self.respawns[mesh] = self.respawns.get(mesh, 0) + 1
+        self._spawned += 1
+        suffix = f"r{self._spawned}"
+        host_index, proc_index = divmod(rank, spec.procs_per_host)
+        host = self.host_meshes[mesh] if spec.backend == "local" else self.host_meshes[mesh].slice(hosts=host_index)
+        procs = _spawn_proc_mesh(self, mesh, host, suffix, proc_index=proc_index)
+        self._stand_in_procs[f"{mesh} proc {rank} ({suffix})"] = procs
+        placements = [p for p in self.placed if p.mesh == mesh]
+        actors = _spawn_actors(self, placements, suffix, procs)
+        await asyncio.gather(*(_ready(self, p, self.ready_timeout, actors[p.name]) for p in placements))
+        self.stand_ins.update({(name, rank): handle for name, handle in actors.items()})
+        log.warning("mesh %s: proc %d replaced alone (respawn %d) in %.2f s; actors %s spawned again", mesh, rank,
+                    self.respawns[mesh], time.perf_counter() - t0, ", ".join(actors))
+        return actors
+
+    def _retire_stand_ins(self, mesh: str) -> None:
+        """A whole-mesh respawn replaces the one-proc stand-ins of `mesh` too: they stop in the background."""
+        names = {name for name, _ in self.stand_ins if self.placements[name].mesh == mesh}
+        self.stand_ins = {k: v for k, v in self.stand_ins.items() if k[0] not in names}
+        for key in [k for k in self._stand_in_procs if k.startswith(f"{mesh} proc ")]:
+            procs = self._stand_in_procs.pop(key)
+            self._stopping.add(asyncio.ensure_future(_stop_quietly(key, procs, 10.0)))
 
     async def spawn_spare(self, mesh: str) -> tuple[Any, dict[str, Any]]:
         """Procs and actors for a warm spare of mesh `mesh` (`MeshSpec.spare`), ready; the caller sets the
@@ -433,10 +473,12 @@ def is_proc_death(exc: BaseException) -> bool:
     return False
 
 
-def _bootstrap_command(mesh: str, spec: MeshSpec, gpu_devices: list[int] | None) -> Any:
+def _bootstrap_command(mesh: str, spec: MeshSpec, gpu_devices: list[int] | None, proc_index: int | None = None) -> Any:
     from monarch.actor import default_bootstrap_cmd
 
     env = {str(k): str(v) for k, v in spec.env.items()}
+    if proc_index is not None:  # one proc standing in for proc `proc_index` of its host: pin that proc's GPUs
+        env[runtime.ENV_PROC_INDEX] = str(proc_index)
     env[runtime.ENV_MESH] = mesh
     env[runtime.ENV_GPUS_PER_PROC] = str(spec.gpus_per_proc)
     if gpu_devices is not None:  # a local mesh: its share of this host's GPUs
@@ -486,10 +528,12 @@ async def _start_meshes(launched: LaunchedMeshes, run_name: str, jobs: _Jobs, sl
         launched.proc_meshes[name] = _spawn_proc_mesh(launched, name, launched.host_meshes[name])
 
 
-def _spawn_proc_mesh(launched: LaunchedMeshes, name: str, host: Any, suffix: str = "") -> Any:
-    """Mesh `name`'s procs on `host`, named for the failure sink (`suffix` tells a replacement apart)."""
+def _spawn_proc_mesh(launched: LaunchedMeshes, name: str, host: Any, suffix: str = "",
+                     proc_index: int | None = None) -> Any:
+    """Mesh `name`'s procs on `host`, named for the failure sink (`suffix` tells a replacement apart). With
+    `proc_index`, one proc standing in for that proc of the host (`LaunchedMeshes.respawn_proc`)."""
     spec = launched.specs[name]
-    per_host = {"procs": spec.procs_per_host}
+    per_host = {"procs": spec.procs_per_host if proc_index is None else 1}
     if spec.backend == "local":
         # this_host() has no hosts dim: add one so every backend gives the same {hosts, procs} shape.
         per_host = {"hosts": 1, **per_host}
@@ -499,7 +543,7 @@ def _spawn_proc_mesh(launched: LaunchedMeshes, name: str, host: Any, suffix: str
         per_host=per_host,
         name=monarch_name,
         bootstrap=runtime.proc_setup,
-        bootstrap_command=_bootstrap_command(name, spec, launched.gpu_devices.get(name)),
+        bootstrap_command=_bootstrap_command(name, spec, launched.gpu_devices.get(name), proc_index),
     )
 
 
@@ -568,5 +612,56 @@ async def _stop(launched: LaunchedMeshes, timeout: float) -> None:
     live = {n: pm for n, pm in launched.proc_meshes.items() if n not in launched._ended}
     spares = {f"{n} (spare)": pm for n, (pm, _) in launched.spares.items()}
     spares.update({f"{n} (spare being prepared)": pm for n, pm in launched._preparing.items()})
+    spares.update(launched._stand_in_procs)
     await asyncio.gather(*(_stop_quietly(n, pm, timeout) for n, pm in {**live, **spares}.items()),
                          *launched._stopping)
+
+
+async def _slurm_job_ended(launched: LaunchedMeshes, mesh: str) -> bool:
+    """Whether mesh `mesh`'s Slurm job has stopped running, asked of squeue now: a proc death can be reported
+    before `watch_jobs` (which polls every few seconds) sees its job end."""
+    job_id = launched.slurm_job_ids.get(mesh)
+    if job_id is None:
+        return False
+    try:
+        job = await asyncio.to_thread(slurm.query_job, job_id)
+    except slurm.SlurmQueryError as e:
+        log.warning("cannot tell whether Slurm job %s of mesh %s still runs (%s); replacing procs inside it",
+                    job_id, mesh, e)
+        return False
+    return slurm.job_end_notice(mesh, job_id, job) is not None
+
+
+async def _respawn_on_new_job(launched: LaunchedMeshes, mesh: str) -> tuple[list[str], bool]:
+    """`respawn` of a Slurm mesh whose job ended (node died, job cancelled): a new Slurm job with the same
+    options (its workers on a port this controller never used: `slurm.replacement_port`), the mesh's procs and
+    every actor placed on it spawned there and ready.
+
+    The old job's procs (and any spare or stand-in) died with it, so nothing is stopped: stopping dead procs
+    only waits out the timeout. Launch's job object is reused, so it scancels the new job at exit."""
+    old_id, log_dir = launched.slurm_job_ids.get(mesh), launched.slurm_log_dir
+    job = slurm.registered_job(old_id) if old_id is not None else None
+    if job is None or log_dir is None:
+        raise LaunchError(f"mesh {mesh!r}: its Slurm job {old_id} has ended and no job of this launch runs it")
+    launched._sink.retire(mesh)
+    t0 = time.perf_counter()
+    count = launched.respawns[mesh] = launched.respawns.get(mesh, 0) + 1
+    launched.spares.pop(mesh, None)
+    launched._preparing.pop(mesh, None)
+    launched._retire_stand_ins(mesh)
+    launched.proc_meshes.pop(mesh, None)
+    options = launched.specs[mesh].slurm
+    try:
+        slurm.resubmit(job, log_dir, slurm.replacement_port(int(job._port)))
+        new_id = await slurm.wait_until_running(job, mesh, options.start_timeout if options else None, log_dir)
+        launched.host_meshes[mesh] = getattr(job.state(cached_path=None), mesh)
+    except RuntimeError as e:  # sbatch failed, the job never ran (SlurmStartError) or ended before the attach
+        job.kill()
+        raise LaunchError(f"mesh {mesh!r}: its Slurm job {old_id} ended and its replacement failed: {e}") from None
+    launched.slurm_job_ids[mesh] = new_id
+    launched._ended.discard(mesh)
+    launched.proc_meshes[mesh], actors = await launched._spawn_mesh(mesh)
+    launched.actors.update(actors)
+    log.warning("mesh %s: Slurm job %s ended; new job %s (respawn %d) running its procs in %.2f s; actors %s "
+                "spawned again", mesh, old_id, new_id, count, time.perf_counter() - t0, ", ".join(actors))
+    return list(actors), False

@@ -37,6 +37,8 @@ ENV_MESH = "COMPOSER_MESH_MESH"
 ENV_GPUS_PER_PROC = "COMPOSER_MESH_GPUS_PER_PROC"
 # The host GPUs of a `local` mesh (`composer_mesh.mesh.gpus.assign_gpus`), comma-separated; unset elsewhere.
 ENV_GPU_DEVICES = "COMPOSER_MESH_GPU_DEVICES"
+# The proc's index on its host when it replaces one proc of a mesh on a one-proc mesh (its own rank is 0 there).
+ENV_PROC_INDEX = "COMPOSER_MESH_PROC_INDEX"
 # Log level for Python logging inside procs (default WARNING).
 ENV_PROC_LOG_LEVEL = "COMPOSER_MESH_PROC_LOG_LEVEL"
 
@@ -195,7 +197,7 @@ def proc_setup() -> None:
 
         point = current_rank()
         try:
-            local_index = int(point["procs"])
+            local_index = int(os.environ.get(ENV_PROC_INDEX) or point["procs"])
         except KeyError:
             local_index = 0
         inherited = os.environ.get("CUDA_VISIBLE_DEVICES")

@@ -246,11 +246,15 @@ class JobWatch:
 
     def poll(self, completing: dict[str, float]) -> JobNotice | None:
         """One round of squeue and warning-file checks (blocking: run it in a thread)."""
-        for mesh, job_id in self.job_ids.items():
+        for mesh, old_id in list(self.job_ids.items()):
+            # A mesh whose job was replaced (`resubmit`) is watched on its new job from the next poll on.
+            job_id = self.job_ids[mesh] = current_job_id(old_id)
             try:
                 job = query_job(job_id)
             except SlurmQueryError as e:
                 log.warning("cannot tell the state of Slurm job %s of mesh %s: %s", job_id, mesh, e)
+                continue
+            if _replacement_starting(job_id, job):
                 continue
             since = completing.setdefault(job_id, time.monotonic()) if _still_completing(job) else None
             if since is not None and time.monotonic() - since < COMPLETING_GRACE_S:
@@ -314,6 +318,7 @@ def submit(jobs: dict[str, Any], log_dir: str) -> None:
     """
     for job in jobs.values():
         register_atexit(job)
+        _ports_used.add(int(job._port))
         job.apply()
         with contextlib.suppress(FileNotFoundError):
             os.remove(notice_path(log_dir, str(job._slurm_job_id)))
@@ -341,3 +346,70 @@ def register_atexit(job: Any) -> None:
 
 def unregister_atexit(job: Any) -> None:
     _atexit_jobs.pop(id(job), None)
+    for old_id in [k for k, (_, owner) in _successors.items() if owner == id(job)]:
+        del _successors[old_id]
+
+
+# --- a mesh whose job ended gets a new job (`LaunchedMeshes.respawn`) ---
+
+_ports_used: set[int] = set()  # worker ports of every job this controller submitted
+# job id -> (id of the job that replaced it, id() of the job object), until that object is unregistered: Slurm
+# reuses ids once a cluster's state is wiped.
+_successors: dict[str, tuple[str, int]] = {}
+
+
+def replacement_port(port: int) -> int:
+    """The worker port of a replacement job: the first above `port` that no job of this controller used.
+
+    Monarch 0.7's client never reaches a worker again at an address (host:port) to which its messages once
+    expired (`message_delivery_timeout`, 30 s; an ended job's procs leave such messages behind): the attach
+    of a new worker there times out ("config push failed during attach ... reply timed out after
+    MESH_ATTACH_CONFIG_TIMEOUT"). A replacement job may start on the same node, so it listens elsewhere.
+    """
+    candidate = port + 1
+    while candidate in _ports_used:
+        candidate += 1
+    if candidate > 65535:
+        raise SlurmStartError(f"no free Monarch worker port above {port} for a replacement job")
+    return candidate
+
+
+def registered_job(job_id: str) -> Any | None:
+    """The submitted `SlurmJob` now running as `job_id` (the object launch holds and scancels at exit)."""
+    for job in list(_atexit_jobs.values()):
+        if str(job._slurm_job_id) == str(job_id):
+            return job
+    return None
+
+
+def current_job_id(job_id: str) -> str:
+    """The id of the job now standing for `job_id`: itself, or the last job that replaced it."""
+    seen = {job_id}
+    while job_id in _successors and _successors[job_id][0] not in seen:
+        job_id = _successors[job_id][0]
+        seen.add(job_id)
+    return job_id
+
+
+def _replacement_starting(job_id: str, job: dict[str, Any] | None) -> bool:
+    """A replacement job (`resubmit`) still queued or starting: it has not stopped running, it has yet to run."""
+    states = {str(s) for s in (job or {}).get("job_state") or []}
+    replacements = {new_id for new_id, _ in list(_successors.values())}
+    return bool(states) and states <= {"PENDING", "CONFIGURING"} and job_id in replacements
+
+
+def resubmit(job: Any, log_dir: str, port: int) -> str:
+    """Submit `job` again as a new Slurm job (same options; workers on `port`) and return the new id.
+
+    The same object is reused, so whoever holds it (launch's `_Jobs`, the exit handler) scancels the new job;
+    the old id maps to the new one (`current_job_id`), so a running `JobWatch` follows it.
+    """
+    old_id = str(job._slurm_job_id)
+    job.kill()  # scancel (a job still listed, e.g. COMPLETING, must not come back); forgets its id and hosts
+    job._port = port
+    job._service_proc_ids = []  # new worker identities: the old ones belong to the dead workers
+    submit({"job": job}, log_dir)
+    new_id = str(job._slurm_job_id)
+    _successors[old_id] = (new_id, id(job))
+    return new_id
+

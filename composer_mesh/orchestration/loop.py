@@ -27,6 +27,7 @@ from composer_mesh.actors.messages import (
 )
 from composer_mesh.actors.teacher_errors import TeacherFailed
 from composer_mesh.loss.config import LossConfig
+from composer_mesh.mesh.objectstore.config import DiLoCoConfig
 from composer_mesh.orchestration.checkpoint import (
     CheckpointPolicy,
     CheckpointStore,
@@ -38,6 +39,7 @@ from composer_mesh.orchestration.config import RunConfig
 from composer_mesh.orchestration.metrics import MetricsWriter, RunSummary, StepRecord, window_mean
 from composer_mesh.orchestration.plotting import plot_run
 from composer_mesh.orchestration.recovery import Recovery, RestartsExhausted
+from composer_mesh.orchestration.replicas import TrainerReplicas
 from composer_mesh.orchestration.schedule import (
     Chunk,
     GroupResult,
@@ -127,6 +129,7 @@ class RLLoop:
         progress: Callable[[StepRecord], None] | None = None,
         checkpoints: CheckpointPolicy | None = None,
         resume: ResumePoint | None = None,
+        diloco: DiLoCoConfig | None = None,
     ) -> None:
         self.mesh = mesh
         self.cfg = run
@@ -151,11 +154,11 @@ class RLLoop:
         # One handle per actor: each generator runs its own generation loop; each trainer proc is one
         # DiLoCo replica fed its own batches (replica 0's weights go to the generators).
         self.generators = mesh.procs("generators")
-        self.trainers = mesh.procs("trainer")
         self.rewarders = mesh.procs("rewarder")
         self._next_rewarder = 0
         self.teachers = mesh.teachers if mesh.has("teachers") else None  # optional role
         self.recovery = Recovery(mesh, run.max_restarts, self._set_up)
+        self.trainers = TrainerReplicas(mesh, self.recovery, diloco, lambda: self._first_version)
         self._manifest: Any = None  # the weights the generators hold (a replacement generator pulls them)
         self.traces_scored = 0
         self._idle_seen = 0.0  # generator idle seconds already reported
@@ -176,7 +179,7 @@ class RLLoop:
     # ---- stages -------------------------------------------------------------------------------------
     async def setup(self) -> None:
         m = self.mesh
-        tasks = [asyncio.gather(*(t.setup.call_one() for t in self.trainers)), m.generators.setup.call()]
+        tasks = [self.trainers.each("setup"), m.generators.setup.call()]
         if self.teachers is not None:
             tasks.append(self.teachers.setup.call())
         manifests, *_ = await asyncio.gather(*tasks)
@@ -430,12 +433,13 @@ class RLLoop:
             if last == cfg.steps:  # finished, not stopped early
                 eval_after = await self.evaluate(cfg.eval_prompts, cfg.seed)
                 writer.write_event("eval", when="after", reward=eval_after, weight_version=self.trainer_version)
-                checkpoint = await self.trainers[0].save_checkpoint.call_one(str((cfg.run_dir / "checkpoint").resolve()))
+                checkpoint = await self.trainers.handles[0].save_checkpoint.call_one(
+                    str((cfg.run_dir / "checkpoint").resolve()))
                 writer.write_event("model", path=checkpoint, weight_version=self.trainer_version)
             else:
                 writer.write_event("stopped", step=last, reason=self.stop_reason, checkpoint=self.last_checkpoint)
             self._forgive_idle_deaths(writer)
-            await self.mesh.trainer.close.call()
+            await self.trainers.each("close")
         finally:
             writer.close()
         if writer.records:
@@ -479,7 +483,7 @@ class RLLoop:
                                      "run.steps (--steps) to train on from it")
         try:
             manifests = await asyncio.gather(*(t.load_state.call_one(f"{resume.url}/trainer/r{i}")
-                                               for i, t in enumerate(self.trainers)))
+                                               for i, t in enumerate(self.trainers.handles)))
         except Exception as e:  # the replica's refusal (TrainerStateError) arrives wrapped in Monarch's ActorError
             raise RunCheckpointError(f"a trainer replica could not load its state: {_last_line(e)}") from e
         if manifests[0].version != st.weight_version:
@@ -524,7 +528,7 @@ class RLLoop:
             batches = [_batch(results[i * per_replica : (i + 1) * per_replica]) for i in range(len(self.trainers))]
             self.trainer_version = self.trainer_version_after(step - 1)  # the version this step trains from
             lags = self._check_lag(step, batches, writer)
-            calls = [t.train_step.call_one(batch) for t, batch in zip(self.trainers, batches)]  # sent now, in order
+            calls = self.trainers.train(step, batches)  # sent now, in order
             done = _StepDone(step, max(lags), batches, plan, ready_s=time.perf_counter() - t_wait)
             steps[step] = self._spawn(self._train_and_sync(done, calls, schedule))
             last = step
@@ -548,7 +552,7 @@ class RLLoop:
         behind the step, the controller's state is taken now, and a background task writes, waits for every
         part, and commits."""
         urls = [self.store.trainer_url(step, i) for i in range(len(self.trainers))]
-        saves = [t.save_state.call_one(url, False) for t, url in zip(self.trainers, urls)]  # before step+1
+        saves = self.trainers.save_state(step, urls)  # before step+1
         state = ControllerState(
             step=step, weight_version=self.trainer_version_after(step), first_version=self._first_version,
             prompts_count=self.prompts.count, prompts_rng=self.prompts.rng.getstate(),
@@ -580,6 +584,7 @@ class RLLoop:
         writer.write_event("checkpoint", step=pending.step, url=url, weight_version=state.weight_version)
 
     def _trainers_wrote(self, urls: list[str]) -> None:
+        self.trainers.reported(urls)
         for pending in self._commits.values():
             pending.written.update(u for u in urls if u in pending.urls)
             if pending.written == pending.urls:
@@ -589,7 +594,7 @@ class RLLoop:
         """Wait for the trainers' background writes and every commit (a failure fails the run)."""
         if not self._commits:
             return
-        for written in await self._until(asyncio.gather(*(t.flush_states.call_one() for t in self.trainers))):
+        for written in await self._until(self.trainers.each("flush_states")):
             self._trainers_wrote(written)
         for pending in list(self._commits.values()):
             assert pending.task is not None

@@ -5,8 +5,9 @@ the call failed because a proc under it died (Monarch supervision, not an except
 for the role's mesh to be replaced through the launcher (new procs, the actors spawned and set up again) and
 runs it again: the request the dead actor had in flight is re-issued with the same inputs (prompts, seeds), so
 nothing is generated, scored or trained twice and nothing is lost. Calls that fail together (every actor of a
-mesh, or roles sharing a mesh) share one replacement. The trainer is never replaced here: its state lives in
-its process, so its death stops the run and the last checkpoint is where `--resume` continues.
+mesh, or roles sharing a mesh) share one replacement. The trainer's mesh is never replaced here: its state
+lives in its processes, so a lone trainer's death stops the run and the last checkpoint is where `--resume`
+continues; a DiLoCo replica is replaced alone through `respawn_proc` (see `replicas.py`).
 """
 
 from __future__ import annotations
@@ -96,6 +97,33 @@ class Recovery:
             for r in replaced:
                 self.restarts[r] = self.restarts.get(r, 0) + 1
             self._generation[mesh] = seen + 1
+
+    async def respawn_proc(self, role: str, rank: int, error: BaseException) -> dict[str, Any]:
+        """Replace proc `rank` of `role`'s mesh alone (`LaunchedMeshes.respawn_proc`: the others go on), counted
+        against `max_restarts` like a whole-mesh replacement; the caller sets the new actor up, then calls
+        `replaced`. Returns the replacement's event."""
+        why = failure_reason(str(error))
+        if self.restarts.get(role, 0) >= self.max_restarts:
+            raise RestartsExhausted(f"{role} proc {rank} died again after {self.restarts[role]} restart(s) "
+                                    f"(run.max_restarts={self.max_restarts}): {why}") from error
+        mesh = self.mesh.mesh_of(role)  # type: ignore[arg-type]
+        log.warning("%s proc %d on mesh %s died (%s): replacing it alone", role, rank, mesh, why)
+        t0 = time.perf_counter()
+        try:
+            await self.mesh.launched.respawn_proc(mesh, rank)
+        except LaunchError as e:
+            raise RestartsExhausted(f"{role} proc {rank} cannot be replaced: {e}") from error
+        self.restarts[role] = self.restarts.get(role, 0) + 1
+        event = {"role": role, "mesh": mesh, "rank": rank, "roles": [role], "warm": False, "failed_s": t0,
+                 "respawned_s": time.perf_counter()}
+        self.events.append(event)
+        return event
+
+    def replaced(self, event: dict[str, Any], reissued: int = 0) -> None:
+        """The replacement of `event` is set up; `reissued` calls were sent to it again."""
+        event["replaced_s"] = time.perf_counter()
+        self.lost_s += event["replaced_s"] - event["failed_s"]
+        self.reissued += reissued
 
     def metrics(self) -> dict[str, float]:
         out = {"faults/restarts": float(sum(self.restarts.values())), "faults/reissued": float(self.reissued),

@@ -142,12 +142,10 @@ def test_background_writes_are_reported_by_the_next_step_and_failures_raise(tmp_
     url = str(tmp_path / "bg")
     assert service.save_state(url, wait=False) == url  # copied now, written by the writer thread
     saved = state_of(service.backend)
-    service.train_step(batch)  # training goes on while the state is written
-    while True:  # the write is reported by the first step that starts after it finished
-        metrics, _ = service.train_step(batch)
-        if metrics.states_written:
-            break
-    assert metrics.states_written == [url] and service.flush_states() == []
+    reported = [service.train_step(batch)[0].states_written]  # training goes on while the state is written
+    while not reported[-1] and len(reported) < 500:  # the first step that starts after the write reports it
+        reported.append(service.train_step(batch)[0].states_written)
+    assert reported[-1] == [url] and not any(reported[:-1]) and service.flush_states() == []
     fresh = trainer()
     fresh.load_state(url)
     assert all(torch.equal(v, state_of(fresh)[k]) for k, v in saved.items())  # the state of the step it followed

@@ -18,11 +18,12 @@ from composer_mesh.orchestration.loop import RLLoop
 from composer_mesh.orchestration.metrics import RunSummary, StepRecord
 from composer_mesh.topology import Topology, load_topology
 
-TOPOLOGY = Path(__file__).with_name("tiny_run.yaml")
+TOPOLOGY = Path(__file__).with_name("tiny_run.yaml")  # every role, teachers too
+SLIM = Path(__file__).with_name("slim_run.yaml")  # one proc per role, no teachers: cheaper where they are not killed
 
 
-def topology(run_dir: Path, **run: object) -> Topology:
-    topo = apply_overrides(load_topology(TOPOLOGY), None, run_dir)
+def topology(run_dir: Path, source: Path = TOPOLOGY, **run: object) -> Topology:
+    topo = apply_overrides(load_topology(source), None, run_dir)
     return topo.model_copy(update={"run": topo.run.model_copy(update={"eval_prompts": 0, **run})})
 
 
@@ -70,7 +71,7 @@ async def test_killed_generator_rewarder_and_teacher_procs_are_replaced_and_the_
 
 
 async def test_a_role_that_keeps_dying_stops_the_run_with_a_checkpoint(tmp_path):
-    topo = topology(tmp_path / "run", steps=30, max_policy_lag=1, max_restarts=1)
+    topo = topology(tmp_path / "run", SLIM, steps=30, max_policy_lag=1, max_restarts=1)
     summary, killed = await run_killing(topo, {2: "rewarder", 4: "rewarder"})
     assert len(killed) == 2
     assert summary.stopped is not None and "rewarder died again after 1 restart(s)" in summary.stopped
@@ -80,7 +81,8 @@ async def test_a_role_that_keeps_dying_stops_the_run_with_a_checkpoint(tmp_path)
 
 
 async def test_a_warm_spare_takes_over_and_a_new_one_is_prepared(tmp_path):
-    topo = topology(tmp_path / "run", steps=60, max_policy_lag=1)
+    """Killed once its spare is ready (the run is long enough to wait for it), stopped 5 steps after the kill."""
+    topo = topology(tmp_path / "run", SLIM, steps=2000, max_policy_lag=1)
     meshes = dict(topo.meshes)
     meshes["generators"] = meshes["generators"].model_copy(update={"spare": True})
     topo = topo.model_copy(update={"meshes": meshes})
@@ -96,22 +98,26 @@ async def test_a_warm_spare_takes_over_and_a_new_one_is_prepared(tmp_path):
             killed.append(pid)
 
         tasks: list[asyncio.Task[None]] = []
+        kill_step: list[int] = []
 
         def progress(record: StepRecord) -> None:
             if record.step >= 2 and mesh.launched.spares.get("generators") and not tasks:  # once the spare is ready
                 tasks.append(asyncio.get_running_loop().create_task(kill()))
+                kill_step.append(record.step)
+            elif kill_step and record.step >= kill_step[0] + 5:
+                loop.request_stop("test stop")
 
         loop = RLLoop(mesh, topo.run, topo.loss, progress=progress, checkpoints=checkpoint_policy(topo))
         summary = await loop.run()
         await asyncio.gather(*tasks)
         after = {int(w["pid"]) for w in (await mesh.generators.process.call()).values()}
         assert mesh.launched.has_spare("generators")  # the next spare, prepared after the takeover
-    assert killed and summary.steps == 60 and summary.stopped is None
+    assert killed and summary.stopped == "test stop" and summary.steps >= kill_step[0] + 5
     (event,) = loop.recovery.events
     assert event["warm"] is True and event["roles"] == ["generators"]
     assert after.isdisjoint(before)  # the spare's procs serve now
     trained = sorted((p for r in records(tmp_path / "run") for p in r["prompts"]), key=lambda p: int(p[1:]))
-    assert trained == [f"p{i}" for i in range(60 * 4)]
+    assert trained == [f"p{i}" for i in range(summary.steps * 4)]
 
 
 def test_spares_are_only_for_cpu_meshes_off_slurm():

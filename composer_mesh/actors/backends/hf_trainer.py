@@ -133,6 +133,15 @@ class HFTrainer:
             self.diloco = ObjectStoreDiLoCo(self.model, self.optimizer, diloco, replica_id)
             self.diloco.__enter__()
 
+    def rejoin(self, round_id: int) -> int:
+        """Right after `start`, in place of a dead DiLoCo replica: heal from the store at round `round_id`
+        (`ObjectStoreDiLoCo.rejoin`, waiting up to half the quorum deadline for its checkpoint). Returns the
+        optimizer steps behind the healed weights, which become this trainer's step count."""
+        if self.diloco is None:
+            raise RuntimeError("only a DiLoCo replica can rejoin: a lone trainer's state dies with its proc")
+        self.step = self.diloco.rejoin(round_id, wait_s=self.diloco.config.quorum_deadline_s / 2)
+        return self.step
+
     def named_weights(self) -> dict[str, torch.Tensor]:
         """The tensors generators need (parameters, tied ones once, and persistent buffers), by HF name, in the
         model config's dtype (a copy only where the training dtype differs)."""

@@ -23,6 +23,7 @@ Loading rewinds the store to the saved round (`ObjectStoreManager.rewind`).
 from __future__ import annotations
 
 import logging
+import time
 from types import TracebackType
 from typing import Any
 
@@ -187,6 +188,40 @@ class ObjectStoreDiLoCo:
     @property
     def last_report(self) -> RoundReport | None:
         return self.manager.reports[-1] if self.manager.reports else None
+
+    @property
+    def inner_steps(self) -> int:
+        """Inner steps behind this replica's state. Every replica opens a round each sync_every/fragments inner
+        steps (quorum ids count them, failed rounds too), so the round id and DiLoCo's local step say it."""
+        per = self.config.sync_every // self.config.fragments
+        rounds_closed = self.manager.quorum_id - (1 if self.manager.round_open else 0)
+        return rounds_closed * per + self._diloco._local_step
+
+    def rejoin(self, round_id: int, wait_s: float) -> int:
+        """Take the place of a dead replica at the end of round `round_id` (the last round the survivors closed
+        before the first step it must train): wait up to `wait_s` for that round's checkpoint, heal from it, and
+        return `inner_steps` (the controller replays this replica's batches after that step).
+
+        When the round's checkpoint never comes (its writer was the dead replica), the newest one is used: the
+        replayed steps then meet that round as a late non-member and read its result. A newer checkpoint means
+        the survivors closed a round without this replica (it was replaced too slowly): DiLoCoStateError."""
+        deadline = time.monotonic() + wait_s
+        latest = self.manager.read_latest()
+        while (latest is None or latest["quorum_id"] < round_id) and time.monotonic() < deadline:
+            time.sleep(self.config.poll_interval_s)
+            latest = self.manager.read_latest()
+        if latest is not None and latest["quorum_id"] > round_id:
+            raise DiLoCoStateError(f"DiLoCo replica {self.manager.replica_id} cannot rejoin at round {round_id}: "
+                                   f"the survivors closed round {latest['quorum_id']} without it (raise "
+                                   f"diloco.quorum_deadline_s={self.config.quorum_deadline_s:g} above the time a "
+                                   "replacement takes)")
+        if latest is not None and latest["quorum_id"] != self.manager.quorum_id:
+            self.manager.heal(latest)
+        if self._diloco._local_step != 0 or self.manager.round_open:
+            raise DiLoCoStateError("rejoin() must come right after construction, before any inner step")
+        log.warning("DiLoCo replica %d rejoined at round %d (inner step %d)", self.manager.replica_id,
+                    self.manager.quorum_id, self.inner_steps)
+        return self.inner_steps
 
     def global_state(self) -> dict[str, torch.Tensor]:
         """Copies of the global parameters and outer-optimizer buffers, keyed "fragment/kind/name".

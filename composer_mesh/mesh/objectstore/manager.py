@@ -184,12 +184,12 @@ class ObjectStoreManager:
             self._complete_round(self._quorum_id)
         self._abstain = False
         self._errored = None
-        latest = self._read_latest()
+        latest = self.read_latest()
         if self._needs_heal:  # give the others' checkpoint of the round we failed a chance to land
             until = time.monotonic() + self.config.quorum_deadline_s
             while (latest is None or latest["quorum_id"] < self._quorum_id) and time.monotonic() < until:
                 time.sleep(self.config.poll_interval_s)
-                latest = self._read_latest()
+                latest = self.read_latest()
         if self._needs_heal or (latest is not None and latest["quorum_id"] > self._quorum_id):
             why = (
                 "its last round failed"
@@ -460,7 +460,7 @@ class ObjectStoreManager:
                 return record
             arrived = [a for a in self.store.list(f"{base}/arrived") if a.endswith(".json")]
             if len(arrived) >= cfg.replicas or time.monotonic() >= deadline:
-                latest = self._read_latest()
+                latest = self.read_latest()
                 if latest is not None and latest["quorum_id"] >= q:
                     # The others committed this round long ago (its records may be gone): never re-decide it.
                     raise RuntimeError(
@@ -666,7 +666,7 @@ class ObjectStoreManager:
         return out
 
     # ------------------------------------------------------------------ checkpoint, bootstrap, heal
-    def _read_latest(self) -> dict[str, Any] | None:
+    def read_latest(self) -> dict[str, Any] | None:
         """The newest committed checkpoint: the highest `ckpt/qNNNNNNNN/` that holds a `COMMITTED.json`.
 
         Returns its marker plus `key` (the checkpoint's prefix), or None when no round was checkpointed yet.
@@ -691,9 +691,9 @@ class ObjectStoreManager:
         return None
 
     def _newest_checkpoint_round(self) -> int | None:
-        """Like `_read_latest()["quorum_id"]`, for error paths: None when it cannot be read either."""
+        """Like `read_latest()["quorum_id"]`, for error paths: None when it cannot be read either."""
         try:
-            latest = self._read_latest()
+            latest = self.read_latest()
         except Exception:
             return None
         return None if latest is None else int(latest["quorum_id"])
@@ -815,7 +815,7 @@ class ObjectStoreManager:
 
         Returns "resumed" or "initialized". Call after DiLoCo registered its state-dict fns.
         """
-        latest = self._read_latest()
+        latest = self.read_latest()
         if latest is not None:
             self.heal(latest)
             return "resumed"
@@ -834,8 +834,8 @@ class ObjectStoreManager:
         return "initialized"
 
     def heal(self, latest: dict[str, Any] | None = None) -> bool:
-        """Load the latest committed state (a `_read_latest()` record); False if the store has none."""
-        latest = latest if latest is not None else self._read_latest()
+        """Load the latest committed state (a `read_latest()` record); False if the store has none."""
+        latest = latest if latest is not None else self.read_latest()
         while True:
             if latest is None:
                 ptr = self.store.get_json_or_none("ckpt/init/COMMITTED.json")
@@ -849,7 +849,7 @@ class ObjectStoreManager:
                 self._load_checkpoint(key, latest)
             except FileNotFoundError:
                 # Garbage-collected under a slow reader: a newer checkpoint was committed meanwhile.
-                newer = self._read_latest()
+                newer = self.read_latest()
                 if newer is None or newer["quorum_id"] <= latest["quorum_id"]:
                     raise ShardError(key, "missing, although its checkpoint is the newest committed one") from None
                 latest = newer
