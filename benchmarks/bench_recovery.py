@@ -1,7 +1,9 @@
 """Recovery benchmark: kill -9 a proc of each role in the middle of a real run; how long until the role works again?
 
 For each of generators, rewarder, teachers: the CPU main job's topology (`topologies/local.yaml`, smaller steps),
-launched for real; once step `--kill-at` is recorded, one proc of the role is sent SIGKILL. The loop's `Recovery`
+launched for real; once step `--kill-at` is recorded, one proc of the role is sent SIGKILL. For `trainer`:
+`topologies/local_diloco.yaml` (two DiLoCo replicas, a sync every 4 steps here) and replica 0 is killed; its
+stand-in rejoins from the object store while replica 1 goes on. The loop's `Recovery`
 notes when the death surfaced, when the replacement was set up (new procs, model built, weights pulled) and
 when the first call re-issued to it answered. Reported per role: seconds from the kill to each of those,
 steps lost (steps the run did not finish, or trained twice) and prompts trained twice or never.
@@ -38,8 +40,12 @@ async def one_role(role: str, steps: int, kill_at: int, run_dir: Path, spare: bo
     from composer_mesh.orchestration.metrics import StepRecord
     from composer_mesh.topology import load_topology
 
-    topo = apply_overrides(load_topology(ROOT / "topologies" / "local.yaml"), steps, run_dir)
+    source = "local_diloco.yaml" if role == "trainer" else "local.yaml"
+    topo = apply_overrides(load_topology(ROOT / "topologies" / source), steps, run_dir)
     topo = topo.model_copy(update={"run": topo.run.model_copy(update={"eval_prompts": 0, "prompts_per_step": 8})})
+    if topo.diloco is not None:
+        diloco = topo.diloco.model_copy(update={"store_uri": f"file://{run_dir}/store", "sync_every": 4})
+        topo = topo.model_copy(update={"diloco": diloco})
     if spare:  # the killed role's mesh keeps a warm spare
         meshes = dict(topo.meshes)
         name = getattr(topo.roles, role).mesh
@@ -49,8 +55,11 @@ async def one_role(role: str, steps: int, kill_at: int, run_dir: Path, spare: bo
     async with launch(topo) as mesh:
 
         async def kill() -> None:
-            where = await getattr(mesh, role).process.call()
-            pid = int(sorted(w["pid"] for w in where.values())[0])
+            if role == "trainer":  # DiLoCo replica 0 (its weights feed the generators)
+                pid = int((await loop.trainers.handles[0].process.call_one())["pid"])
+            else:
+                where = await getattr(mesh, role).process.call()
+                pid = int(sorted(w["pid"] for w in where.values())[0])
             killed["at"] = time.perf_counter()
             os.kill(pid, signal.SIGKILL)
 
@@ -61,12 +70,13 @@ async def one_role(role: str, steps: int, kill_at: int, run_dir: Path, spare: bo
             if record.step >= kill_at and ready and not tasks:
                 tasks.append(asyncio.get_running_loop().create_task(kill()))
 
-        loop = RLLoop(mesh, topo.run, topo.loss, progress=progress, checkpoints=checkpoint_policy(topo))
+        loop = RLLoop(mesh, topo.run, topo.loss, progress=progress, checkpoints=checkpoint_policy(topo),
+                      diloco=topo.diloco)
         summary = await loop.run()
         await asyncio.gather(*tasks)
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     trained = [p for r in rows if "event" not in r for p in r["prompts"]]
-    expected = {f"p{i}" for i in range(steps * topo.run.prompts_per_step)}
+    expected = {f"p{i}" for i in range(steps * topo.run.prompts_per_step * topo.roles.trainer.replicas)}
     event = loop.recovery.events[0] if loop.recovery.events else {}
     since = lambda key: event[key] - killed["at"] if key in event else float("nan")  # noqa: E731
     return {
@@ -83,7 +93,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="fewer steps (CI smoke test)")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--kill-at", type=int, default=4)
-    p.add_argument("--roles", nargs="+", default=["generators", "rewarder", "teachers"])
+    p.add_argument("--roles", nargs="+", default=["generators", "rewarder", "teachers", "trainer"])
     p.add_argument("--spare", action="store_true", help="also measure each role with a warm spare on its mesh")
     p.add_argument("--json", help="also write the results as JSON to this file")
     args = p.parse_args()
@@ -91,7 +101,8 @@ def main() -> None:
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for spare in (False, True) if args.spare else (False,):
-            for role in args.roles:  # with a spare, the kill waits for it to be ready: a longer run
+            for role in [r for r in args.roles if not (spare and r == "trainer")]:  # no spares for trainers
+                # with a spare, the kill waits for it to be ready: a longer run
                 n = steps * 3 if spare else steps
                 results.append(asyncio.run(one_role(role, n, kill_at, Path(tmp) / f"{role}{spare}", spare)))
     versions = package_versions("torchmonarch", "torch", "transformers")
