@@ -18,6 +18,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 DType = Literal["float32", "bfloat16", "float16"]
 
+# Bumped when what a config builds changes without the config changing (cached models of older recipes are
+# rebuilt): 2 = warm starts train on the task's train split only (the eval split is held out).
+MATERIALIZE_RECIPE = 2
+
 
 class WarmStartConfig(BaseModel):
     """Brief supervised fine-tuning on a task's (prompt, target) pairs, done once and cached."""
@@ -105,6 +109,7 @@ class ModelConfig(BaseModel):
     def cache_key(self) -> str:
         """Stable hash of everything that determines the materialized weights and tokenizer."""
         payload = self.model_dump(mode="json")
+        payload["recipe"] = MATERIALIZE_RECIPE
         if not self.is_tiny:
             # A local source is identified by its path and the mtimes/sizes of its files.
             src = Path(self.source)

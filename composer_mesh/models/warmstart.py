@@ -112,6 +112,8 @@ def _warm_start(
     stats["loss_first"] = round(losses[0], 4)
     stats["loss_last"] = round(losses[-1], 4)
     stats["accuracy_after"] = task_accuracy(model, tokenizer, task, n=64, seed=cfg.seed + 1)
+    if "eval" in getattr(task, "splits", ()):  # problems the SFT never saw (the task's held-out split)
+        stats["heldout_accuracy_after"] = task_accuracy(model, tokenizer, task, n=64, seed=cfg.seed + 1, split="eval")
     return stats
 
 
@@ -124,10 +126,12 @@ def task_accuracy(
     seed: int = 1234,
     max_new_tokens: int = 8,
     batch_size: int = 64,
+    split: str = "train",
 ) -> float:
-    """Mean task reward of greedy completions on `n` prompts sampled with `seed`."""
+    """Mean task reward of greedy completions on `n` prompts of `split` sampled with `seed` (SFT batches are
+    drawn from the train split: a task with splits keeps its eval problems out of warm starts)."""
     rng = random.Random(seed)
-    items = [task.sample(rng) for _ in range(n)]
+    items = [task.sample(rng) if split == "train" else task.sample(rng, split) for _ in range(n)]
     eos = getattr(task, "eos", None)
     stops = stop_token_ids(tokenizer, (eos,) if eos else ())
     pad = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)

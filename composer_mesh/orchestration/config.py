@@ -65,7 +65,14 @@ class RunConfig(BaseModel):
         "after one died (kill -9, OOM) before the run stops with a checkpoint. The trainer is never replaced: its "
         "death stops the run, and `--resume` continues from the last checkpoint."
     )
-    eval_prompts: int = Field(64, ge=0, description="Held-out prompts scored greedily at start and end (0: skip).")
+    eval_prompts: int = Field(
+        64, ge=0, description="Held-out prompts (the prompt source's eval set, never trained on) evaluated before "
+        "and after training and every `eval_every` steps (0: no evaluation).")
+    eval_every: int = Field(0, ge=0, description="Also evaluate every this many steps while training (0: only "
+                            "before and after). Runs on generator 0 between its chunks; the event says which "
+                            "weight version it saw.")
+    eval_pass_k: int = Field(4, ge=0, description="pass@k of each evaluation: k completions per held-out prompt "
+                             "at `temperature`; a prompt passes when one scores 1 (0: greedy reward only).")
 
     @property
     def checkpoints_url(self) -> str:

@@ -75,6 +75,17 @@ class PromptSource:
         return out
 
 
+@dataclass(frozen=True)
+class Evaluation:
+    """One held-out evaluation: greedy mean reward, pass@k (None when `run.eval_pass_k` is 0) and the weight
+    version generator 0 evaluated (at lag > 0 it can trail the trainer's by the lag)."""
+
+    greedy: float
+    pass_at_k: float | None
+    k: int
+    weight_version: int
+
+
 @dataclass
 class LagGate:
     """Drops batches whose oldest rollout is more than `max_policy_lag` versions behind the trainer.
@@ -304,24 +315,48 @@ class RLLoop:
         groups = await generator.generate.call_one(self.request(prompts, first))
         return await self.complete(groups, first)
 
-    async def evaluate(self, n: int, seed: int) -> float:
-        """Mean reward of greedy completions on `n` held-out prompts (fixed seed: same prompts each time)."""
+    async def evaluate(self, n: int, seed: int) -> Evaluation:
+        """Greedy mean reward and pass@k (`run.eval_pass_k` completions at the run's temperature) on `n` held-out
+        prompts: the prompt source's eval set, disjoint from every prompt the run trains on, the same each time."""
         if n == 0:
-            return float("nan")
-        held_out = PromptSource(self.cfg.task, seed=10_000 + seed)
-        request = GenerationRequest(
-            prompts=held_out.take(n, prefix="eval"), samples_per_prompt=1,
-            max_new_tokens=self.cfg.max_new_tokens, temperature=0.0, seed=seed,
-        )
+            return Evaluation(float("nan"), None, 0, self.trainer_version)
+        cfg, prompts = self.cfg, self._eval_prompts(n, seed)
+        requests = [GenerationRequest(prompts=prompts, samples_per_prompt=1, max_new_tokens=cfg.max_new_tokens,
+                                      temperature=0.0, seed=seed)]
+        if cfg.eval_pass_k:
+            requests.append(GenerationRequest(prompts=prompts, samples_per_prompt=cfg.eval_pass_k,
+                                              max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                                              seed=seed + 1))
 
-        async def generate() -> list[RolloutGroup]:
+        async def generate(request: GenerationRequest) -> tuple[int, list[RolloutGroup]]:
             gen = self.generators[0]
-            await gen.version.call_one()  # apply any pulled weights before evaluating
-            return await gen.generate.call_one(request)  # type: ignore[no-any-return]
+            version = await gen.version.call_one()  # applies any pulled weights first
+            return version, await gen.generate.call_one(request)
 
-        scored = await self._score(await self.recovery.attempt("generators", generate))
-        scores = [rw.score for g in scored for rw in g.rewards]
-        return sum(scores) / len(scores)
+        results = [await self.recovery.attempt("generators", lambda r=r: generate(r)) for r in requests]  # type: ignore[misc]
+        scored = [await self._score(groups) for _, groups in results]
+        greedy = [rw.score for g in scored[0] for rw in g.rewards]
+        passed = [any(rw.score >= 1.0 for rw in g.rewards) for g in scored[1]] if cfg.eval_pass_k else []
+        return Evaluation(sum(greedy) / len(greedy), sum(passed) / len(passed) if passed else None,
+                          cfg.eval_pass_k, results[0][0])
+
+    def _eval_prompts(self, n: int, seed: int) -> list[Prompt]:
+        """`n` prompts of the task's eval split (a fixed seed: the same prompts every time)."""
+        rng = random.Random(10_000 + seed)
+        task = self.prompts.task
+        out = []
+        for i in range(n):
+            text, answer = task.sample(rng, "eval")
+            out.append(Prompt(prompt_id=f"eval{i}", text=text, token_ids=[], answer=answer))
+        return out
+
+    def _write_eval(self, writer: MetricsWriter, when: str, step: int, result: Evaluation) -> None:
+        writer.write_event("eval", when=when, step=step, reward=result.greedy, pass_at_k=result.pass_at_k,
+                           k=result.k, weight_version=result.weight_version)
+
+    async def _evaluate_during(self, step: int, writer: MetricsWriter) -> None:
+        """`run.eval_every`: evaluate while training goes on (generator 0 interleaves it with its chunks)."""
+        self._write_eval(writer, "during", step, await self.evaluate(self.cfg.eval_prompts, self.cfg.seed))
 
     # ---- chunk work (one task per generator, one per generated chunk) -------------------------------
     async def _generate_chunks(self, index: int, schedule: StepScheduler) -> None:
@@ -414,9 +449,11 @@ class RLLoop:
                 eval_before = await self._restore(self.resume, schedule, writer)
             else:
                 self._first_version = self.trainer_version
-                eval_before = await self.evaluate(cfg.eval_prompts, cfg.seed)
-                writer.write_event("eval", when="before", reward=eval_before, weight_version=self.trainer_version)
+                before = await self.evaluate(cfg.eval_prompts, cfg.seed)
+                self._write_eval(writer, "before", 0, before)
+                eval_before = before.greedy
             self._eval_before = eval_before
+            self._writer = writer
             train_start = time.perf_counter() - t_start
             writer.write_event("train_start", elapsed_s=train_start, step=resumed + 1)
             for index in range(len(self.generators)):
@@ -431,8 +468,9 @@ class RLLoop:
                 if not self._failed.done():
                     self._failed.cancel()
             if last == cfg.steps:  # finished, not stopped early
-                eval_after = await self.evaluate(cfg.eval_prompts, cfg.seed)
-                writer.write_event("eval", when="after", reward=eval_after, weight_version=self.trainer_version)
+                after = await self.evaluate(cfg.eval_prompts, cfg.seed)
+                self._write_eval(writer, "after", last, after)
+                eval_after = after.greedy
                 checkpoint = await self.trainers.handles[0].save_checkpoint.call_one(
                     str((cfg.run_dir / "checkpoint").resolve()))
                 writer.write_event("model", path=checkpoint, weight_version=self.trainer_version)
@@ -624,6 +662,8 @@ class RLLoop:
             return done
         await schedule.synced(done.step)
         done.sync_s = time.perf_counter() - done.trained_s
+        if self.cfg.eval_every and done.step % self.cfg.eval_every == 0 and done.step < self.cfg.steps:
+            self._spawn(self._evaluate_during(done.step, self._writer))
         return done
 
     def _check_lag(self, step: int, batches: list[TrainBatch], writer: MetricsWriter) -> list[int]:

@@ -6,15 +6,28 @@ import random
 
 
 class AdditionTask:
+    """`a+b=` for single digits. A fixed fifth of the 100 operand pairs is held out for evaluation: training
+    (and SFT warm starts) never see those problems, so the eval split measures generalisation, not recall.
+    Held out: the 20 pairs with (a + 2b) % 5 == 4; every sum still occurs in training."""
+
     name = "addition"
     alphabet = "0123456789+=;"
     eos = ";"  # completions end with ';' — the reward reads up to the first one
+    splits = ("train", "eval")
 
     def __init__(self, max_operand: int = 9) -> None:
         self.max_operand = max_operand
+        pairs = [(a, b) for a in range(max_operand + 1) for b in range(max_operand + 1)]
+        self.pairs = {
+            "eval": [(a, b) for a, b in pairs if (a + 2 * b) % 5 == 4],
+            "train": [(a, b) for a, b in pairs if (a + 2 * b) % 5 != 4],
+        }
 
-    def sample(self, rng: random.Random) -> tuple[str, str]:
-        a, b = rng.randint(0, self.max_operand), rng.randint(0, self.max_operand)
+    def sample(self, rng: random.Random, split: str = "train") -> tuple[str, str]:
+        """One problem of `split` ("train" or "eval"; disjoint by construction)."""
+        if split not in self.pairs:
+            raise ValueError(f"addition has splits {list(self.pairs)}, not {split!r}")
+        a, b = rng.choice(self.pairs[split])
         return f"{a}+{b}=", str(a + b)
 
     def reward(self, prompt: str, completion: str, answer: str | None) -> float:

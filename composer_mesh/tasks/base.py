@@ -12,8 +12,9 @@ class Task(Protocol):
     name: str
     alphabet: str  # every character a prompt or answer can contain (tiny tokenizers are built from it)
 
-    def sample(self, rng: random.Random) -> tuple[str, str]:
-        """One (prompt text, reference answer)."""
+    def sample(self, rng: random.Random, split: str = "train") -> tuple[str, str]:
+        """One (prompt text, reference answer) of `split`. A task with a held-out split lists its names in an
+        optional `splits` attribute ("train", "eval"); the two must be disjoint by construction."""
 
     def reward(self, prompt: str, completion: str, answer: str | None) -> float:
         """Score in [0, 1] for a completion."""
