@@ -8,6 +8,7 @@ weights go over the weight plane (`composer_mesh.mesh.weights`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -16,12 +17,19 @@ from composer_mesh.actors.teacher_topk import AUTO, TopK
 
 @dataclass
 class Prompt:
-    """One task instance. `answer` is what verifiable rewards check against (may be None)."""
+    """One task instance. `answer` is what verifiable rewards check against (may be None).
+
+    `messages` ([{"role", "content"}, ...]) makes it a chat prompt: local models see it through their
+    tokenizer's chat template (`composer_mesh.models.chat`), hosted ones get it as is. `extra` holds further
+    dataset columns, passed through to rewards.
+    """
 
     prompt_id: str
     text: str
     token_ids: list[int]
     answer: str | None = None
+    messages: list[dict[str, str]] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

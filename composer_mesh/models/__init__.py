@@ -3,6 +3,7 @@
 Modules, each importing only those above it:
 - `config`: `ModelConfig`, `WarmStartConfig` (cheap: pydantic only);
 - `tokenizer`: the tiny character-level tokenizer, `encode_checked`, `stop_token_ids`;
+- `chat`: a prompt's token ids (chat template for messages) and a model's stop ids, for every binding;
 - `sampling`: batched sampling and teacher-forced logits for any transformers causal LM;
 - `tiny`: the tiny Qwen2 itself (`build_tiny`);
 - `warmstart`: brief SFT on a task and greedy task accuracy;

@@ -4,8 +4,10 @@ Log-prob convention (shared with `composer_mesh.models.sampling` and the vLLM bi
 T > 0 each completion token is drawn from `softmax(logits / T)` and `Rollout.logprobs[t]` is
 `log_softmax(logits / T)[token_t]`, the log-prob under the distribution actually sampled from. At T == 0
 decoding is greedy and the log-probs are those of the untempered model, `log_softmax(logits)`.
-A completion ends after a stop token (the tokenizer's EOS or the task's end marker, e.g. ';'; the stop
-token is included in `completion_ids`, finish_reason "stop") or after `max_new_tokens` ("length").
+A completion ends after a stop token (`models.chat.model_stop_ids`: the tokenizer's EOS, the task's end marker,
+e.g. ';', the generation config's EOS ids, the chat template's end-of-turn token; the stop token is included in
+`completion_ids`, finish_reason "stop") or after `max_new_tokens` ("length"). Prompt ids: `local_model.prompt_ids`
+(a chat prompt's messages go through the chat template).
 Sampling is seeded per row, like the vLLM binding: rollout j of prompt i (row r = i * samples_per_prompt + j)
 samples with seed `s + r` (s the request seed) from its own stream, so the same request seed and weights give
 the same rollouts whatever `max_batch` is (up to float rounding of a differently padded batch).
@@ -86,7 +88,9 @@ class HFGenerator:
             torch.set_num_threads(self.settings.torch_threads)
         self.model, self.tokenizer = load_pretrained(cfg, self.settings.cache_dir, self.settings.device)
         self.model.requires_grad_(False)
-        self.stop_ids = stop_ids_for(self.tokenizer, cfg, self.settings.stop_at_task_eos)
+        self.stop_ids = stop_ids_for(
+            self.tokenizer, cfg, self.settings.stop_at_task_eos, self.model.generation_config
+        )
         self._pad_id = int(self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stop_ids[0])
         self._vocab = int(self.model.get_output_embeddings().weight.shape[0])
         self._targets = named_weights(self.model)  # shares storage with the parameters

@@ -64,7 +64,9 @@ class HFTeacher(LocalTeacher):
         self.model, self.tokenizer = load_pretrained(self.settings.model, self.settings.cache_dir, self.settings.device)
         self.model.requires_grad_(False)
         self._vocab = int(self.model.get_output_embeddings().weight.shape[0])
-        self.stop_ids = stop_ids_for(self.tokenizer, self.settings.model, self.settings.stop_at_task_eos)
+        self.stop_ids = stop_ids_for(
+            self.tokenizer, self.settings.model, self.settings.stop_at_task_eos, self.model.generation_config
+        )
         pad = self.tokenizer.pad_token_id
         self._pad_id = int(pad if pad is not None else self.stop_ids[0])
         self.bind_student(student_model)

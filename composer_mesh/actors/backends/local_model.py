@@ -69,10 +69,15 @@ def as_model_config(model: Any) -> ModelConfig:
 
 
 def prompt_ids(prompt: Prompt, tokenizer: PreTrainedTokenizerBase, vocab_size: int, who: str) -> list[int]:
-    """The prompt's token ids (encoded from its text when empty), checked against the model's vocabulary."""
-    from composer_mesh.models.tokenizer import encode_checked
+    """The prompt's token ids, checked against the model's vocabulary. When it has none, they come from
+    `models.chat.prompt_token_ids` (messages through the chat template, else the text), so every binding
+    feeds the same prompt the same ids."""
+    from composer_mesh.models.chat import NoChatTemplateError, prompt_token_ids
 
-    ids = list(prompt.token_ids) or encode_checked(tokenizer, prompt.text)
+    try:
+        ids = list(prompt.token_ids) or prompt_token_ids(tokenizer, prompt)
+    except NoChatTemplateError as e:
+        raise NoChatTemplateError(f"{who}: {e}") from None
     if not ids:
         raise ValueError(f"{who}: prompt {prompt.prompt_id!r} has no tokens (empty token_ids and text)")
     bad = [i for i in ids if not 0 <= i < vocab_size]
@@ -91,11 +96,19 @@ def task_stop_texts(model_config: ModelConfig) -> tuple[str, ...]:
     return (eos,) if eos else ()
 
 
-def stop_ids_for(tokenizer: Any, model_config: Any, stop_at_task_eos: bool) -> list[int]:
-    """EOS plus (optionally) the task's end marker when it is a single token: what every binding stops on."""
-    from composer_mesh.models.tokenizer import stop_token_ids
+def stop_ids_for(
+    tokenizer: Any, model_config: Any, stop_at_task_eos: bool, generation_config: Any = None
+) -> list[int]:
+    """What every binding stops on (`models.chat.model_stop_ids`): EOS, the task's end marker when it is a
+    single token and `stop_at_task_eos`, the model's generation-config EOS ids and its chat template's
+    end-of-turn token. Without `stop_at_task_eos` the task's marker is not a stop even when the generation
+    config lists it (the tiny model's does)."""
+    from composer_mesh.models.chat import model_stop_ids
 
-    return stop_token_ids(tokenizer, task_stop_texts(model_config) if stop_at_task_eos else ())
+    task = task_stop_texts(model_config)
+    return model_stop_ids(
+        tokenizer, generation_config, extra_texts=task if stop_at_task_eos else (), skip_texts=() if stop_at_task_eos else task
+    )
 
 
 def check_generation_request(request: GenerationRequest) -> None:

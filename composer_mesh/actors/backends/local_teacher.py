@@ -26,6 +26,7 @@ from composer_mesh.actors.backends.local_model import LocalModelSettings, as_mod
 from composer_mesh.actors.messages import Prompt, Rollout, TeacherTrace, TokenDistribution
 from composer_mesh.actors.teacher_errors import TeacherUnavailable
 from composer_mesh.actors.teacher_topk import TopK, resolve_top_k
+from composer_mesh.models.chat import prompt_token_ids
 from composer_mesh.models.config import ModelConfig, WarmStartConfig
 
 if TYPE_CHECKING:
@@ -214,8 +215,8 @@ class LocalTeacher(ABC):
         self._require_started()
         if self.shares_tokenizer:
             ids = [prompt_ids(p, self.tokenizer, self._vocab, f"teacher {self.name!r}") for p in prompts]
-        else:  # the prompt's ids are the student's: re-tokenise its text
-            ids = [list(self.tokenizer.encode(p.text, add_special_tokens=False)) for p in prompts]
+        else:  # the prompt's ids are the student's: re-tokenise its text (or render its messages) in ours
+            ids = [prompt_token_ids(self.tokenizer, p, checked=False) for p in prompts]
             for p, i in zip(prompts, ids):
                 if not i:
                     raise ValueError(f"teacher {self.name!r}: prompt {p.prompt_id!r} has no text to re-tokenise")

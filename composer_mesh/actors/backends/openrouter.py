@@ -124,7 +124,9 @@ class OpenRouterTeacher:
         client, tokenizer = self._require_started()
         cap = self.settings.max_tokens
         max_tokens = min(max_new_tokens, cap) if cap is not None else max_new_tokens
-        results = await client.complete_many([p.text for p in prompts], max_tokens=max_tokens)
+        # Chat prompts go as their messages (the hosted model applies its own template), text prompts as text.
+        asks = [p.text if p.messages is None else p.messages for p in prompts]
+        results = await client.complete_many(asks, max_tokens=max_tokens)
         failed = [(p, r) for p, r in zip(prompts, results) if isinstance(r, OpenRouterError)]
         if failed and (not self.settings.partial_traces or len(failed) == len(prompts)):
             prompt, err = failed[0]

@@ -35,6 +35,9 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _RETRYABLE_STATUS = frozenset({408, 429})
 _REDACTED = "[REDACTED]"
 
+# What one request asks: a text (sent as one user message, after `system_prompt`) or chat messages, sent as given.
+ChatInput = str | list[dict[str, str]]
+
 
 class OpenRouterSettings(BaseModel):
     """Settings of the `openrouter` teacher binding (the `settings:` of a teachers member)."""
@@ -331,8 +334,9 @@ class OpenRouterClient:
         self._sem = None
         self._loop = None
 
-    async def complete(self, prompt: str, *, max_tokens: int) -> ChatResult:
-        """One completion for `prompt` (a user message), waiting for a concurrency slot first."""
+    async def complete(self, prompt: ChatInput, *, max_tokens: int) -> ChatResult:
+        """One completion for `prompt` (a text: one user message; or chat messages, sent as given), waiting for
+        a concurrency slot first."""
         _, sem = self._ensure_loop_state()
         async with sem:
             try:
@@ -341,7 +345,7 @@ class OpenRouterClient:
                 self._counters.failed_requests += 1
                 raise
 
-    async def complete_many(self, prompts: list[str], *, max_tokens: int) -> list[ChatResult | OpenRouterError]:
+    async def complete_many(self, prompts: list[ChatInput], *, max_tokens: int) -> list[ChatResult | OpenRouterError]:
         """Concurrent `complete` for every prompt (bounded by `max_concurrency`); errors are returned in place.
 
         Every request finishes (or fails) before this returns: no orphaned tasks keep spending credits.
@@ -380,12 +384,15 @@ class OpenRouterClient:
             self._loop = loop
         return self._http, self._sem
 
-    def _payload(self, prompt: str, model: str, max_tokens: int) -> dict[str, Any]:
+    def _payload(self, prompt: ChatInput, model: str, max_tokens: int) -> dict[str, Any]:
         s = self.settings
         messages: list[dict[str, str]] = []
-        if s.system_prompt:
-            messages.append({"role": "system", "content": s.system_prompt})
-        messages.append({"role": "user", "content": prompt})
+        if not isinstance(prompt, str):  # chat messages: the hosted model applies its own template
+            messages = [dict(m) for m in prompt]
+        else:
+            if s.system_prompt:
+                messages.append({"role": "system", "content": s.system_prompt})
+            messages.append({"role": "user", "content": prompt})
         body: dict[str, Any] = {
             "model": model,
             "messages": messages,
@@ -404,7 +411,7 @@ class OpenRouterClient:
             body["provider"] = {"require_parameters": True}
         return body
 
-    async def _complete_with_fallback(self, prompt: str, max_tokens: int) -> ChatResult:
+    async def _complete_with_fallback(self, prompt: ChatInput, max_tokens: int) -> ChatResult:
         s = self.settings
         models = s.models if s.model_fallback == "client" else s.models[:1]
         errors: list[str] = []
@@ -425,7 +432,7 @@ class OpenRouterClient:
                 log.warning("openrouter model %s failed (%s); falling back to %s", model, type(e).__name__, models[i + 1])
         raise AssertionError("unreachable")  # pragma: no cover
 
-    async def _complete_one_model(self, prompt: str, model: str, max_tokens: int) -> ChatResult:
+    async def _complete_one_model(self, prompt: ChatInput, model: str, max_tokens: int) -> ChatResult:
         s = self.settings
         payload = self._payload(prompt, model, max_tokens)
         attempt = 0

@@ -5,8 +5,9 @@ Same contract as the `hf` generator (`hf_generator.py`), so a topology swaps the
   log_softmax(logits / T)[token]; at T == 0 decoding is greedy and the log-prob is log_softmax(logits)[token].
   vLLM's default `logprobs_mode="raw_logprobs"` reports log_softmax(logits) *before* temperature, so the
   engine runs with `logprobs_mode="processed_logprobs"` (after temperature; no top-k/top-p is used).
-- A completion ends after a stop token (the tokenizer's EOS or the task's end marker such as ';', included
-  in `completion_ids`, finish_reason "stop") or after `max_new_tokens` ("length").
+- A completion ends after a stop token (the hf generator's stop ids, see `models.chat.model_stop_ids`, given
+  as `stop_token_ids` with `ignore_eos` so vLLM adds none of its own; included in `completion_ids`,
+  finish_reason "stop") or after `max_new_tokens` ("length"). Prompts go in as the hf generator's token ids.
 - Sampling is seeded: a request without a seed uses `settings.seed + call index`. Samples of one prompt use
   seeds `s, s+1, ...` (vLLM's n>1 children), so a seeded request is reproducible; the streams differ from hf's.
 - Weights: the policy's HF state-dict names, shapes and dtype (the trainer's); vLLM casts to its own dtype.
@@ -58,12 +59,15 @@ class VLLMGenerator:
 
     def start(self, model: Any) -> None:
         """Materialize the policy model (a ModelConfig) and start the engine on it."""
+        from composer_mesh.models.chat import load_generation_config
         from composer_mesh.models.loading import materialize, torch_dtype
 
         cfg = as_model_config(model)
         model_dir = materialize(cfg, self.settings.cache_dir)
         self.engine = VLLMEngine(self.settings, model_dir, model_dtype=cfg.dtype)
-        self.stop_ids = stop_ids_for(self.engine.tokenizer, cfg, self.settings.stop_at_task_eos)
+        self.stop_ids = stop_ids_for(
+            self.engine.tokenizer, cfg, self.settings.stop_at_task_eos, load_generation_config(model_dir)
+        )
         self._specs = self.engine.weight_specs(torch_dtype(cfg.dtype))
         self._vocab = int(self.engine.hf_config.vocab_size)
         log.info("vllm generator on %s (engine dtype %s), stop ids %s", model_dir, self.engine.dtype, self.stop_ids)
@@ -98,6 +102,7 @@ class VLLMGenerator:
                         max_tokens=request.max_new_tokens,
                         logprobs=0,  # only the sampled token's log-prob
                         stop_token_ids=self.stop_ids,
+                        ignore_eos=True,  # else vLLM adds its own EOS ids: stop exactly on ours (which have EOS)
                         seed=seed + i * k,  # n>1 children use seed + index: keep prompts' streams apart
                         detokenize=False,  # text is decoded below, exactly as the hf generator does
                     )

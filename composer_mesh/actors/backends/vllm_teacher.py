@@ -61,6 +61,7 @@ class VLLMTeacher(LocalTeacher):
 
     def start(self, student_model: Any, name: str) -> None:
         """Materialize the teacher model, start the engine, and compare tokenizers with the student's."""
+        from composer_mesh.models.chat import load_generation_config
         from composer_mesh.models.loading import materialize
 
         self.name = name
@@ -70,7 +71,9 @@ class VLLMTeacher(LocalTeacher):
         self.engine = VLLMEngine(self.settings, model_dir, model_dtype=cfg.dtype, max_logprobs=-1)
         self.tokenizer = self.engine.tokenizer
         self._vocab = int(self.engine.hf_config.vocab_size)
-        self.stop_ids = stop_ids_for(self.engine.tokenizer, cfg, self.settings.stop_at_task_eos)
+        self.stop_ids = stop_ids_for(
+            self.engine.tokenizer, cfg, self.settings.stop_at_task_eos, load_generation_config(model_dir)
+        )
         self.bind_student(student_model)
 
     def _require_started(self) -> VLLMEngine:
@@ -137,6 +140,7 @@ class VLLMTeacher(LocalTeacher):
         params = [
             SamplingParams(
                 max_tokens=max_new_tokens, temperature=temp, stop_token_ids=self.stop_ids,
+                ignore_eos=True,  # vLLM would add its own EOS ids: stop exactly on ours (which have EOS)
                 seed=seed + j if temp > 0 else None, detokenize=False,
             )
             for j in range(len(ids))
