@@ -318,7 +318,8 @@ def submit(jobs: dict[str, Any], log_dir: str) -> None:
     """
     for job in jobs.values():
         register_atexit(job)
-        _ports_used.add(int(job._port))
+        if isinstance(port := getattr(job, "_port", None), int):  # Monarch's SlurmJob keeps its worker port there
+            _ports_used.add(port)
         job.apply()
         with contextlib.suppress(FileNotFoundError):
             os.remove(notice_path(log_dir, str(job._slurm_job_id)))
@@ -385,8 +386,8 @@ def registered_job(job_id: str) -> Any | None:
 def current_job_id(job_id: str) -> str:
     """The id of the job now standing for `job_id`: itself, or the last job that replaced it."""
     seen = {job_id}
-    while job_id in _successors and _successors[job_id][0] not in seen:
-        job_id = _successors[job_id][0]
+    while (successor := _successors.get(job_id)) is not None and successor[0] not in seen:  # read from threads
+        job_id = successor[0]
         seen.add(job_id)
     return job_id
 

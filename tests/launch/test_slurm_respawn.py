@@ -17,7 +17,11 @@ from composer_mesh.actors.configs import RoleConfig
 from composer_mesh.mesh.launch import ActorPlacement, LaunchedMeshes, launch_meshes
 from composer_mesh.mesh.spec import MeshSpec, SlurmOptions
 from tests.launch.probe_actors import ProbeActor
-from tests.launch.test_launch_slurm import _squeue, _wait_job_gone, slurm_cluster  # noqa: F401
+from tests.launch.test_launch_slurm import (
+    _squeue,
+    _wait_job_gone,
+    slurm_cluster,  # noqa: F401  (the module's cluster fixture)
+)
 
 pytestmark = pytest.mark.slurm
 
@@ -30,6 +34,7 @@ MESHES = {
         slurm=SlurmOptions(start_timeout=120, exclusive=False, monarch_port=PORT, time_limit="00:10:00"),
     )
 }
+POLL_S = 2.0  # watch_jobs' polling in part 2: long enough for respawn to submit between two polls
 PROBE_ON_GPU = [ActorPlacement("probe", "gpu", ProbeActor, (RoleConfig(role="trainer", mesh="gpu"),))]
 
 
@@ -59,7 +64,9 @@ def _jobs_named(part: str) -> list[str]:
     return [line for line in out.splitlines() if part in line]
 
 
-async def test_a_slurm_mesh_whose_job_ended_is_respawned_on_a_new_job(slurm_cluster: None, tmp_path: Path) -> None:
+async def test_a_slurm_mesh_whose_job_ended_is_respawned_on_a_new_job(
+    slurm_cluster: None, tmp_path: Path  # noqa: F811
+) -> None:
     start = time.monotonic()
     async with launch_meshes(MESHES, PROBE_ON_GPU, run_name="respawn", log_dir=tmp_path) as launched:
         first = launched.slurm_job_ids["gpu"]
@@ -77,13 +84,14 @@ async def test_a_slurm_mesh_whose_job_ended_is_respawned_on_a_new_job(slurm_clus
         assert f"tcp://{{socket.gethostname()}}:{PORT + 1}" in script  # its worker on the next port
         assert "#SBATCH --signal=USR1@120" in script.splitlines()  # the mesh's job options, as at launch
 
-        # 2. No notice yet (the call fails first): respawn asks squeue itself. A watch running across the
-        #    replacement follows the mesh to its new job instead of reporting the replaced one.
-        watch = asyncio.create_task(launched.watch_jobs(poll_s=2.0))
+        # 2. Respawn before any notice (as after a call failed with the proc's death; Monarch 0.7 reports that
+        #    only ~60 s after the job's end): respawn asks squeue itself. A watch running across the replacement
+        #    follows the mesh to its new job instead of reporting the replaced one.
+        watch = asyncio.create_task(launched.watch_jobs(poll_s=POLL_S))
         await asyncio.sleep(0.5)  # its first poll: job `second` runs
         subprocess.run(["scancel", second], check=True)
-        third, _ = await _replaced(launched, second)
-        assert await _pending(watch, 2.5), f"the watch reported the replaced job: {watch.result()}"
+        third, _ = await _replaced(launched, second)  # submits within ~0.2 s, before the watch polls again
+        assert await _pending(watch, POLL_S + 0.5), f"the watch reported the replaced job: {watch.result()}"
         watch.cancel()
         assert launched.respawns == {"gpu": 2}
         assert not launched.failures  # the ended jobs' proc deaths were recovered, not failures
