@@ -24,6 +24,7 @@ from composer_mesh.orchestration.checkpoint import (
 )
 from composer_mesh.orchestration.loop import ResumePoint, RLLoop
 from composer_mesh.orchestration.metrics import RunSummary, StepRecord
+from composer_mesh.orchestration.recovery import RestartsExhausted
 from composer_mesh.roles import RoleMesh
 from composer_mesh.topology import Topology, load_topology
 
@@ -109,9 +110,22 @@ class StopRequests:
                 loop.remove_signal_handler(sig)
 
     async def watch_slurm(self, mesh: RoleMesh) -> None:
-        """Stop with a checkpoint when a Slurm job of the run is warned of its end, preempted or timed out."""
-        notice = await mesh.launched.watch_jobs()
-        self.stop("slurm", notice.message())
+        """Stop with a checkpoint when a Slurm job of the run is warned of its end, preempted or timed out, or
+        when the trainer's job ended. Another mesh whose job ended (a dead node, a cancel) gets a new job and the
+        run goes on (`Recovery.replace_mesh`; its calls in flight are re-issued there); past `run.max_restarts`
+        the run stops with a checkpoint."""
+        while True:
+            notice = await mesh.launched.watch_jobs()
+            if notice.kind == "ended" and self.loop is not None and "trainer" not in mesh.roles_on(notice.mesh):
+                self.console.print(f"[bold yellow]{notice.message()}[/]: submitting a new job for it")
+                try:
+                    await self.loop.recovery.replace_mesh(notice.mesh, notice.message())
+                    continue
+                except RestartsExhausted as e:
+                    self.stop("slurm", str(e))
+                    return
+            self.stop("slurm", notice.message())
+            return
 
 
 async def run_topology(topology: Topology, console: Console | None = None, resume: ResumePoint | None = None,

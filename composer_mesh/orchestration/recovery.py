@@ -67,6 +67,12 @@ class Recovery:
                 event["first_result_s"] = time.perf_counter()
             return result
 
+    async def replace_mesh(self, mesh: str, why: str) -> None:
+        """Replace mesh `mesh` before a call failed on it (its Slurm job ended): calls still in flight there fail
+        later (Monarch reports them once the procs' state goes stale) and are re-issued to the replacement."""
+        roles = self.mesh.roles_on(mesh)
+        await self._replace(roles[0], mesh, self._generation.get(mesh, 0), LaunchError(why))
+
     async def _replace(self, role: str, mesh: str, seen: int, error: BaseException) -> None:
         async with self._locks.setdefault(mesh, asyncio.Lock()):
             if self._generation.get(mesh, 0) != seen:  # replaced while this call was failing: just re-issue
