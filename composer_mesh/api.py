@@ -35,8 +35,9 @@ from composer_mesh.loss.config import LossConfig
 from composer_mesh.mesh.launch import LaunchError, MeshFailureError
 from composer_mesh.orchestration.checkpoint import CheckpointPolicy, RunCheckpointError
 from composer_mesh.orchestration.config import RunConfig
-from composer_mesh.orchestration.loop import LagGate, PromptSource, ResumePoint, RLLoop, merge_signals
+from composer_mesh.orchestration.loop import LagGate, ResumePoint, RLLoop, merge_signals
 from composer_mesh.orchestration.metrics import RunSummary, StepRecord
+from composer_mesh.orchestration.prompts import DataPrompts, PromptSource, TaskPrompts, prompt_source
 from composer_mesh.orchestration.schedule import Chunk, GroupResult, StepScheduler, row_seed
 from composer_mesh.roles import ROLES, Role, RoleMesh
 from composer_mesh.topology import Topology, TopologyError, load_topology
@@ -45,6 +46,7 @@ __all__ = [
     "ROLES",
     "CheckpointPolicy",
     "Chunk",
+    "DataPrompts",
     "GenerationRequest",
     "GroupResult",
     "LagGate",
@@ -66,6 +68,7 @@ __all__ = [
     "ScoredGroup",
     "StepRecord",
     "StepScheduler",
+    "TaskPrompts",
     "TeacherFailed",
     "TeacherRequest",
     "TeacherSignals",
@@ -82,6 +85,7 @@ __all__ = [
     "load_topology",
     "merge_signals",
     "print_summary",
+    "prompt_source",
     "resume_point",
     "row_seed",
     "run_topology",

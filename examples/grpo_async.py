@@ -19,13 +19,13 @@ from composer_mesh.api import (
     Chunk,
     GenerationRequest,
     GroupResult,
-    PromptSource,
     StepScheduler,
     TeacherRequest,
     TrainBatch,
     launch,
     load_topology,
     merge_signals,
+    prompt_source,
     row_seed,
 )
 
@@ -33,7 +33,7 @@ from composer_mesh.api import (
 async def main(path: str, steps: int) -> None:
     topo = load_topology(path)
     cfg = topo.run
-    prompts = PromptSource(cfg.task, seed=cfg.seed)
+    prompts = prompt_source(cfg)  # run.data or run.task: a train stream and a disjoint eval set
 
     async with launch(topo) as mesh:
         # Build models everywhere at once; the trainer publishes version 1 and generators pull it.

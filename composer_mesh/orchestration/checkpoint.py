@@ -79,12 +79,14 @@ class ControllerState:
     step: int
     weight_version: int  # the trainer's version after `step` (what generators hold on resume)
     first_version: int  # the initial policy's version: step s trains from first_version + s - 1
-    prompts_count: int
-    prompts_rng: Any  # `random.Random.getstate()` of the prompt stream
+    prompts_count: int  # train prompts drawn (the next one's stream index)
+    prompts_rng: Any  # a task source's `random.Random.getstate()`; None for data (`prompts` has the whole state)
     schedule: SchedulerState
     counters: dict[str, Any]  # the loop's run-wide counters (eval before, traces scored, drops, ...)
     fingerprint: dict[str, Any]
     replicas: int
+    prompts: dict[str, Any] = field(default_factory=dict)  # `PromptSource.state()`; {} in older checkpoints
+    trackers: dict[str, str] = field(default_factory=dict)  # tracker → run id, continued on resume (trackers.py)
 
 
 # ---- where checkpoints live --------------------------------------------------------------------------------
@@ -216,7 +218,8 @@ def differences(saved: Any, current: Any, where: str = "") -> list[str]:
         for key in sorted(set(saved) | set(current), key=str):
             path = f"{where}.{key}" if where else str(key)
             if key not in saved:
-                out.append(f"{path}: not in the checkpoint, now {current[key]!r}")
+                if current[key] is not None:  # None: a setting newer than the checkpoint, left unset
+                    out.append(f"{path}: not in the checkpoint, now {current[key]!r}")
             elif key not in current:
                 out.append(f"{path}: {saved[key]!r} in the checkpoint, now absent")
             else:

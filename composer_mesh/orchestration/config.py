@@ -5,12 +5,44 @@ Import-cheap (pydantic only): topology validation imports it without torch or Mo
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from composer_mesh.actors.teacher_topk import DEFAULT_TOP_K, DENSE_VOCAB_LIMIT
+from composer_mesh.tasks.data import DataConfig
+
+Logger = Literal["jsonl", "tensorboard", "wandb", "mlflow"]
+# The module each tracker needs and the pip extra that installs it (`composer-mesh[<extra>]`).
+TRACKER_MODULES: dict[str, str] = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
+
+
+def tracker_missing(name: str) -> str:
+    """The error for a tracker whose library is not installed, naming the extra that installs it."""
+    return f"run.loggers names {name!r} but {TRACKER_MODULES[name]} is not installed: pip install 'composer-mesh[{name}]'"
+
+
+class TrackersConfig(BaseModel):
+    """Settings of the experiment trackers `run.loggers` names (TensorBoard needs none)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str | None = Field(None, min_length=1, description="The run's name in every tracker; null: the name of "
+                             "`run_dir`. A resumed run keeps its tracker runs (their ids are in the checkpoint).")
+    wandb_project: str = Field("composer-mesh", min_length=1, description="W&B project.")
+    wandb_entity: str | None = Field(None, min_length=1, description="W&B entity (user or team); null: the default "
+                                     "of the logged-in account.")
+    wandb_mode: Literal["offline", "online"] = Field(
+        "offline", description="offline: W&B writes under <run_dir>/wandb only (`wandb sync` uploads it later); "
+        "online: it streams to the W&B server (needs `wandb login` or WANDB_API_KEY)."
+    )
+    mlflow_tracking_uri: str | None = Field(
+        None, min_length=1, description="MLflow tracking store: a path (a local file store), sqlite:///..., or a "
+        "server's http(s):// URL. null: <run_dir>/mlruns."
+    )
+    mlflow_experiment: str = Field("composer-mesh", min_length=1, description="MLflow experiment the run is in.")
 
 
 class RunConfig(BaseModel):
@@ -19,6 +51,10 @@ class RunConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     task: str = Field("addition", description="Built-in task name or import path 'pkg.mod:Task' giving prompts and answers.")
+    data: DataConfig | None = Field(
+        None, description="Prompts from local data (JSONL, Parquet, a datasets directory, a cached hub dataset) "
+        "instead of `task` (then leave `task` unset); see docs/data.md."
+    )
     steps: int = Field(40, ge=1, description="Optimizer steps (trainer `train_step` calls) in the run.")
     prompts_per_step: int = Field(8, ge=1, description="Prompts in one training batch (GRPO groups per step).")
     samples_per_prompt: int = Field(4, ge=2, description="Completions sampled per prompt (GRPO group size).")
@@ -73,6 +109,14 @@ class RunConfig(BaseModel):
                             "weight version it saw.")
     eval_pass_k: int = Field(4, ge=0, description="pass@k of each evaluation: k completions per held-out prompt "
                              "at `temperature`; a prompt passes when one scores 1 (0: greedy reward only).")
+    loggers: list[Logger] = Field(
+        default_factory=lambda: ["jsonl"], description="Where step metrics go: `jsonl` (<run_dir>/metrics.jsonl, "
+        "always on), `tensorboard` (<run_dir>/tensorboard), `wandb`, `mlflow`; each tracker is a pip extra "
+        "(`composer-mesh[wandb]`). See docs/trackers.md."
+    )
+    trackers: TrackersConfig = Field(
+        default_factory=TrackersConfig, description="Settings of the trackers in `loggers` (`TrackersConfig`)."
+    )
 
     @property
     def checkpoints_url(self) -> str:
@@ -85,3 +129,31 @@ class RunConfig(BaseModel):
         if not v.strip():
             raise ValueError("task must name a built-in task (e.g. 'addition') or an import path 'pkg.mod:Task'")
         return v
+
+    @field_validator("loggers")
+    @classmethod
+    def _loggers_installed(cls, v: list[str]) -> list[str]:
+        """JSONL first and always; each tracker's library checked now, before anything is launched."""
+        names = list(dict.fromkeys(["jsonl", *v]))
+        missing = [n for n in names[1:] if importlib.util.find_spec(TRACKER_MODULES[n]) is None]
+        if missing:
+            raise ValueError("; ".join(tracker_missing(n) for n in missing))
+        return names
+
+    @model_validator(mode="after")
+    def _tracker_settings_used(self) -> RunConfig:
+        # Settings off their default for a tracker the run does not use are a mistake (by value, not by
+        # `model_fields_set`: a dumped and re-validated config has every field set).
+        unused = [f"run.trackers.{k} is set but run.loggers {self.loggers} does not name {k.split('_')[0]!r}"
+                  for k, f in TrackersConfig.model_fields.items()
+                  if "_" in k and k.split("_")[0] not in self.loggers and getattr(self.trackers, k) != f.default]
+        if unused:
+            raise ValueError("; ".join(unused))
+        return self
+
+    @model_validator(mode="after")
+    def _one_prompt_source(self) -> RunConfig:
+        # `task` keeps its default beside `data` (the field cannot tell "unset" once a config is re-validated)
+        if self.data is not None and self.task != "addition":
+            raise ValueError(f"run.task ({self.task!r}) and run.data are two prompt sources; set one")
+        return self

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,11 +32,11 @@ from composer_mesh.orchestration.checkpoint import (
     CheckpointStore,
     ControllerState,
     RunCheckpointError,
-    restore_rng,
 )
 from composer_mesh.orchestration.config import RunConfig
 from composer_mesh.orchestration.metrics import MetricsWriter, RunSummary, StepRecord, window_mean
 from composer_mesh.orchestration.plotting import plot_run
+from composer_mesh.orchestration.prompts import PromptSource, PromptSourceError, prompt_source
 from composer_mesh.orchestration.recovery import Recovery, RestartsExhausted
 from composer_mesh.orchestration.replicas import TrainerReplicas
 from composer_mesh.orchestration.schedule import (
@@ -48,31 +47,14 @@ from composer_mesh.orchestration.schedule import (
     StepTimes,
     row_seed,
 )
+from composer_mesh.orchestration.trackers import Trackers
 from composer_mesh.roles import RoleMesh
-from composer_mesh.tasks import get_task
 
 log = logging.getLogger("composer_mesh.loop")
 
 # ---------------------------------------------------------------------------------------------------
 # The loop. Everything below moves small typed messages; model-sized tensors never pass through here.
 # ---------------------------------------------------------------------------------------------------
-
-
-class PromptSource:
-    """Deterministic stream of task prompts (token ids are filled in by the generators' tokenizer)."""
-
-    def __init__(self, task_name: str, seed: int) -> None:
-        self.task = get_task(task_name)
-        self.rng = random.Random(seed)
-        self.count = 0
-
-    def take(self, n: int, prefix: str = "p") -> list[Prompt]:
-        out = []
-        for _ in range(n):
-            text, answer = self.task.sample(self.rng)
-            out.append(Prompt(prompt_id=f"{prefix}{self.count}", text=text, token_ids=[], answer=answer))
-            self.count += 1
-        return out
 
 
 @dataclass(frozen=True)
@@ -129,7 +111,8 @@ class RLLoop:
     sections (the loss only decides which teacher signals to ask for: none for a channel weighted 0).
     `checkpoints`: where and when full checkpoints go (default: the run config's); `resume`: a checkpoint to
     continue from (`ResumePoint`, read and checked before launching). `request_stop` ends the run at the next
-    step that can be checkpointed, with a checkpoint.
+    step that can be checkpointed, with a checkpoint. `prompts`: the prompt source (default: `prompt_source(run)`,
+    `run.data` or `run.task`; build it before launching to catch bad data early).
     """
 
     def __init__(
@@ -141,6 +124,7 @@ class RLLoop:
         checkpoints: CheckpointPolicy | None = None,
         resume: ResumePoint | None = None,
         diloco: DiLoCoConfig | None = None,
+        prompts: PromptSource | None = None,
     ) -> None:
         self.mesh = mesh
         self.cfg = run
@@ -158,7 +142,7 @@ class RLLoop:
         self._checkpointed = 0  # the last step a checkpoint was taken of
         self._recorded_through = 0  # the last step whose record is written
         self.last_checkpoint: str | None = None
-        self.prompts = PromptSource(run.task, run.seed)
+        self.prompts = prompts if prompts is not None else prompt_source(run)
         self.gate = LagGate(run.max_policy_lag)
         self.trainer_version = 0
         self.teacher_usage: dict[str, float] = {}
@@ -341,14 +325,8 @@ class RLLoop:
                           cfg.eval_pass_k, results[0][0])
 
     def _eval_prompts(self, n: int, seed: int) -> list[Prompt]:
-        """`n` prompts of the task's eval split (a fixed seed: the same prompts every time)."""
-        rng = random.Random(10_000 + seed)
-        task = self.prompts.task
-        out = []
-        for i in range(n):
-            text, answer = task.sample(rng, "eval")
-            out.append(Prompt(prompt_id=f"eval{i}", text=text, token_ids=[], answer=answer))
-        return out
+        """`n` prompts of the source's eval set (disjoint from its train stream; the same prompts every time)."""
+        return self.prompts.eval_prompts(n)
 
     def _write_eval(self, writer: MetricsWriter, when: str, step: int, result: Evaluation) -> None:
         writer.write_event("eval", when=when, step=step, reward=result.greedy, pass_at_k=result.pass_at_k,
@@ -431,7 +409,10 @@ class RLLoop:
         t_start = time.perf_counter()
         cfg = self.cfg
         resumed = self.resume.state.step if self.resume is not None else 0
-        writer = MetricsWriter(cfg.run_dir, resume_step=resumed if self.resume is not None else None)
+        resume_step = resumed if self.resume is not None else None
+        trackers = Trackers.open(cfg, {"run": cfg.model_dump(mode="json"), "loss": self.loss.model_dump(mode="json")},
+                                 self.resume.state.trackers if self.resume is not None else None, resume_step)
+        writer = MetricsWriter(cfg.run_dir, resume_step=resume_step, trackers=trackers)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         schedule = StepScheduler(
@@ -530,8 +511,10 @@ class RLLoop:
         self.trainer_version, self._first_version = st.weight_version, st.first_version
         self._manifest = manifests[0]
         await self.mesh.generators.update_weights.call(manifests[0])
-        self.prompts.count = st.prompts_count
-        restore_rng(self.prompts.rng, st.prompts_rng)
+        try:  # checkpoints before `prompts` hold a task stream's count and RNG
+            self.prompts.restore(st.prompts or {"kind": "task", "count": st.prompts_count, "rng": st.prompts_rng})
+        except PromptSourceError as e:
+            raise RunCheckpointError(f"{resume.url}: {e}") from e
         schedule.restore(st.schedule)
         c = st.counters
         self.traces_scored, self.teacher_usage = int(c["traces_scored"]), dict(c["teacher_usage"])
@@ -591,11 +574,13 @@ class RLLoop:
         part, and commits."""
         urls = [self.store.trainer_url(step, i) for i in range(len(self.trainers))]
         saves = self.trainers.save_state(step, urls)  # before step+1
+        prompts = self.prompts.state()
         state = ControllerState(
             step=step, weight_version=self.trainer_version_after(step), first_version=self._first_version,
-            prompts_count=self.prompts.count, prompts_rng=self.prompts.rng.getstate(),
+            prompts_count=self.prompts.count, prompts_rng=prompts.get("rng"),
             schedule=schedule.state(trained=step), counters=self._counters(),
-            fingerprint=self.checkpoints.fingerprint, replicas=len(self.trainers),
+            fingerprint=self.checkpoints.fingerprint, replicas=len(self.trainers), prompts=prompts,
+            trackers=writer.tracker_ids,
         )
         pending = _PendingCheckpoint(step, set(urls))
         if self._recorded_through >= step:

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import json
+import math
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from composer_mesh.orchestration.trackers import Trackers
 
 
 @dataclass
@@ -31,16 +35,52 @@ class StepRecord:
         return json.dumps(self.__dict__, sort_keys=True)
 
 
+def step_scalars(record: StepRecord) -> dict[str, float]:
+    """The scalars every tracker gets for one step, under the same names everywhere: `train/*` (reward, loss,
+    policy lag, weight version, rollouts), `loss/<channel>`, `time/*` (the step's time breakdown),
+    `perf/samples_per_s`, and the trainer's and loop's own metrics (bare names go under `train/`). Non-finite
+    values are left out (metrics.jsonl keeps them)."""
+    out: dict[str, float] = {k if "/" in k else f"train/{k}": v for k, v in record.metrics.items()}
+    out.update({f"loss/{k}": v for k, v in record.channels.items()})
+    out.update({f"time/{k}": v for k, v in record.timing.items()})
+    out.setdefault("time/sync_s", record.weight_sync_s)
+    out.update({
+        "train/reward": record.reward, "train/loss": record.loss, "train/policy_lag": record.policy_lag,
+        "train/weight_version": record.weight_version, "train/rollouts": record.rollouts,
+        "train/dropped_batches": record.dropped_batches, "time/step_s": record.step_s,
+        "time/elapsed_s": record.elapsed_s,
+        "perf/samples_per_s": record.rollouts / record.step_s if record.step_s > 0 else math.nan,
+    })
+    return _finite(out)
+
+
+def event_scalars(kind: str, values: dict[str, Any]) -> dict[str, float]:
+    """The scalars an event carries for the trackers: an evaluation's reward and pass@k (`eval/*`)."""
+    if kind != "eval":
+        return {}
+    out = {"eval/reward": values.get("reward")}
+    if values.get("k"):
+        out[f"eval/pass_at_{values['k']}"] = values.get("pass_at_k")
+    return _finite(out)
+
+
+def _finite(values: dict[str, Any]) -> dict[str, float]:
+    return {k: float(v) for k, v in values.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+
+
 class MetricsWriter:
-    """Appends one JSON object per step to `run_dir/metrics.jsonl` (flushed each line).
+    """Appends one JSON object per step to `run_dir/metrics.jsonl` (flushed each line), and sends the step's
+    scalars (`step_scalars`) and the events to the run's other trackers (`run.loggers`), if any.
 
     `resume_step`: continue a resumed run's file: its lines up to the record of that step are kept (and its
     records reloaded), what followed (steps trained after the checkpoint, then lost) is dropped."""
 
-    def __init__(self, run_dir: Path, resume_step: int | None = None) -> None:
+    def __init__(self, run_dir: Path, resume_step: int | None = None, trackers: Trackers | None = None) -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / "metrics.jsonl"
         self.records: list[StepRecord] = []
+        self.trackers = trackers
         kept = self._kept_lines(resume_step) if resume_step is not None else []
         self._f = self.path.open("w")
         self._f.writelines(kept)
@@ -65,17 +105,39 @@ class MetricsWriter:
                 break
         return kept
 
+    @property
+    def tracker_ids(self) -> dict[str, str]:
+        """Tracker → run id, for the checkpoint (a resumed run continues these runs)."""
+        return dict(self.trackers.ids) if self.trackers is not None else {}
+
     def write(self, record: StepRecord) -> None:
         self.records.append(record)
         self._f.write(record.to_json() + "\n")
         self._f.flush()
+        if self.trackers is not None:
+            self._tracker_failures(self.trackers.log(record.step, step_scalars(record)))
 
     def write_event(self, kind: str, **values: Any) -> None:
         self._f.write(json.dumps({"event": kind, **values}, sort_keys=True) + "\n")
         self._f.flush()
+        if self.trackers is not None:
+            step = values.get("step")
+            if not isinstance(step, int):
+                step = self.records[-1].step if self.records else 0
+            scalars = event_scalars(kind, values)
+            failures = self.trackers.log(step, scalars) if scalars else []
+            self._tracker_failures(failures + self.trackers.event(step, kind, values))
 
-    def close(self) -> None:
+    def _tracker_failures(self, failures: list[str]) -> None:
+        for failure in failures:  # the tracker is dropped; the JSONL says so
+            self.write_event("tracker_failed", error=failure)
+
+    def close(self, failed: bool | None = None) -> None:
+        """Close the file and finish the trackers' runs (as failed when an exception is on its way, unless
+        `failed` says otherwise)."""
         self._f.close()
+        if self.trackers is not None:
+            self.trackers.close(failed if failed is not None else sys.exc_info()[0] is not None)
 
 
 @dataclass

@@ -87,6 +87,19 @@ def test_weighted_sum_of_function_and_shell_grader():
     assert set(res.components) == {"length_bonus", "exact.py"}
 
 
+def test_a_prompts_extra_columns_reach_functions_that_ask_and_shell_graders():
+    """`run.data.extra` columns ride on the prompt: a function with an `extra` parameter gets them, one without
+    is called as before, and shell graders read them from the JSON on stdin."""
+    r = make(functions=[{"path": "graders.pyfuncs:unit_bonus"}, {"path": "graders.pyfuncs:length_bonus"}],
+             shell=[shell("extra_echo")])
+    with_extra = Prompt(prompt_id="p1", text="3 m + 4 m =", token_ids=[], answer="7", extra={"unit": "m", "weight": 0.25})
+    res = r.score(with_extra, rollout("7 m;"))
+    assert res.ok, res.error
+    assert res.components == {"unit_bonus": 1.0, "length_bonus": 1.0, "extra_echo.py": 0.25}
+    bare = r.score(PROMPT, rollout("7;"))
+    assert bare.ok and bare.components["unit_bonus"] == 0.0 and bare.components["extra_echo.py"] == 0.0
+
+
 def test_crashing_grader_is_a_scored_failure():
     r = make(shell=[shell("crash")], failure_score=-1.0)
     res = r.score(PROMPT, rollout("7;"))

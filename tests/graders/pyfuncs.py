@@ -64,3 +64,9 @@ def leave_child_and_hang(prompt: str, completion: str, answer: str | None) -> fl
     Path(completion).write_text(str(child.pid))
     time.sleep(3600)
     return 1.0
+
+
+def unit_bonus(prompt: str, completion: str, answer: str | None, extra: dict | None = None) -> float:
+    """Reads a data column (`run.data.extra`): 1.0 when the completion carries the row's unit."""
+    unit = (extra or {}).get("unit")
+    return 1.0 if unit and completion.rstrip(";").endswith(unit) else 0.0

@@ -96,6 +96,27 @@ async def test_lag_1_resumed_run_trains_every_prompt_exactly_once(tmp_path):
     assert resumed.steps == 5 and resumed.rollouts_trained == (5 - stopped_at(stopped)) * 4 * 2
 
 
+async def test_lag_1_resumed_run_from_data_trains_every_prompt_exactly_once(tmp_path):
+    """`run.data` instead of a task: the stream's position (within an epoch and across) survives stop/resume."""
+    from composer_mesh.tasks.data import DataConfig, load_prompt_data
+
+    path = tmp_path / "addition.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n"
+                            for a in range(4) for b in range(4)))
+    data = DataConfig(path=str(path), eval_size=2)  # 14 train rows: 5 steps x 4 prompts run into a second epoch
+    topo = topology("slim_run.yaml", tmp_path / "cut", steps=5, eval_prompts=2, checkpoint_every=2, data=data)
+    stopped, resumed = await stop_and_resume(topo, stop_after=2)
+    rows = records(tmp_path / "cut")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    trained = [p for r in rows for p in r["prompts"]]
+    assert sorted(trained, key=lambda p: int(p[1:])) == [f"p{i}" for i in range(5 * 4)]  # none twice, none lost
+    assert resumed.rollouts_trained == (5 - stopped_at(stopped)) * 4 * 2
+    saved = json.loads((tmp_path / "cut" / "checkpoints" / "step-00000005" / "controller.json").read_text())
+    assert saved["prompts"] == {"kind": "data", "count": 20, "seed": 0, "digest": load_prompt_data(data).digest}
+    events = [json.loads(line) for line in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()]
+    assert [e["when"] for e in events if e.get("event") == "eval"] == ["before", "after"]  # on the held-out rows
+
+
 async def test_two_diloco_replicas_resume_bitwise(tmp_path):
     kw = {"steps": 4, "max_policy_lag": 0, "eval_prompts": 0}
     await run_session(topology("diloco_run.yaml", tmp_path / "whole", **kw))

@@ -156,6 +156,10 @@ def test_a_foreign_topology_is_refused_naming_each_field():
     assert "run.prompts_per_step: 8 in the checkpoint, now 4" in text
     assert "loss.alpha_sdpo: 1.0 in the checkpoint, now absent" in text
     assert "num_layers" not in text
+    # a setting newer than the checkpoint: refused when set, accepted when left unset (None)
+    assert differences({"run": {}}, {"run": {"data": None}}) == []
+    assert differences({"run": {}}, {"run": {"data": {"path": "x.jsonl"}}}) == [
+        "run.data: not in the checkpoint, now {'path': 'x.jsonl'}"]
 
 
 def test_policy_checkpoints_every_n_steps_at_the_end_and_only_where_the_trainer_can():

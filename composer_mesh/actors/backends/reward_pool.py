@@ -14,6 +14,7 @@ parent's `__main__`. Calls and answers cross its stdin/stdout as JSON lines; a f
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import os
 import queue
@@ -43,6 +44,7 @@ class _Call:
     path: str
     args: tuple[str, str, str | None]
     timeout_s: float
+    extra: dict[str, Any] = field(default_factory=dict)  # the prompt's extra data columns (`run.data.extra`)
     future: Future[float] = field(default_factory=Future)
 
 
@@ -82,7 +84,7 @@ class _Worker:
     def call(self, call: _Call) -> float:
         """Run `call`; raises `CallFailed` for an exception, a timeout or a dead worker."""
         try:
-            self._in.write(json.dumps({"path": call.path, "args": call.args}).encode() + b"\n")
+            self._in.write(json.dumps({"path": call.path, "args": call.args, "extra": call.extra}).encode() + b"\n")
             self._in.flush()
         except OSError:
             raise CallFailed(self._died()) from None
@@ -165,8 +167,11 @@ class FunctionPool:
         for thread in self._threads:
             thread.start()
 
-    def submit(self, path: str, args: tuple[str, str, str | None], timeout_s: float) -> Future[float]:
-        call = _Call(path, args, timeout_s)
+    def submit(self, path: str, args: tuple[str, str, str | None], timeout_s: float,
+               extra: dict[str, Any] | None = None) -> Future[float]:
+        """Score `fn(prompt, completion, answer)` in a worker; a function with an `extra` parameter (or
+        `**kwargs`) also gets `extra=` the prompt's extra data columns."""
+        call = _Call(path, args, timeout_s, extra or {})
         with self._lock:
             if self._closed:
                 raise RuntimeError("the reward function pool is closed")
@@ -251,14 +256,23 @@ def _worker_main(lifeline: int, paths: list[str]) -> None:
     _send(answers, {"ready": True})
     for line in requests:
         request = json.loads(line)
-        _send(answers, _run_call(functions[request["path"]], request["args"]))
+        _send(answers, _run_call(functions[request["path"]], request["args"], request.get("extra") or {}))
 
 
-def _run_call(fn: Any, args: list[Any]) -> dict[str, Any]:
+def _run_call(fn: Any, args: list[Any], extra: dict[str, Any]) -> dict[str, Any]:
     try:
-        return {"value": float(fn(*args))}
+        return {"value": float(fn(*args, extra=extra) if extra and _takes_extra(fn) else fn(*args))}
     except BaseException as e:  # SystemExit and KeyboardInterrupt too: the call failed, the worker is fine
         return {"error": f"raised {_describe(e)}"}
+
+
+def _takes_extra(fn: Any) -> bool:
+    """Whether `fn` accepts `extra=` (a parameter of that name or `**kwargs`): older functions do not."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "extra" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
 def _send(answers: BinaryIO, answer: dict[str, Any]) -> None:

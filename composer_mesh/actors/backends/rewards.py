@@ -15,7 +15,7 @@ import subprocess
 import threading
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -27,7 +27,8 @@ from composer_mesh.bindings import import_object
 class FunctionReward(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    path: str = Field(description="Import path 'pkg.mod:fn' of `fn(prompt, completion, answer) -> float`.")
+    path: str = Field(description="Import path 'pkg.mod:fn' of `fn(prompt, completion, answer) -> float`; a function "
+                      "with an `extra` parameter also gets the prompt's extra data columns (`run.data.extra`).")
     weight: float = Field(1.0, description="Weight of this function in the summed reward.")
     timeout_s: float = Field(
         10.0,
@@ -53,7 +54,7 @@ class ShellGrader(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     command: list[str] = Field(
-        description="argv of the grader. It reads one JSON object {prompt, completion, answer} on stdin and prints "
+        description="argv of the grader. It reads one JSON object {prompt, completion, answer, extra} on stdin and prints "
         "one number (the score) on stdout."
     )
     timeout_s: float = Field(10.0, gt=0, description="Seconds before the grader is killed and scored as a failure.")
@@ -104,9 +105,10 @@ class PythonRewarderSettings(BaseModel):
         return self
 
 
-def run_shell_grader(grader: ShellGrader, prompt: str, completion: str, answer: str | None) -> float:
+def run_shell_grader(grader: ShellGrader, prompt: str, completion: str, answer: str | None,
+                     extra: dict[str, Any] | None = None) -> float:
     """Run one grader; raises `GraderFailure` describing a crash, timeout or unparsable output."""
-    payload = json.dumps({"prompt": prompt, "completion": completion, "answer": answer})
+    payload = json.dumps({"prompt": prompt, "completion": completion, "answer": answer, "extra": extra or {}})
     try:
         proc = subprocess.run(
             grader.command,
@@ -175,10 +177,11 @@ class PythonRewarder:
         parts = []
         for f in self.settings.functions:
             assert self.pool is not None
-            parts.append((f.name, f.weight, self.pool.submit(f.path, args, f.timeout_s)))
+            parts.append((f.name, f.weight, self.pool.submit(f.path, args, f.timeout_s, prompt.extra)))
         for grader in self.settings.shell:
             assert self._shell is not None
-            parts.append((grader.label, grader.weight, self._shell.submit(run_shell_grader, grader, *args)))
+            parts.append((grader.label, grader.weight,
+                          self._shell.submit(run_shell_grader, grader, *args, extra=prompt.extra)))
         return parts
 
     def _combine(self, parts: list[tuple[str, float, Future[float]]]) -> RewardResult:
