@@ -127,8 +127,8 @@ class TrainerReplicas:
                 continue
             try:
                 value = await call.future
-            except Exception as e:
-                if self.diloco is None or not is_proc_death(e):
+            except Exception as e:  # a death during `setup` fails the run: there is no round to rejoin at yet
+                if self.diloco is None or call.endpoint == "setup" or not is_proc_death(e):
                     raise
                 await self._replace(lane, generation, e)
                 continue

@@ -22,7 +22,7 @@ async def test_two_replicas_sync_through_the_store(tmp_path):
         loop = RLLoop(mesh, topo.run, topo.loss)
         assert len(loop.trainers) == 2
         summary = await loop.run()
-        digests = [await t.weights_digest.call_one() for t in loop.trainers]
+        digests = [await t.weights_digest.call_one() for t in loop.trainers.handles]
     assert summary.steps == 4
     # 4 inner steps with sync_every=2: two outer rounds, and after the last one both replicas hold the global weights.
     assert digests[0] == digests[1]
