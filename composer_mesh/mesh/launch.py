@@ -278,15 +278,7 @@ class LaunchedMeshes:
         self._sink.retire(mesh)
         t0 = time.perf_counter()
         self.respawns[mesh] = self.respawns.get(mesh, 0) + 1
-        self._spawned += 1
-        suffix = f"r{self._spawned}"
-        host_index, proc_index = divmod(rank, spec.procs_per_host)
-        host = self.host_meshes[mesh] if spec.backend == "local" else self.host_meshes[mesh].slice(hosts=host_index)
-        procs = _spawn_proc_mesh(self, mesh, host, suffix, proc_index=proc_index)
-        self._stand_in_procs[f"{mesh} proc {rank} ({suffix})"] = procs
-        placements = [p for p in self.placed if p.mesh == mesh]
-        actors = _spawn_actors(self, placements, suffix, procs)
-        await asyncio.gather(*(_ready(self, p, self.ready_timeout, actors[p.name]) for p in placements))
+        _, actors = await self._spawn_mesh(mesh, rank=rank)
         self.stand_ins.update({(name, rank): handle for name, handle in actors.items()})
         log.warning("mesh %s: proc %d replaced alone (respawn %d) in %.2f s; actors %s spawned again", mesh, rank,
                     self.respawns[mesh], time.perf_counter() - t0, ", ".join(actors))
@@ -313,14 +305,22 @@ class LaunchedMeshes:
         self._preparing.pop(mesh, None)
         self.spares[mesh] = spare
 
-    async def _spawn_mesh(self, mesh: str, preparing: bool = False) -> tuple[Any, dict[str, Any]]:
-        """New procs for mesh `mesh` on its hosts, every actor placed on it spawned there and ready. A spare's
-        procs are noted at once (`preparing`), so they are stopped on exit even if its preparation never ends."""
+    async def _spawn_mesh(self, mesh: str, preparing: bool = False,
+                          rank: int | None = None) -> tuple[Any, dict[str, Any]]:
+        """New procs for mesh `mesh` on its hosts (with `rank`: one proc standing in for that proc, on its host),
+        every actor placed on it spawned there and ready. A spare's (`preparing`) or a stand-in's procs are noted
+        at once, so they are stopped on exit even if they never get ready."""
         self._spawned += 1
         suffix = f"r{self._spawned}"
-        procs = _spawn_proc_mesh(self, mesh, self.host_meshes[mesh], suffix)
+        host, proc_index = self.host_meshes[mesh], None
+        if rank is not None:
+            host_index, proc_index = divmod(rank, self.specs[mesh].procs_per_host)
+            host = host if self.specs[mesh].backend == "local" else host.slice(hosts=host_index)
+        procs = _spawn_proc_mesh(self, mesh, host, suffix, proc_index)
         if preparing:
             self._preparing[mesh] = procs
+        if rank is not None:
+            self._stand_in_procs[f"{mesh} proc {rank} ({suffix})"] = procs
         placements = [p for p in self.placed if p.mesh == mesh]
         actors = _spawn_actors(self, placements, suffix, procs)
         await asyncio.gather(*(_ready(self, p, self.ready_timeout, actors[p.name]) for p in placements))
