@@ -596,11 +596,15 @@ class RLLoop:
 
     async def _commit(self, pending: _PendingCheckpoint, saves: list[Any], state: ControllerState,
                       writer: MetricsWriter) -> None:
-        """Write the controller's part, wait for the trainers' parts and the step's record, then commit."""
+        """Write the controller's part, wait for the trainers' parts and the step's record, then commit, after
+        every earlier checkpoint of this session: a commit deletes the older steps that are not committed (half
+        written by a stopped session), and one still being written here must not be taken for one of them."""
+        earlier = [p.task for s, p in self._commits.items() if s < pending.step and p.task is not None]
         await asyncio.gather(*saves)
         await asyncio.to_thread(self.store.write_controller, state)
         await pending.trainers.wait()
         await pending.recorded.wait()
+        await asyncio.gather(*earlier)
         url = await asyncio.to_thread(self.store.commit, pending.step, self.checkpoints.keep)
         self._commits.pop(pending.step, None)
         self.last_checkpoint = url
