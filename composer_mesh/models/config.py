@@ -12,9 +12,17 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 DType = Literal["float32", "bfloat16", "float16"]
 
@@ -58,6 +66,12 @@ class ModelConfig(BaseModel):
         description="The model's task (built-in name or 'pkg.mod:Task'): the tiny character-level tokenizer "
         "covers its alphabet, and generators/teachers with stop_at_task_eos also stop at its end marker (';').",
     )
+    tokenizer: Literal["char", "byte"] = Field(
+        "char",
+        description="Tiny model: 'char' (one id per character of the task's alphabet, no chat template) or 'byte' "
+        "(256 byte ids + <|endoftext|>, <|im_start|>, <|im_end|> and a Qwen-style chat template: reads any text "
+        "and chat prompts, e.g. of run.environment).",
+    )
     hidden_size: int = Field(64, ge=8, description="Tiny model: hidden (embedding) size.")
     num_layers: int = Field(2, ge=1, description="Tiny model: number of transformer layers.")
     num_heads: int = Field(
@@ -91,6 +105,9 @@ class ModelConfig(BaseModel):
     @model_validator(mode="after")
     def _check_heads(self) -> ModelConfig:
         if self.source != "tiny":
+            if self.tokenizer != "char":
+                raise ValueError(f"model.tokenizer={self.tokenizer!r} is for the tiny model; a local source "
+                                 "brings its own tokenizer")
             return self
         if self.hidden_size % self.num_heads:
             raise ValueError(
@@ -101,6 +118,15 @@ class ModelConfig(BaseModel):
                 f"model.num_kv_heads={self.num_kv_heads} must divide model.num_heads={self.num_heads}"
             )
         return self
+
+    @model_serializer(mode="wrap")
+    def _omit_char_tokenizer(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """A dump leaves out `tokenizer: char` (the default), so the cache keys, materialized metadata and
+        checkpoint fingerprints of every config written before the field existed stay what they were."""
+        data: dict[str, Any] = handler(self)
+        if data.get("tokenizer") == "char":
+            del data["tokenizer"]
+        return data
 
     @property
     def is_tiny(self) -> bool:

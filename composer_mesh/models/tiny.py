@@ -11,7 +11,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from composer_mesh.models.tokenizer import build_tokenizer, stop_token_ids, task_alphabet_and_eos
+from composer_mesh.models.tokenizer import (
+    IM_END,
+    build_byte_tokenizer,
+    build_tokenizer,
+    stop_token_ids,
+    task_alphabet_and_eos,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerFast
@@ -48,8 +54,12 @@ def build_tiny(config: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenize
     """Untrained tiny model + tokenizer from `config` (no cache, no warm start)."""
     if not config.is_tiny:
         raise ValueError(f"build_tiny needs model.source='tiny', got {config.source!r}")
-    alphabet, eos = task_alphabet_and_eos(config.task)
-    tokenizer = build_tokenizer(alphabet)
-    eos_ids = stop_token_ids(tokenizer, (eos,) if eos else ())
+    if config.tokenizer == "byte":  # task-independent: it stops at EOS and at the end of a chat turn
+        tokenizer = build_byte_tokenizer()
+        eos_ids = stop_token_ids(tokenizer, (IM_END,))
+    else:
+        alphabet, eos = task_alphabet_and_eos(config.task)
+        tokenizer = build_tokenizer(alphabet)
+        eos_ids = stop_token_ids(tokenizer, (eos,) if eos else ())
     model = build_tiny_model(config, len(tokenizer), eos_ids, int(tokenizer.pad_token_id))
     return model, tokenizer

@@ -1,7 +1,8 @@
-"""The tiny model's character-level tokenizer, and the token helpers every binding uses with any tokenizer.
+"""The tiny model's tokenizers (character-level or byte-level), and the token helpers every binding uses.
 
-`build_tokenizer(alphabet)` gives the built-in model's tokenizer (`tiny_tokenizer(config)` for a config's
-task); `encode_checked` and `stop_token_ids` work on any transformers tokenizer.
+`build_tokenizer(alphabet)` gives the built-in model's character tokenizer, `build_byte_tokenizer()` its
+byte-level one with a chat template (`tiny_tokenizer(config)` picks by `model.tokenizer`); `encode_checked`
+and `stop_token_ids` work on any transformers tokenizer.
 """
 
 from __future__ import annotations
@@ -14,6 +15,16 @@ if TYPE_CHECKING:
     from composer_mesh.models.config import ModelConfig
 
 EOS_TOKEN = "<|endoftext|>"  # end of text; also the pad token
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"  # the byte tokenizer's chat turn markers (Qwen's)
+
+# Qwen2.5's chat template without tools and without the default system prompt (every prompt token costs a
+# tiny model): `<|im_start|>{role}\n{content}<|im_end|>\n` per message, then `<|im_start|>assistant\n`.
+BYTE_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
 
 
 def task_alphabet_and_eos(task_name: str) -> tuple[str, str | None]:
@@ -57,8 +68,31 @@ def build_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:
     return Qwen2Tokenizer(vocab=vocab, merges=[], eos_token=EOS_TOKEN, pad_token=EOS_TOKEN, unk_token=EOS_TOKEN)
 
 
+def build_byte_tokenizer() -> PreTrainedTokenizerFast:
+    """Byte-level tokenizer with a chat template: id b is byte b (0-255), then `<|endoftext|>` (256, EOS and
+    pad), `<|im_start|>` (257) and `<|im_end|>` (258, the end of a chat turn).
+
+    Any text is representable (no task alphabet, nothing dropped), so it reads prompts of any environment;
+    chat prompts go through `BYTE_CHAT_TEMPLATE`. Like `build_tokenizer` it is a `Qwen2Tokenizer` without
+    merges, so the saved and reloaded copies (transformers, vLLM) are the same tokenizer. The special tokens
+    are matched in text as well (as in Qwen's own tokenizer).
+    """
+    from transformers import Qwen2Tokenizer
+
+    b2u = _bytes_to_unicode()
+    vocab: dict[str, int] = {b2u[byte]: byte for byte in range(256)}
+    for token in (EOS_TOKEN, IM_START, IM_END):
+        vocab[token] = len(vocab)
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=[], eos_token=EOS_TOKEN, pad_token=EOS_TOKEN,
+                               unk_token=EOS_TOKEN, extra_special_tokens=[IM_START, IM_END])
+    tokenizer.chat_template = BYTE_CHAT_TEMPLATE
+    return tokenizer
+
+
 def tiny_tokenizer(config: ModelConfig) -> PreTrainedTokenizerFast:
-    """The built-in model's tokenizer for `config` (its task's alphabet)."""
+    """The built-in model's tokenizer for `config`: byte-level, or character-level over its task's alphabet."""
+    if config.tokenizer == "byte":
+        return build_byte_tokenizer()
     alphabet, _ = task_alphabet_and_eos(config.task)
     return build_tokenizer(alphabet)
 

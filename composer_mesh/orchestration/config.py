@@ -12,6 +12,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from composer_mesh.actors.teacher_topk import DEFAULT_TOP_K, DENSE_VOCAB_LIMIT
+from composer_mesh.envs.config import EnvironmentConfig
 from composer_mesh.tasks.data import DataConfig
 
 Logger = Literal["jsonl", "tensorboard", "wandb", "mlflow"]
@@ -54,6 +55,11 @@ class RunConfig(BaseModel):
     data: DataConfig | None = Field(
         None, description="Prompts from local data (JSONL, Parquet, a datasets directory, a cached hub dataset) "
         "instead of `task` (then leave `task` unset); see docs/data.md."
+    )
+    environment: EnvironmentConfig | None = Field(
+        None, description="Prompts and scoring from an environment library instead of `task`/`data`: "
+        "{kind: reasoning_gym, dataset, config, ...}; score with composer_mesh.envs.reasoning_gym:score. "
+        "See docs/reasoning_gym.md."
     )
     steps: int = Field(40, ge=1, description="Optimizer steps (trainer `train_step` calls) in the run.")
     prompts_per_step: int = Field(8, ge=1, description="Prompts in one training batch (GRPO groups per step).")
@@ -156,4 +162,7 @@ class RunConfig(BaseModel):
         # `task` keeps its default beside `data` (the field cannot tell "unset" once a config is re-validated)
         if self.data is not None and self.task != "addition":
             raise ValueError(f"run.task ({self.task!r}) and run.data are two prompt sources; set one")
+        if self.environment is not None and (self.data is not None or self.task != "addition"):
+            raise ValueError("run.environment and run." + ("data" if self.data is not None else "task")
+                             + " are two prompt sources; set one")
         return self

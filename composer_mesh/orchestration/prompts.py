@@ -1,7 +1,8 @@
 """Where a run's prompts come from: a train stream and a fixed eval set, disjoint by construction.
 
-Two sources: `TaskPrompts` samples a procedural `Task` (its "train" and "eval" splits), `DataPrompts` walks the
-rows of a data set (`run.data`, read by `composer_mesh.tasks.data`) in a shuffled order per epoch. The train
+Three sources: `TaskPrompts` samples a procedural `Task` (its "train" and "eval" splits), `DataPrompts` walks the
+rows of a data set (`run.data`, read by `composer_mesh.tasks.data`) in a shuffled order per epoch, and
+`EnvironmentPrompts` draws an environment's stream (`run.environment`, `composer_mesh.envs`). The train
 stream's position is part of a run checkpoint (`state()` / `restore()`, JSON), so a resumed run draws exactly the
 prompts the uninterrupted one would have. Train prompts are `p<N>` (N: index in the stream, across epochs), eval
 prompts `eval<N>`. Token ids are left empty: the generators' tokenizer fills them in.
@@ -16,6 +17,7 @@ from abc import ABC, abstractmethod
 from typing import Any
 
 from composer_mesh.actors.messages import Prompt
+from composer_mesh.envs import Environment, EnvironmentStateError, load_environment
 from composer_mesh.orchestration.config import RunConfig
 from composer_mesh.tasks import Task, get_task
 from composer_mesh.tasks.data import DataRow, PromptData, load_prompt_data
@@ -59,8 +61,13 @@ class PromptSource(ABC):
 
 
 def prompt_source(run: RunConfig) -> PromptSource:
-    """The run's prompt source: `run.data` if set, else `run.task`. Reads and checks data now, so a bad row or a
-    task without an eval split stops the run before any work."""
+    """The run's prompt source: `run.environment` or `run.data` if set, else `run.task`. Reads and checks data
+    now, so a bad row, dataset name or a task without an eval split stops the run before any work."""
+    if run.environment is not None:
+        env_source = EnvironmentPrompts(load_environment(run.environment, run.seed))
+        if run.eval_prompts > 0:
+            env_source.check_eval()
+        return env_source
     if run.data is not None:
         data = load_prompt_data(run.data)
         if data.dropped:
@@ -186,6 +193,44 @@ class DataPrompts(PromptSource):
             raise PromptSourceError(f"the checkpoint's prompt data differs from this run's (digest {state['digest']} "
                                     f"seed {state['seed']}, now {self.data.digest} seed {self.seed}): the data files "
                                     "or their column mapping changed since it was written")
+        self.count = int(state["count"])
+
+
+class EnvironmentPrompts(PromptSource):
+    """Prompts of an environment (`run.environment`, `composer_mesh.envs`): its train stream in order and its
+    fixed eval set, rows made prompts as `run.data`'s are; the environment keeps the stream's position."""
+
+    kind = "environment"
+
+    def __init__(self, env: Environment) -> None:
+        self.env = env
+        self.count = 0
+
+    def take(self, n: int) -> list[Prompt]:
+        out = [DataPrompts._prompt(f"p{self.count + i}", row) for i, row in enumerate(self.env.train_rows(n))]
+        self.count += len(out)
+        return out
+
+    def check_eval(self) -> None:
+        """PromptSourceError when the environment has no eval set to evaluate on."""
+        if not self.env.eval_rows(1):
+            raise PromptSourceError(f"run.environment ({self.env.name}) has no eval set: set its eval_size, or "
+                                    "run.eval_prompts: 0")
+
+    def eval_prompts(self, n: int) -> list[Prompt]:
+        if n > 0:
+            self.check_eval()
+        return [DataPrompts._prompt(f"eval{i}", row) for i, row in enumerate(self.env.eval_rows(n))]
+
+    def state(self) -> dict[str, Any]:
+        return {"kind": self.kind, "count": self.count, **self.env.state()}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self._check_kind(state)
+        try:
+            self.env.restore(state)
+        except EnvironmentStateError as e:
+            raise PromptSourceError(str(e)) from e
         self.count = int(state["count"])
 
 
