@@ -1,4 +1,5 @@
-"""Environments: prompt sets that bring their own scoring from an outside library (reasoning-gym).
+"""Environments: prompt sets that bring their own scoring from an outside library (reasoning-gym, OpenEnv,
+verifiers).
 
 An environment (`run.environment`) gives the controller's prompt source a train stream and a fixed eval set of
 `DataRow`s that share no question, and puts in each row's `extra` what its reward function needs, so the
@@ -21,4 +22,12 @@ def load_environment(cfg: EnvironmentConfig, seed: int) -> Environment:
         from composer_mesh.envs.reasoning_gym import ReasoningGymEnvironment
 
         return ReasoningGymEnvironment(cfg, cfg.seed if cfg.seed is not None else seed)
+    if cfg.kind == "openenv":
+        from composer_mesh.envs.openenv import OpenEnvEnvironment
+
+        return OpenEnvEnvironment(cfg, cfg.seed if cfg.seed is not None else seed)
+    if cfg.kind == "verifiers":
+        from composer_mesh.envs.verifiers import VerifiersEnvironment
+
+        return VerifiersEnvironment(cfg, cfg.seed if cfg.seed is not None else seed)
     raise ValueError(f"run.environment: unknown kind {cfg.kind!r}")

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # reasoning-gym seeds entry i of a dataset with `seed + i`: eval entries use seeds train entries never reach.
 EVAL_SEED_OFFSET = 10**9
@@ -74,5 +75,141 @@ class ReasoningGymConfig(BaseModel):
         return v
 
 
-# The `run.environment` section: one model per environment kind (a discriminated union once there are two).
-EnvironmentConfig = ReasoningGymConfig
+
+# ---- OpenEnv (composer_mesh.envs.openenv) ----------------------------------------------------------------
+class ClientSettings(BaseModel):
+    """How a client talks to the environment server: timeouts and retries (also sent to the reward workers)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    connect_timeout_s: float = Field(10.0, gt=0, description="Seconds to open the WebSocket session.")
+    message_timeout_s: float = Field(30.0, gt=0, description="Seconds for the server to answer one reset or step.")
+    max_retries: int = Field(3, ge=0, description="Retries of an episode after the first attempt: for a server that "
+                             "is unreachable, at its session limit, dropped the connection or timed out.")
+    backoff_s: float = Field(0.5, ge=0, description="First retry delay; doubles each retry, with jitter (×0.5–1).")
+    backoff_max_s: float = Field(8.0, ge=0, description="Upper bound of one retry delay in seconds.")
+
+
+class ServerCommand(BaseModel):
+    """A local environment server the run starts before its first prompt and stops after its last step."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    command: list[str] = Field(
+        min_length=1, description="argv of the server. `{python}` is this interpreter, `{host}` and `{port}` come "
+        "from run.environment.url, e.g. [\"{python}\", -m, uvicorn, --factory, "
+        "composer_mesh.envs.openenv:addition_app, --host, \"{host}\", --port, \"{port}\"]."
+    )
+    ready_timeout_s: float = Field(120.0, gt=0, description="Seconds for `GET <url>/health` to answer 200.")
+    log: str | None = Field(None, description="File for the server's output (null: a temporary file).")
+
+
+class OpenEnvConfig(ClientSettings):
+    """An OpenEnv environment server as the run's prompts (`run.environment: {kind: openenv, ...}`), scored by
+    replaying each episode (`composer_mesh.envs.openenv:score`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["openenv"] = Field(description="Which environment library: 'openenv'.")
+    url: str = Field(description="The environment server, http(s):// or ws(s):// (its WebSocket API is <url>/ws). "
+                     "The rewarder's processes connect to it too: on several hosts, name this host, not 127.0.0.1.")
+    server: ServerCommand | None = Field(None, description="Start this server for the run (null: it is running).")
+    prompt_field: str = Field("prompt", description="The reset observation's field holding the prompt text.")
+    messages_field: str | None = Field(None, description="Instead of `prompt_field`: a field with chat messages "
+                                       "[{role, content}]; the prompt's text is the last user message.")
+    answer_field: str | None = Field(None, description="A reset observation field with the reference answer "
+                                     "(shown and passed to rewards; the environment's own reward scores).")
+    action_field: str = Field("message", description="The action field the completion is sent in.")
+    split_field: str | None = Field("split", description="The reset argument naming the split ('train' or 'eval'; "
+                                    "an environment without one ignores it). null: none is sent.")
+    reset: dict[str, Any] = Field(default_factory=dict, description="Further reset arguments (JSON values).")
+    system_prompt: str | None = Field(None, description="A system message before the prompt (chat prompt).")
+    eval_size: int = Field(64, ge=0, description="Distinct held-out prompts (from the eval seeds; train prompts "
+                           "that are one of them are skipped). run.eval_prompts scores the first ones.")
+    seed: int | None = Field(None, ge=0, lt=EVAL_SEED_OFFSET, description="First train seed; null: run.seed.")
+
+    @field_validator("kind")
+    @classmethod
+    def _installed(cls, v: str) -> str:
+        import importlib.util
+
+        if importlib.util.find_spec("openenv") is None:
+            raise ValueError("run.environment needs the 'openenv' package: pip install 'composer-mesh[openenv]'")
+        return v
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        if not v.startswith(("http://", "https://", "ws://", "wss://")) or not urlsplit(v).hostname:
+            raise ValueError(f"url must be http(s):// or ws(s):// with a host, got {v!r}")
+        return v.rstrip("/")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> OpenEnvConfig:
+        taken = {"seed", self.split_field} & set(self.reset)
+        if taken:
+            raise ValueError(f"run.environment.reset sets {sorted(k for k in taken if k)}: the prompt source sets "
+                             "the seed and split of each episode")
+        json.dumps(self.reset)  # crosses to the reward workers as JSON
+        if self.server is not None and urlsplit(self.url).port is None:
+            raise ValueError("run.environment.server needs a port in run.environment.url (e.g. http://127.0.0.1:8765)")
+        return self
+
+
+# ---- verifiers (composer_mesh.envs.verifiers) ------------------------------------------------------------
+class VerifiersConfig(BaseModel):
+    """A verifiers environment as the run's prompts (`run.environment: {kind: verifiers, taskset: ...}`), scored by
+    its tasks' own rewards (`composer_mesh.envs.verifiers:score`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["verifiers"] = Field(description="Which environment library: 'verifiers'.")
+    taskset: str = Field(min_length=1, description="The taskset id: an installed taskset package (a module exporting "
+                         "one vf.Taskset subclass in __all__), e.g. 'gsm8k-v1'.")
+    taskset_config: dict[str, Any] = Field(default_factory=dict, description="Further fields of the taskset's "
+                                           "config (its TasksetConfig subclass), e.g. {task: {rewards: ...}}.")
+    env: str = Field("", description="An Env id to pair with the taskset (verifiers' `--env.id`); empty: the "
+                     "taskset's own Env, else SingleAgentEnv.")
+    eval_taskset_config: dict[str, Any] | None = Field(
+        None, description="The eval set from the same taskset with these config fields on top of taskset_config "
+        "(e.g. {split: test}); null: hold out eval_size prompts by hash."
+    )
+    eval_size: int | None = Field(None, ge=0, description="Prompts held out by a hash of the prompt (null: a tenth "
+                                  "of the distinct prompts, at most 64). Not with eval_taskset_config.")
+    chat: bool = Field(True, description="Prompts as chat messages (the task's system prompt and prompt, as a "
+                       "verifiers harness sends them); false: the prompt text alone, for a model without a chat "
+                       "template (e.g. the tiny one): then a task may have neither a system prompt nor several turns.")
+    limit: int | None = Field(None, ge=1, description="Use the first `limit` tasks (of each of the train and eval "
+                              "tasksets); needed for an infinite taskset.")
+    seed: int | None = Field(None, description="Seed of the per-epoch shuffle; null: run.seed.")
+
+    @field_validator("kind")
+    @classmethod
+    def _installed(cls, v: str) -> str:
+        import importlib.util
+
+        if importlib.util.find_spec("verifiers") is None:
+            raise ValueError("run.environment needs the 'verifiers' package: pip install 'composer-mesh[verifiers]'")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> VerifiersConfig:
+        if self.eval_taskset_config is not None and self.eval_size is not None:
+            raise ValueError("run.environment: eval_taskset_config and eval_size both choose the eval set; set one")
+        for name in ("taskset_config", "eval_taskset_config"):
+            value = getattr(self, name)
+            if value is not None and "id" in value:
+                raise ValueError(f"run.environment.{name} sets `id`: name the taskset in run.environment.taskset")
+            json.dumps(value)  # crosses to the reward workers as JSON
+        return self
+
+    def env_config(self, split: str = "train") -> dict[str, Any]:
+        """The verifiers environment config (`vf.resolve_env_config` input) of the train or eval tasks."""
+        fields = dict(self.taskset_config)
+        if split == "eval" and self.eval_taskset_config is not None:
+            fields.update(self.eval_taskset_config)
+        return {"id": self.env, "taskset": {**fields, "id": self.taskset}}
+
+
+# The `run.environment` section: one model per environment kind, told apart by `kind`.
+EnvironmentConfig = Annotated[ReasoningGymConfig | OpenEnvConfig | VerifiersConfig, Field(discriminator="kind")]

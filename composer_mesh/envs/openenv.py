@@ -41,13 +41,14 @@ import time
 import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field
 
 from composer_mesh.envs.base import EnvironmentStateError
+from composer_mesh.envs.config import ClientSettings, OpenEnvConfig, ServerCommand
 from composer_mesh.tasks.arithmetic import AdditionTask, exact_match
 from composer_mesh.tasks.data import DataRow
 
@@ -62,86 +63,6 @@ EVAL_SEED_OFFSET = 10**9  # eval episodes reset with seeds train positions never
 EVAL_POOL = (20, 100)  # the eval set's distinct prompts are looked for in the first 20 * eval_size + 100 seeds
 MAX_SKIP_STREAK = 10_000  # train prompts in a row that are eval prompts before the stream gives up
 T = TypeVar("T")
-
-
-# ---------------------------------------------------------------------------------------------- settings
-class ClientSettings(BaseModel):
-    """How a client talks to the environment server: timeouts and retries (also sent to the reward workers)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    connect_timeout_s: float = Field(10.0, gt=0, description="Seconds to open the WebSocket session.")
-    message_timeout_s: float = Field(30.0, gt=0, description="Seconds for the server to answer one reset or step.")
-    max_retries: int = Field(3, ge=0, description="Retries of an episode after the first attempt: for a server that "
-                             "is unreachable, at its session limit, dropped the connection or timed out.")
-    backoff_s: float = Field(0.5, ge=0, description="First retry delay; doubles each retry, with jitter (×0.5–1).")
-    backoff_max_s: float = Field(8.0, ge=0, description="Upper bound of one retry delay in seconds.")
-
-
-class ServerCommand(BaseModel):
-    """A local environment server the run starts before its first prompt and stops after its last step."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    command: list[str] = Field(
-        min_length=1, description="argv of the server. `{python}` is this interpreter, `{host}` and `{port}` come "
-        "from run.environment.url, e.g. [\"{python}\", -m, uvicorn, --factory, "
-        "composer_mesh.envs.openenv:addition_app, --host, \"{host}\", --port, \"{port}\"]."
-    )
-    ready_timeout_s: float = Field(120.0, gt=0, description="Seconds for `GET <url>/health` to answer 200.")
-    log: str | None = Field(None, description="File for the server's output (null: a temporary file).")
-
-
-class OpenEnvConfig(ClientSettings):
-    """An OpenEnv environment server as the run's prompts (`run.environment: {kind: openenv, ...}`), scored by
-    replaying each episode (`composer_mesh.envs.openenv:score`)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    kind: Literal["openenv"] = Field(description="Which environment library: 'openenv'.")
-    url: str = Field(description="The environment server, http(s):// or ws(s):// (its WebSocket API is <url>/ws). "
-                     "The rewarder's processes connect to it too: on several hosts, name this host, not 127.0.0.1.")
-    server: ServerCommand | None = Field(None, description="Start this server for the run (null: it is running).")
-    prompt_field: str = Field("prompt", description="The reset observation's field holding the prompt text.")
-    messages_field: str | None = Field(None, description="Instead of `prompt_field`: a field with chat messages "
-                                       "[{role, content}]; the prompt's text is the last user message.")
-    answer_field: str | None = Field(None, description="A reset observation field with the reference answer "
-                                     "(shown and passed to rewards; the environment's own reward scores).")
-    action_field: str = Field("message", description="The action field the completion is sent in.")
-    split_field: str | None = Field("split", description="The reset argument naming the split ('train' or 'eval'; "
-                                    "an environment without one ignores it). null: none is sent.")
-    reset: dict[str, Any] = Field(default_factory=dict, description="Further reset arguments (JSON values).")
-    system_prompt: str | None = Field(None, description="A system message before the prompt (chat prompt).")
-    eval_size: int = Field(64, ge=0, description="Distinct held-out prompts (from the eval seeds; train prompts "
-                           "that are one of them are skipped). run.eval_prompts scores the first ones.")
-    seed: int | None = Field(None, ge=0, lt=EVAL_SEED_OFFSET, description="First train seed; null: run.seed.")
-
-    @field_validator("kind")
-    @classmethod
-    def _installed(cls, v: str) -> str:
-        import importlib.util
-
-        if importlib.util.find_spec("openenv") is None:
-            raise ValueError("run.environment needs the 'openenv' package: pip install 'composer-mesh[openenv]'")
-        return v
-
-    @field_validator("url")
-    @classmethod
-    def _url(cls, v: str) -> str:
-        if not v.startswith(("http://", "https://", "ws://", "wss://")) or not urlsplit(v).hostname:
-            raise ValueError(f"url must be http(s):// or ws(s):// with a host, got {v!r}")
-        return v.rstrip("/")
-
-    @model_validator(mode="after")
-    def _consistent(self) -> OpenEnvConfig:
-        taken = {"seed", self.split_field} & set(self.reset)
-        if taken:
-            raise ValueError(f"run.environment.reset sets {sorted(k for k in taken if k)}: the prompt source sets "
-                             "the seed and split of each episode")
-        json.dumps(self.reset)  # crosses to the reward workers as JSON
-        if self.server is not None and urlsplit(self.url).port is None:
-            raise ValueError("run.environment.server needs a port in run.environment.url (e.g. http://127.0.0.1:8765)")
-        return self
 
 
 # ---------------------------------------------------------------------------------------------- errors

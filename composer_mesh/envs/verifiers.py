@@ -32,11 +32,10 @@ import json
 import logging
 import random
 from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
-
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from composer_mesh.envs.base import EnvironmentStateError
+from composer_mesh.envs.config import VerifiersConfig
 from composer_mesh.tasks.data import DataRow, default_eval_size, held_out_score
 
 if TYPE_CHECKING:
@@ -46,60 +45,6 @@ log = logging.getLogger("composer_mesh.envs.verifiers")
 
 EXTRA_KEY = "verifiers"  # Prompt.extra[EXTRA_KEY]: {"env": environment config, "task": task data}
 T = TypeVar("T")
-
-
-class VerifiersConfig(BaseModel):
-    """A verifiers environment as the run's prompts (`run.environment: {kind: verifiers, taskset: ...}`), scored by
-    its tasks' own rewards (`composer_mesh.envs.verifiers:score`)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    kind: Literal["verifiers"] = Field(description="Which environment library: 'verifiers'.")
-    taskset: str = Field(min_length=1, description="The taskset id: an installed taskset package (a module exporting "
-                         "one vf.Taskset subclass in __all__), e.g. 'gsm8k-v1'.")
-    taskset_config: dict[str, Any] = Field(default_factory=dict, description="Further fields of the taskset's "
-                                           "config (its TasksetConfig subclass), e.g. {task: {rewards: ...}}.")
-    env: str = Field("", description="An Env id to pair with the taskset (verifiers' `--env.id`); empty: the "
-                     "taskset's own Env, else SingleAgentEnv.")
-    eval_taskset_config: dict[str, Any] | None = Field(
-        None, description="The eval set from the same taskset with these config fields on top of taskset_config "
-        "(e.g. {split: test}); null: hold out eval_size prompts by hash."
-    )
-    eval_size: int | None = Field(None, ge=0, description="Prompts held out by a hash of the prompt (null: a tenth "
-                                  "of the distinct prompts, at most 64). Not with eval_taskset_config.")
-    chat: bool = Field(True, description="Prompts as chat messages (the task's system prompt and prompt, as a "
-                       "verifiers harness sends them); false: the prompt text alone, for a model without a chat "
-                       "template (e.g. the tiny one): then a task may have neither a system prompt nor several turns.")
-    limit: int | None = Field(None, ge=1, description="Use the first `limit` tasks (of each of the train and eval "
-                              "tasksets); needed for an infinite taskset.")
-    seed: int | None = Field(None, description="Seed of the per-epoch shuffle; null: run.seed.")
-
-    @field_validator("kind")
-    @classmethod
-    def _installed(cls, v: str) -> str:
-        import importlib.util
-
-        if importlib.util.find_spec("verifiers") is None:
-            raise ValueError("run.environment needs the 'verifiers' package: pip install 'composer-mesh[verifiers]'")
-        return v
-
-    @model_validator(mode="after")
-    def _consistent(self) -> VerifiersConfig:
-        if self.eval_taskset_config is not None and self.eval_size is not None:
-            raise ValueError("run.environment: eval_taskset_config and eval_size both choose the eval set; set one")
-        for name in ("taskset_config", "eval_taskset_config"):
-            value = getattr(self, name)
-            if value is not None and "id" in value:
-                raise ValueError(f"run.environment.{name} sets `id`: name the taskset in run.environment.taskset")
-            json.dumps(value)  # crosses to the reward workers as JSON
-        return self
-
-    def env_config(self, split: str = "train") -> dict[str, Any]:
-        """The verifiers environment config (`vf.resolve_env_config` input) of the train or eval tasks."""
-        fields = dict(self.taskset_config)
-        if split == "eval" and self.eval_taskset_config is not None:
-            fields.update(self.eval_taskset_config)
-        return {"id": self.env, "taskset": {**fields, "id": self.taskset}}
 
 
 def library_version() -> str:
