@@ -6,7 +6,6 @@ on CPU with every loss channel on real Monarch meshes."""
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ from composer_mesh.envs.reasoning_gym import score
 from composer_mesh.envs.tasks import TINY_ADDITION, tiny_addition
 from composer_mesh.orchestration.config import RunConfig
 from composer_mesh.orchestration.prompts import EnvironmentPrompts, PromptSourceError, prompt_source
+from envs.e2e import run_every_channel, shortened
 
 ROOT = Path(__file__).resolve().parents[2]
 TOPOLOGY = ROOT / "topologies" / "reasoning_gym.yaml"
@@ -168,28 +168,9 @@ def test_topology_validates_with_every_channel_and_the_warm_start_tasks_environm
 
 async def test_a_few_steps_on_cpu_with_every_loss_channel(tmp_path: Path) -> None:
     """The shipped topology, shortened (smaller warm starts and batches), on real local Monarch meshes."""
-    from composer_mesh.app.launch import launch
-    from composer_mesh.orchestration.loop import RLLoop
-    from composer_mesh.topology import parse_topology
-
-    data = _topology_data()
+    data = shortened(TOPOLOGY, tmp_path)
     data["model"]["warmstart"].update(steps=10, batch_size=16)
+    # A 40-step teacher is right on few questions (mostly one answer), but 24 prompts hold some of them, so
+    # channel 3 gets pairs; the full topology's teacher trains 300 steps.
     data["roles"]["teachers"]["members"][0]["settings"]["model"]["warmstart"].update(steps=40, batch_size=32)
-    # Lag 0: the run is a function of the seed. A 40-step teacher is right on few questions (mostly one answer),
-    # but 24 prompts hold some of them, so channel 3 gets pairs; the full topology's teacher trains 300 steps.
-    data["run"].update(steps=3, prompts_per_step=8, samples_per_prompt=2, max_policy_lag=0, eval_prompts=4,
-                       eval_every=0, eval_pass_k=0, run_dir=str(tmp_path / "run"), checkpoint_every=0)
-    topo = parse_topology(yaml.safe_dump(data), str(TOPOLOGY))
-    async with launch(topo) as mesh:
-        summary = await RLLoop(mesh, topo.run, topo.loss).run()
-        stats = list((await mesh.rewarder.stats.call()).values())
-    assert summary.steps == 3
-    assert sum(s["calls"] for s in stats) > 0 and sum(s["failures"] for s in stats) == 0  # the library scored all
-    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in lines if "event" not in r]
-    assert [r["step"] for r in steps] == [1, 2, 3]
-    for r in steps:
-        assert math.isfinite(r["loss"]) and {"grpo", "sdpo"} <= set(r["channels"])
-        assert r["metrics"]["replay/pairs"] + r["metrics"]["replay/traces_not_better"] == 8  # a trace per prompt
-    assert any("replay" in r["channels"] for r in steps)  # a teacher trace beat a sample: channel 3 trained
-    assert [e["when"] for e in lines if e.get("event") == "eval"] == ["before", "after"]
+    await run_every_channel(data, TOPOLOGY)
