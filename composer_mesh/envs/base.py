@@ -29,3 +29,7 @@ class Environment(Protocol):
     def restore(self, state: dict[str, Any]) -> None:
         """Continue from `state()`; `EnvironmentStateError` if it is another environment's."""
 
+    def close(self) -> None:
+        """Release what the environment started (e.g. an OpenEnv server), so it does not outlive the run;
+        idempotent."""
+

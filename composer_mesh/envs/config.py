@@ -164,8 +164,9 @@ class VerifiersConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     kind: Literal["verifiers"] = Field(description="Which environment library: 'verifiers'.")
-    taskset: str = Field(min_length=1, description="The taskset id: an installed taskset package (a module exporting "
-                         "one vf.Taskset subclass in __all__), e.g. 'gsm8k-v1'.")
+    taskset: str = Field(min_length=1, description="The taskset id: an installed taskset package (a top-level module "
+                         "exporting one vf.Taskset subclass in __all__), e.g. 'gsm8k-v1'; or such a module's dotted "
+                         "path, e.g. 'composer_mesh.envs.addition_taskset' (the shipped example).")
     taskset_config: dict[str, Any] = Field(default_factory=dict, description="Further fields of the taskset's "
                                            "config (its TasksetConfig subclass), e.g. {task: {rewards: ...}}.")
     env: str = Field("", description="An Env id to pair with the taskset (verifiers' `--env.id`); empty: the "

@@ -343,9 +343,9 @@ def prompt_key(text: str, messages: list[dict[str, str]] | None) -> str:
 class OpenEnvEnvironment:
     """An OpenEnv server's episodes as a train stream and a disjoint, fixed eval set (`composer_mesh.envs.Environment`).
 
-    Starts `cfg.server` first if set (stopped by `close()`, or when this object goes away). The eval set (the
-    first `eval_size` distinct prompts of the eval seeds) is fetched here, so an unreachable server or a wrong
-    observation field fails now. The stream's position (train seeds used, skipped ones included) is its state."""
+    Starts `cfg.server` first if set: the run stops it with `close()`; a finalizer stops it when this object goes
+    away unclosed, and the server's lifeline when the process dies. The eval set (the first `eval_size` distinct
+    prompts of the eval seeds) is fetched here, so an unreachable server or a wrong observation field fails now. The stream's position (train seeds used, skipped ones included) is its state."""
 
     def __init__(self, cfg: OpenEnvConfig, seed: int) -> None:
         self.cfg, self.seed = cfg, cfg.seed if cfg.seed is not None else seed
@@ -364,7 +364,7 @@ class OpenEnvEnvironment:
         self.digest = self._digest()
 
     def close(self) -> None:
-        """Stop the server this environment started (if any)."""
+        """Stop the server this environment started (if any); a second call does nothing."""
         self._finalizer()
 
     def reset_args(self, seed: int, split: str) -> dict[str, Any]:

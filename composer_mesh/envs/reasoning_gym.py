@@ -166,6 +166,9 @@ class ReasoningGymEnvironment:
                 f"{self.name} (digest {self.digest}): run.environment, the seed or reasoning-gym changed")
         self.position, self.skipped = int(state["position"]), int(state["skipped"])
 
+    def close(self) -> None:
+        """Nothing to release: the library runs in this process."""
+
 
 def score(prompt: str, completion: str, answer: str | None, extra: dict[str, Any] | None = None) -> float:
     """Reward function for the `python` rewarder (`composer_mesh.envs.reasoning_gym:score`): reasoning-gym's own

@@ -4,9 +4,11 @@ and rewards.
 verifiers 0.4 composes an environment (`vf.Env`) from a taskset (`vf.Taskset`: typed `vf.Task`s, each holding its
 `TaskData` and its `@vf.reward` functions) and the agents that play it (a `vf.Harness` per seat). A taskset is an
 installed package, named by its id (`verifiers.v1.tasksets.<id>`, or a top-level module exporting one `Taskset`
-subclass in `__all__`). Here the environment is loaded with `vf.load_environment` and its taskset's tasks become
-the prompts; our generators play the agent, so a completion is scored the way `vf-replay` re-scores a saved
-trace: a `vf.Trace` of the prompt and the completion, `await task.score(trace)`, the weighted sum `trace.reward`.
+subclass in `__all__`); a dotted module path (e.g. the shipped `composer_mesh.envs.addition_taskset`) is imported
+here and handed to verifiers under a top-level alias (`verifiers_id`). The environment is loaded with
+`vf.load_environment` and its taskset's tasks become the prompts; our generators play the agent, so a completion
+is scored the way `vf-replay` re-scores a saved trace: a `vf.Trace` of the prompt and the completion,
+`await task.score(trace)`, the weighted sum `trace.reward`.
 Rewards that need a runtime (the sandbox an agent ran in) cannot run on a completion alone: a task with only
 those is an error, a task with some is scored by the others (logged once).
 
@@ -26,11 +28,13 @@ import asyncio
 import concurrent.futures
 import functools
 import hashlib
+import importlib
 import importlib.metadata
 import inspect
 import json
 import logging
 import random
+import sys
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -51,12 +55,27 @@ def library_version() -> str:
     return importlib.metadata.version("verifiers")
 
 
+def verifiers_id(taskset: str) -> str:
+    """The id verifiers 0.4 resolves for `taskset`. It imports an id as a top-level module (or one of its own
+    `verifiers.v1.tasksets`), so a dotted module path, a taskset inside a package, is imported here and
+    registered under a top-level alias (its dots as underscores): the same in every process that loads it."""
+    if "." not in taskset or "/" in taskset or "@" in taskset:  # an id (a hub id may be `owner/name@1.0`)
+        return taskset
+    module = importlib.import_module(taskset)
+    alias = taskset.replace(".", "_").lower()  # verifiers lowercases ids
+    if sys.modules.setdefault(alias, module) is not module:
+        raise ValueError(f"taskset {taskset!r}: a module {alias!r} (its alias for verifiers) is already imported")
+    return alias
+
+
 @functools.lru_cache(maxsize=16)
 def _environment(config_json: str) -> vf.Env:
     """The environment of a config (JSON with sorted keys), loaded once per process."""
     import verifiers.v1 as vf
 
-    return vf.load_environment(vf.resolve_env_config(json.loads(config_json)))
+    config = json.loads(config_json)
+    config["taskset"]["id"] = verifiers_id(config["taskset"]["id"])
+    return vf.load_environment(vf.resolve_env_config(config))
 
 
 def load(config: dict[str, Any]) -> vf.Env:
@@ -187,6 +206,9 @@ class VerifiersEnvironment:
                 f"the checkpoint's prompts are {state.get('environment')} (digest {state.get('digest')}), this run's "
                 f"{self.name} (digest {self.digest}): run.environment, the seed, the taskset or verifiers changed")
         self.position = int(state["position"])
+
+    def close(self) -> None:
+        """Nothing to release: the tasksets run in this process."""
 
 
 # ---------------------------------------------------------------------------------------------- reward

@@ -460,7 +460,10 @@ class RLLoop:
             self._forgive_idle_deaths(writer)
             await self.trainers.each("close")
         finally:
-            writer.close()
+            try:
+                writer.close()
+            finally:
+                self.prompts.close()  # e.g. stops run.environment's server: the rewarder is done with it
         if writer.records:
             plot_run(writer.records, cfg.run_dir / "plot.png")
         return self._summary(writer, schedule, t_start, train_start, resumed, last, eval_before, eval_after)

@@ -4,7 +4,8 @@ Three sources: `TaskPrompts` samples a procedural `Task` (its "train" and "eval"
 rows of a data set (`run.data`, read by `composer_mesh.tasks.data`) in a shuffled order per epoch, and
 `EnvironmentPrompts` draws an environment's stream (`run.environment`, `composer_mesh.envs`). The train
 stream's position is part of a run checkpoint (`state()` / `restore()`, JSON), so a resumed run draws exactly the
-prompts the uninterrupted one would have. Train prompts are `p<N>` (N: index in the stream, across epochs), eval
+prompts the uninterrupted one would have. `close()` (called by the run when it ends) releases what a source
+started, such as an environment's server. Train prompts are `p<N>` (N: index in the stream, across epochs), eval
 prompts `eval<N>`. Token ids are left empty: the generators' tokenizer fills them in.
 """
 
@@ -53,6 +54,9 @@ class PromptSource(ABC):
     @abstractmethod
     def restore(self, state: dict[str, Any]) -> None:
         """Continue from `state()` of the same source (PromptSourceError for another source's)."""
+
+    def close(self) -> None:  # noqa: B027  (a hook: only an environment's source holds anything)
+        """Release what the source holds (an environment's server); the run calls it once it ends."""
 
     def _check_kind(self, state: dict[str, Any]) -> None:
         if state.get("kind") != self.kind:
@@ -232,6 +236,9 @@ class EnvironmentPrompts(PromptSource):
         except EnvironmentStateError as e:
             raise PromptSourceError(str(e)) from e
         self.count = int(state["count"])
+
+    def close(self) -> None:
+        self.env.close()
 
 
 def _has_splits(task: Task) -> bool:

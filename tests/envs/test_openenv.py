@@ -1,8 +1,9 @@
 """OpenEnv as a run's environment, against a real environment server on localhost (the library's `create_app` and
 `EnvClient`, no fakes): prompts are the server's reset observations, train and eval share no prompt, an episode
 replayed over the WebSocket API scores a completion (also in the `python` rewarder's worker processes), timeouts
-and a busy server are retried, a server that is down is named, and `EnvServer` starts, stops and never outlives
-the process that started it."""
+and a busy server are retried, a server that is down is named, `EnvServer` starts, stops when the run's prompt
+source is closed and never outlives the process that started it, and the shipped topology runs a few RL steps
+on CPU with every loss channel on real Monarch meshes."""
 
 from __future__ import annotations
 
@@ -42,8 +43,10 @@ from composer_mesh.envs.openenv import (
     score,
     ws_url,
 )
-from composer_mesh.orchestration.prompts import EnvironmentPrompts
+from composer_mesh.orchestration.config import RunConfig
+from composer_mesh.orchestration.prompts import EnvironmentPrompts, prompt_source
 from composer_mesh.tasks.arithmetic import AdditionTask
+from envs.e2e import run_every_channel, shortened
 
 ROOT = Path(__file__).resolve().parents[2]
 TOPOLOGY = ROOT / "topologies" / "openenv.yaml"
@@ -89,6 +92,14 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def assert_stopped(url: str, pid: int) -> None:
+    """The server started as process group `pid` is gone and nothing answers at `url` any more."""
+    with pytest.raises(ProcessLookupError):
+        os.killpg(pid, 0)
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{url}/health", timeout=1.0)
 
 
 def uvicorn(app: str, app_dir: Path | None = None) -> list[str]:
@@ -269,6 +280,19 @@ def test_the_server_never_outlives_the_process_that_started_it(tmp_path: Path) -
     pytest.fail(f"the server at {url} outlived the process that started it")
 
 
+def test_closing_the_prompt_source_stops_the_server_its_environment_started() -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    server = {"command": uvicorn("composer_mesh.envs.openenv:addition_app")}
+    src = prompt_source(RunConfig(environment={"kind": "openenv", "url": url, "server": server, "eval_size": 4}))
+    assert isinstance(src, EnvironmentPrompts) and isinstance(src.env, OpenEnvEnvironment)
+    assert src.env.server is not None and src.env.server.process is not None
+    pid = src.env.server.process.pid
+    assert len(src.take(2)) == 2
+    src.close()
+    assert_stopped(url, pid)
+    src.close()  # twice is fine
+
+
 def test_the_shipped_topology_starts_the_shipped_environment() -> None:
     from composer_mesh.envs.config import EnvironmentConfig
     from composer_mesh.topology import load_topology
@@ -284,6 +308,27 @@ def test_the_shipped_topology_starts_the_shipped_environment() -> None:
     assert load_topology(TOPOLOGY).run.environment == env
 
 
+async def test_a_few_steps_on_cpu_with_every_loss_channel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shipped topology, shortened, on real local Monarch meshes, with its server on a free port (not 8765,
+    so runs side by side do not clash); the run's end stops the server it started."""
+    url = f"http://127.0.0.1:{free_port()}"
+    data = shortened(TOPOLOGY, tmp_path)
+    data["run"]["environment"]["url"] = url
+    started: list[int] = []  # the pids of the servers the run starts
+    start = EnvServer.start
+
+    def record(self: EnvServer) -> EnvServer:
+        running = start(self)
+        assert running.process is not None
+        started.append(running.process.pid)
+        return running
+
+    monkeypatch.setattr(EnvServer, "start", record)
+    await run_every_channel(data, TOPOLOGY)
+    assert len(started) == 1
+    assert_stopped(url, started[0])
+
+
 def test_a_timed_out_episode_is_retried_then_named(server: EnvServer) -> None:
     """Last in the module: the sleeping steps hold their sessions for a second after the client gave up."""
     client = EpisodeClient(server.url, ClientSettings(message_timeout_s=0.3, max_retries=1, backoff_s=0.01))
@@ -293,3 +338,4 @@ def test_a_timed_out_episode_is_retried_then_named(server: EnvServer) -> None:
     assert time.monotonic() - started < 1.5  # both attempts were cut at the message timeout
     assert f"OpenEnv server {server.url}: episode timed out (after 2 attempts" in str(e.value)
     assert "message timeout 0.3s" in str(e.value)
+

@@ -1,8 +1,9 @@
-"""verifiers 0.4 as a run's environment, with the real library (no fakes) and tasksets of our own (environments
-ship as separate packages: these are modules written to a temporary directory on the path, the first one read
-from docs/verifiers.md): prompts are the taskset's tasks, train and eval share no prompt, the task's own rewards
-score completions through `Task.score` (also in the `python` rewarder's worker processes), and the stream
-survives a checkpoint."""
+"""verifiers 0.4 as a run's environment, with the real library (no fakes): the shipped taskset
+(composer_mesh/envs/addition_taskset.py, named by its module path; docs/verifiers.md shows it) and tasksets of our
+own (top-level modules written to a temporary directory on the path, as installed taskset packages are): prompts
+are the taskset's tasks, train and eval share no prompt, the task's own rewards score completions through
+`Task.score` (also in the `python` rewarder's worker processes), the stream survives a checkpoint, and the
+shipped topology runs a few steps with every loss channel."""
 
 from __future__ import annotations
 
@@ -14,17 +15,19 @@ from pathlib import Path
 
 import pytest
 import yaml
-from pydantic import TypeAdapter, ValidationError
+from pydantic import ValidationError
 
 from composer_mesh.actors.messages import Rollout
 from composer_mesh.envs.base import EnvironmentStateError
 from composer_mesh.envs.verifiers import VerifiersConfig, VerifiersEnvironment, score
 from composer_mesh.orchestration.prompts import EnvironmentPrompts
 from composer_mesh.tasks.arithmetic import AdditionTask
+from envs.e2e import run_every_channel, shortened
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs" / "verifiers.md"
 TOPOLOGY = ROOT / "topologies" / "verifiers.yaml"
+SHIPPED = "composer_mesh.envs.addition_taskset"  # the example taskset, by its module path
 
 # Chat prompts with a system prompt, two weighted rewards, a metric, and a reward that needs a runtime.
 CHAT_SUMS = '''
@@ -108,19 +111,19 @@ __all__ = ["Endless"]
 '''
 
 
-def docs_taskset() -> str:
-    """The taskset docs/verifiers.md shows (the block after its `<!-- taskset: addition_taskset.py -->`)."""
-    match = re.search(r"<!-- taskset: addition_taskset.py -->\n```python\n(.*?)```", DOCS.read_text(), re.S)
+def test_the_docs_show_the_shipped_taskset() -> None:
+    """docs/verifiers.md's block after `<!-- taskset: composer_mesh/envs/addition_taskset.py -->` is that file."""
+    path = "composer_mesh/envs/addition_taskset.py"
+    match = re.search(rf"<!-- taskset: {path} -->\n```python\n(.*?)```", DOCS.read_text(), re.S)
     assert match, "docs/verifiers.md lost its taskset block"
-    return match.group(1)
+    assert match.group(1) == (ROOT / path).read_text(), f"docs/verifiers.md shows another taskset than {path}"
 
 
 @pytest.fixture(scope="module", autouse=True)
 def tasksets(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """The tasksets as top-level modules on the path (the reward workers inherit it)."""
+    """Our test tasksets as top-level modules on the path (the reward workers inherit it)."""
     where = tmp_path_factory.mktemp("tasksets")
-    for name, source in {"addition_taskset": docs_taskset(), "chat_sums": CHAT_SUMS, "sandboxed_sums": SANDBOXED,
-                         "endless_sums": ENDLESS}.items():
+    for name, source in {"chat_sums": CHAT_SUMS, "sandboxed_sums": SANDBOXED, "endless_sums": ENDLESS}.items():
         (where / f"{name}.py").write_text(source)
     sys.path.insert(0, str(where))
     yield where
@@ -132,8 +135,8 @@ def environment(taskset: str = "chat_sums", seed: int = 0, **fields: object) -> 
                                 seed)
 
 
-def test_the_docs_taskset_as_the_tiny_models_prompts() -> None:
-    env = environment("addition_taskset", eval_taskset_config={"split": "eval"}, chat=False)
+def test_the_shipped_taskset_as_the_tiny_models_prompts() -> None:
+    env = environment(SHIPPED, eval_taskset_config={"split": "eval"}, chat=False)
     src = EnvironmentPrompts(env)
     pairs = AdditionTask().pairs  # the taskset's eval split is the addition task's held-out fifth
     assert {p.text for p in src.eval_prompts(20)} == {f"{a}+{b}=" for a, b in pairs["eval"]}
@@ -226,6 +229,8 @@ def test_config_errors_are_named() -> None:
         VerifiersConfig(kind="verifiers", taskset="chat_sums", taskset_config={"id": "other"})
     with pytest.raises(ValueError, match=r"verifiers cannot load the environment .*no_such_taskset.* not found"):
         environment("no_such_taskset")
+    with pytest.raises(ValueError, match=r"cannot load .*ModuleNotFoundError: No module named 'composer_mesh.nope'"):
+        environment("composer_mesh.nope.taskset")
     with pytest.raises(ValueError, match=r"taskset 'endless_sums' is infinite: set run.environment.limit"):
         environment("endless_sums")
     assert len(environment("endless_sums", limit=30).train) == 27  # 3 of 30 held out
@@ -233,17 +238,24 @@ def test_config_errors_are_named() -> None:
         environment(chat=False)
 
 
-def test_the_shipped_topology_names_the_docs_taskset() -> None:
-    from composer_mesh.envs.config import EnvironmentConfig
+def test_the_shipped_topology_names_the_shipped_taskset() -> None:
     from composer_mesh.topology import load_topology
 
     data = yaml.safe_load(TOPOLOGY.read_text())
     env = VerifiersConfig.model_validate(data["run"]["environment"])
-    assert env.taskset == "addition_taskset" and env.eval_taskset_config == {"split": "eval"} and not env.chat
+    assert env.taskset == SHIPPED and env.eval_taskset_config == {"split": "eval"} and not env.chat
     assert data["roles"]["rewarder"]["settings"]["functions"][0]["path"] == "composer_mesh.envs.verifiers:score"
     assert data["model"]["warmstart"]["task"] == "addition"  # trains on the train split only: eval stays unseen
-    try:
-        TypeAdapter(EnvironmentConfig).validate_python(data["run"]["environment"])
-    except ValidationError:
-        pytest.skip("run.environment does not take kind 'verifiers' yet (composer_mesh/envs/config.py)")
     assert load_topology(TOPOLOGY).run.environment == env
+
+
+async def test_a_few_steps_on_cpu_with_every_loss_channel(tmp_path: Path) -> None:
+    """The shipped topology, shortened, on real local Monarch meshes: the shipped taskset loads by its module
+    path in the controller and in the reward workers."""
+    data = shortened(TOPOLOGY, tmp_path)
+    data["model"]["warmstart"].update(steps=10, batch_size=16)
+    # The teacher's own model, warm-started as the shipped policy is (~35% right; the default teacher trains 150
+    # steps): right on some of the 24 prompts where the 10-step policy is not, so channel 3 gets pairs.
+    teacher = {"source": "tiny", "task": "addition", "seed": 1, "warmstart": {"task": "addition", "steps": 40}}
+    data["roles"]["teachers"]["members"][0]["settings"] = {"model": teacher}
+    await run_every_channel(data, TOPOLOGY)
