@@ -1,4 +1,5 @@
-"""`ModelConfig`: the topology's `model:` section (the policy model shared by trainer and generators).
+"""`ModelConfig`: the topology's `model:` section (the policy model shared by trainer and generators), and
+`LoraConfig`: low-rank adapters on it (the `hf` trainer's `lora` setting; applied by `models/lora.py`).
 
 A model is either the built-in tiny Qwen2 (`source: tiny`, built offline and deterministically from the
 knobs below and `seed`) or a local directory written by transformers' `save_pretrained`. An optional
@@ -25,6 +26,7 @@ from pydantic import (
 )
 
 DType = Literal["float32", "bfloat16", "float16"]
+LoraSync = Literal["merged", "adapter"]
 
 # Bumped when what a config builds changes without the config changing (cached models of older recipes are
 # rebuilt): 2 = warm starts train on the task's train split only (the eval split is held out).
@@ -144,3 +146,40 @@ class ModelConfig(BaseModel):
             )
         blob = json.dumps(payload, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
+
+
+class LoraConfig(BaseModel):
+    """Low-rank adapters (LoRA, via peft) on the policy: only the adapters train, the base stays frozen."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    r: int = Field(8, ge=1, description="Rank of each adapter (lora_A: r x in, lora_B: out x r).")
+    alpha: float = Field(16.0, gt=0, description="Scaling numerator: the adapter's update is (alpha / r) * B @ A.")
+    dropout: float = Field(
+        0.0, ge=0, lt=1, description="Dropout on the adapters' input while training (the frozen base path has none)."
+    )
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear",
+        description="Modules that get adapters: 'all-linear' (every linear layer but the LM head) or a list of module "
+        "names, each matching a module's full name or its last parts (e.g. q_proj, v_proj). A name matching no "
+        "module of the model, the LM head or the input embeddings is refused when the trainer starts.",
+    )
+    sync: LoraSync = Field(
+        "merged",
+        description="What generators receive over the weight plane: 'merged' (the full weights, base + adapter, "
+        "under the plain model's names: every generator binding takes them) or 'adapter' (only the adapter tensors, "
+        "for generator bindings with capability 'adapters', which apply the same LoRA config themselves).",
+    )
+
+    @field_validator("target_modules")
+    @classmethod
+    def _check_targets(cls, v: list[str] | str) -> list[str] | str:
+        if isinstance(v, list):
+            if not v:
+                raise ValueError("lora.target_modules is empty; give module names or 'all-linear'")
+            bad = [name for name in v if not name or name != name.strip() or name.startswith(".") or name.endswith(".")]
+            if bad:
+                raise ValueError(f"lora.target_modules: {bad} are not module names (e.g. q_proj or self_attn.q_proj)")
+            if len(set(v)) != len(v):
+                raise ValueError(f"lora.target_modules names a module twice: {v}")
+        return v

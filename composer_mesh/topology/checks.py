@@ -28,6 +28,8 @@ from composer_mesh.topology.yaml_errors import Loc, field_type
 
 # A binding whose class lists this capability always needs a GPU (checked against the mesh's gpus_per_proc).
 GPU_CAPABILITY = "gpu"
+# A generator binding that applies LoRA adapters itself and takes adapter tensors from the weight plane.
+ADAPTERS_CAPABILITY = "adapters"
 # The sections owned by the components (validated on their own for the checks).
 SECTIONS: tuple[str, ...] = ("model", "loss", "weights", "diloco", "run")
 
@@ -41,6 +43,8 @@ CROSS_CHECKS: tuple[str, ...] = (
     "channel `replay` (both default to 1.0, so set them to 0 to run without teachers)",
     "`diloco` is given exactly when `roles.trainer.replicas > 1`, and `diloco.replicas` equals it",
     "the trainer mesh's procs (hosts × procs_per_host) split evenly into `roles.trainer.replicas`",
+    "a trainer with `settings.lora` has no `diloco`; `lora.sync: adapter` needs a generator binding with "
+    "capability `adapters` (one that applies the same LoRA config and loads adapter tensors)",
     "Slurm meshes that may share a node (`exclusive: false`, same partition) use different `monarch_port`s",
     "`local` meshes never share a GPU: those without `gpu_offset` / `gpu_devices` take the lowest free GPUs "
     "in mesh order, and pinned ones must not overlap (roles that should share GPUs share one mesh)",
@@ -275,6 +279,30 @@ def check_replicas_fit_mesh(parts: Parts) -> Iterator[Problem]:
         )
 
 
+def check_lora(parts: Parts) -> Iterator[Problem]:
+    """LoRA trains without DiLoCo, and adapter-only sync needs generators that apply adapters."""
+    trainer = parts.roles.get("trainer")
+    lora = getattr(trainer.settings, "lora", None) if isinstance(trainer, TrainerSpec) else None
+    if lora is None:
+        return
+    if parts.sections.get("diloco") is not None:
+        yield (
+            ("roles", "trainer", "settings", "lora"),
+            "lora cannot be combined with diloco (DiLoCo would synchronise and checkpoint the whole frozen model, "
+            "not the adapters); remove one of them",
+        )
+    generators = parts.roles.get("generators")
+    if getattr(lora, "sync", None) == "adapter" and isinstance(generators, GeneratorsSpec):
+        caps = generators.resolved.capabilities
+        if ADAPTERS_CAPABILITY not in caps:
+            yield (
+                ("roles", "trainer", "settings", "lora", "sync"),
+                f"lora.sync: adapter publishes only the adapter tensors, but generator binding "
+                f"{generators.binding!r} cannot apply adapters (its capabilities are {sorted(caps) or 'none'}, it "
+                f"needs {ADAPTERS_CAPABILITY!r}); use lora.sync: merged",
+            )
+
+
 CHECKS: tuple[Callable[[Parts], Iterator[Problem]], ...] = (
     check_meshes_used,
     check_gpu_meshes,
@@ -284,6 +312,7 @@ CHECKS: tuple[Callable[[Parts], Iterator[Problem]], ...] = (
     check_local_gpus,
     check_diloco_replicas,
     check_replicas_fit_mesh,
+    check_lora,
 )
 
 

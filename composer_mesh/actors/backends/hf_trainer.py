@@ -6,6 +6,11 @@ Each micro-batch becomes `compose_loss` inputs in `train_batch.build_piece` and 
 gradient of the whole batch's loss, however it is cut. Precision: `fp32`; `bf16-mixed` (forward under bf16
 autocast, float32 master weights and AdamW state); `bf16` (weights and AdamW state in bf16).
 
+With `lora` (a `LoraConfig`), peft adapters are injected into the loaded model (`models/lora.py`): only they
+train and only they are in AdamW and the trainer state (the frozen base is rebuilt from `model.source`); the KL /
+DPO reference is the same model with its adapters disabled, not a copy; generators get the merged weights, or
+the adapter tensors alone with `lora.sync: adapter` (`weight_kind`).
+
 Weight versions are not counted here: the trainer service's weight publisher is the one counter, and it
 stamps `TrainMetrics.weight_version` and hands the version to `save_checkpoint`.
 """
@@ -14,7 +19,8 @@ from __future__ import annotations
 
 import copy
 import json
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
@@ -27,11 +33,13 @@ from composer_mesh.actors.messages import TrainBatch, TrainMetrics
 from composer_mesh.loss.compose import LossAccumulator, LossResult, new_loss_state
 from composer_mesh.loss.config import LossConfig
 from composer_mesh.loss.grpo import group_advantages
+from composer_mesh.models.config import LoraConfig
 
 if TYPE_CHECKING:
     from composer_mesh.actors.backends.trainer_state import TrainerSnapshot
 
 Precision = Literal["fp32", "bf16-mixed", "bf16"]
+WeightKind = Literal["full", "adapter"]
 
 
 class HFTrainerSettings(TorchSettings):
@@ -43,8 +51,14 @@ class HFTrainerSettings(TorchSettings):
     grad_clip: float | None = Field(1.0, gt=0, description="Clip the global gradient norm to this (None: off).")
     reference_model: bool = Field(
         True,
-        description="Keep a frozen copy of the initial policy for the KL term and DPO reference log-probs. "
-        "Without it those terms are off.",
+        description="Keep a frozen copy of the initial policy for the KL term and DPO reference log-probs (with "
+        "lora: no copy, the base model with the adapters disabled). Without it those terms are off.",
+    )
+    lora: LoraConfig | None = Field(
+        None,
+        description="Train low-rank adapters (peft LoRA) instead of the whole model: the base weights stay frozen, "
+        "AdamW and the trainer state hold only the adapters, and the end-of-run checkpoint holds the merged model "
+        "plus the adapter under adapter/. Needs peft (the 'lora' extra); not with DiLoCo. null = full fine-tuning.",
     )
     micro_batch_tokens: int | None = Field(
         None, ge=1,
@@ -91,16 +105,24 @@ class HFTrainer:
         self.model: torch.nn.Module | None = None
         self.step = 0  # optimizer steps taken
         self.loss_state: Any = None
+        # What `named_weights` holds: the full weights ('full'), or the LoRA adapter tensors ('adapter', with
+        # lora.sync: adapter), for generators that apply the same LoRA config (`models.lora.load_adapter_weights`).
+        self.weight_kind: WeightKind = "adapter" if settings.lora is not None and settings.lora.sync == "adapter" else "full"
 
     # ---- setup -----------------------------------------------------------------------------------
     def start(
         self, model_config: Any, loss: LossConfig, temperature: float = 1.0,
         diloco: Any = None, replica_id: int = 0,
     ) -> None:
-        """Build model, reference, AdamW and the loss state; with `diloco` (a `DiLoCoConfig`), wrap the
-        optimizer in DiLoCo so every `sync_every` inner steps this replica syncs through the object store."""
+        """Build model (with LoRA adapters if set), reference, AdamW and the loss state; with `diloco` (a
+        `DiLoCoConfig`), wrap the optimizer in DiLoCo so every `sync_every` inner steps this replica syncs
+        through the object store."""
         from composer_mesh.models.loading import load_pretrained, torch_dtype
 
+        if self.settings.lora is not None and diloco is not None:
+            raise ValueError("trainer.settings.lora and diloco (roles.trainer.replicas > 1) cannot be combined: "
+                             "DiLoCo would synchronise and checkpoint the whole frozen model, not the adapters; "
+                             "drop one of them")
         torch.set_num_threads(self.settings.torch_threads)
         self.model, self.tokenizer = load_pretrained(model_config, device=self.settings.device)
         # Training keeps its own dtype (float32 master weights unless precision is 'bf16'); generators load
@@ -109,6 +131,10 @@ class HFTrainer:
         self.model.to(torch.bfloat16 if self.settings.precision == "bf16" else torch.float32)
         if self.settings.attn_implementation is not None:
             self.model.set_attn_implementation(self.settings.attn_implementation)
+        if self.settings.lora is not None:
+            from composer_mesh.models.lora import apply_lora
+
+            self.model = apply_lora(self.model, self.settings.lora)
         if self.settings.lm_head == "chunked":
             check_chunked_head(self.model)
         if self.settings.activation_checkpointing:
@@ -116,13 +142,10 @@ class HFTrainer:
         self.model.train()
         self.loss = loss
         self.temperature = temperature
-        self.reference = None
-        if self.settings.reference_model and (loss.kl_beta > 0 or (loss.beta_replay > 0 and loss.dpo_variant == "dpo")):
-            self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
-            if self.settings.precision == "bf16-mixed":  # it only ever runs under bf16 autocast: half the memory
-                self.reference.to(torch.bfloat16)
+        self._build_reference(loss)
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=self.settings.lr, weight_decay=self.settings.weight_decay,
+            [p for p in self.model.parameters() if p.requires_grad],  # with LoRA: the adapters only
+            lr=self.settings.lr, weight_decay=self.settings.weight_decay,
             betas=self.settings.betas, foreach=True,  # one multi-tensor update (torch picks it on GPUs, not on CPU)
         )
         self.loss_state = new_loss_state(loss)
@@ -132,6 +155,35 @@ class HFTrainer:
 
             self.diloco = ObjectStoreDiLoCo(self.model, self.optimizer, diloco, replica_id)
             self.diloco.__enter__()
+
+    def _build_reference(self, loss: LossConfig) -> None:
+        """The KL / DPO reference, when a term needs it: a frozen copy of the initial policy, or with LoRA the
+        policy itself run under `_base_policy` (adapters off: the initial policy, since the base never trains)."""
+        assert self.model is not None
+        self.reference: torch.nn.Module | None = None
+        self.reference_scope: Callable[[], AbstractContextManager[Any]] = nullcontext  # a reference forward's context
+        if not (self.settings.reference_model and (loss.kl_beta > 0 or (loss.beta_replay > 0 and loss.dpo_variant == "dpo"))):
+            return
+        if self.settings.lora is not None:
+            self.reference, self.reference_scope = self.model, self._base_policy
+            return
+        self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+        if self.settings.precision == "bf16-mixed":  # it only ever runs under bf16 autocast: half the memory
+            self.reference.to(torch.bfloat16)
+
+    @contextmanager
+    def _base_policy(self) -> Iterator[None]:
+        """The LoRA policy as its frozen base, in eval mode (as the copied reference is), for a reference forward."""
+        from composer_mesh.models.lora import adapter_disabled
+
+        assert self.model is not None
+        training = self.model.training
+        self.model.eval()
+        try:
+            with adapter_disabled(self.model):
+                yield
+        finally:
+            self.model.train(training)
 
     def rejoin(self, round_id: int) -> int:
         """Right after `start`, in place of a dead DiLoCo replica: heal from the store at round `round_id`
@@ -143,11 +195,19 @@ class HFTrainer:
         return self.step
 
     def named_weights(self) -> dict[str, torch.Tensor]:
-        """The tensors generators need (parameters, tied ones once, and persistent buffers), by HF name, in the
-        model config's dtype (a copy only where the training dtype differs)."""
+        """What generators get (`weight_kind`). 'full': the tensors generators need (parameters, tied ones once,
+        and persistent buffers), by HF name, in the model config's dtype (a copy only where the training dtype
+        differs); with LoRA the adapters merged in, under the plain model's names. 'adapter': the LoRA adapter
+        tensors by the injected model's names (`models.lora.adapter_weights`), in their training dtype (float32)."""
         from composer_mesh.models.loading import named_weights
 
         assert self.model is not None, "call start() first"
+        if self.settings.lora is not None:
+            from composer_mesh.models.lora import adapter_weights, merged_weights
+
+            if self.weight_kind == "adapter":
+                return adapter_weights(self.model)
+            return merged_weights(self.model, self.publish_dtype)
         return {
             name: t.to(self.publish_dtype) if t.is_floating_point() else t
             for name, t in named_weights(self.model).items()
@@ -165,7 +225,8 @@ class HFTrainer:
         s = self.settings
         self.optimizer.zero_grad(set_to_none=True)
         data = TrainRows.of(batch, self.loss)
-        run = StudentPass(self.model, self.loss, self.temperature, self.reference, s.lm_head, s.packing)
+        run = StudentPass(self.model, self.loss, self.temperature, self.reference, s.lm_head, s.packing,
+                          self.reference_scope)
         advantages = group_advantages(data.rewards, data.group_ids, self.loss.scale_std, self.loss.advantage_eps)
         accumulator = LossAccumulator(self.loss, data.totals(), step=self.step, state=self.loss_state)
         pieces = data.micro_batches(s.micro_batch_tokens, s.packing)
@@ -183,7 +244,8 @@ class HFTrainer:
             metrics.setdefault("replay/pairs", float(len(data.pairs)))
             metrics["replay/traces_not_better"] = float(data.traces_not_better)
         if s.grad_clip is not None:
-            metrics["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), s.grad_clip))
+            params = [p for group in self.optimizer.param_groups for p in group["params"]]
+            metrics["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, s.grad_clip))
         self.optimizer.step()  # with DiLoCo: every sync_every steps, the outer step happens inside this call
         if self.diloco is not None:
             metrics["diloco/outer_step"] = float(self.diloco.outer_step)
@@ -208,17 +270,27 @@ class HFTrainer:
         the step, the RNGs, the loss state and, on a DiLoCo replica, its DiLoCo state. Taken on the training
         thread between steps, and cheap (CPU copies, no serialisation, no I/O): write it with
         `write_trainer_state`, also from another thread while training goes on. The reference model is not
-        saved: `start` rebuilds it from the model source. A DiLoCo replica refuses while a fragment's sync is
-        in flight (`DiLoCoConfig.checkpointable`)."""
+        saved: `start` rebuilds it from the model source. With LoRA only the adapters (the trainable parameters)
+        and their AdamW state are saved, and the adapter's shape (`lora` in `extra_json`): the frozen base is
+        rebuilt from the model source too. A DiLoCo replica refuses while a fragment's sync is in flight
+        (`DiLoCoConfig.checkpointable`)."""
         from composer_mesh.actors.backends.trainer_state import capture_trainer_state
 
         assert self.model is not None, "call start() first"
-        extra_tensors, extra_json = None, None
+        extra_tensors, extra_json = None, {}
         if self.diloco is not None:
             tensors, meta = self._diloco_call(self.diloco.replica_state)
             extra_tensors, extra_json = {"diloco": tensors}, {"diloco": meta}
+        if self.settings.lora is not None:
+            extra_json["lora"] = self._lora_shape()
         loss_state = self.loss_state.state_dict() if self.loss_state is not None else None
-        return capture_trainer_state(self.model, self.optimizer, self.step, loss_state, extra, extra_tensors, extra_json)
+        return capture_trainer_state(self.model, self.optimizer, self.step, loss_state, extra, extra_tensors,
+                                     extra_json or None, trainable_only=self.settings.lora is not None)
+
+    def _lora_shape(self) -> dict[str, Any] | None:
+        """What a saved adapter must share with this trainer's to be loaded (dropout and sync may differ)."""
+        lora = self.settings.lora
+        return None if lora is None else lora.model_dump(mode="json", include={"r", "alpha", "target_modules"})
 
     def save_state(self, url: str, extra: dict[str, Any] | None = None) -> None:
         """`snapshot_state` written under `url` (any fsspec URL), on this thread."""
@@ -248,9 +320,13 @@ class HFTrainer:
                     f"DiLoCo replica {self.diloco.manager.replica_id} of {self.diloco.config.replicas}")
             was = "no DiLoCo" if saved is None else f"DiLoCo replica {saved['replica_id']} of {saved['replicas']}"
             raise TrainerStateError(f"{url}: saved by a trainer with {was}, this trainer has {live}")
+        saved_lora = snapshot.meta["extra_json"].get("lora")
+        if saved_lora != self._lora_shape():
+            raise TrainerStateError(f"{url}: saved by a trainer with lora {saved_lora or 'off'}, this trainer has "
+                                    f"lora {self._lora_shape() or 'off'}")
         if self.diloco is not None:
             self._diloco_call(self.diloco.check_replica_state, snapshot.group("diloco"), saved, url=url)
-        restore_trainer_state(url, snapshot, self.model, self.optimizer)
+        restore_trainer_state(url, snapshot, self.model, self.optimizer, trainable_only=self.settings.lora is not None)
         if self.loss_state is not None:
             self.loss_state.load_state_dict(snapshot.meta["loss_state"])
         if self.diloco is not None:
@@ -272,10 +348,17 @@ class HFTrainer:
     def save_checkpoint(self, directory: Path, weight_version: int) -> Path:
         """Weights as safetensors + the tokenizer, loadable with `from_pretrained` (no pickles), and
         `trainer_state.json` with the optimizer step and `weight_version` (the published version, given by the
-        trainer service: the one weight-version counter)."""
+        trainer service: the one weight-version counter). With LoRA the weights are the merged model (a plain
+        transformers model), and the adapter alone is under `adapter/` in peft's format."""
         assert self.model is not None
         directory.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(directory, safe_serialization=True)
+        if self.settings.lora is None:
+            self.model.save_pretrained(directory, safe_serialization=True)
+        else:
+            from composer_mesh.models.lora import merged_weights, save_adapter
+
+            self.model.save_pretrained(directory, state_dict=merged_weights(self.model), safe_serialization=True)
+            save_adapter(self.model, directory / "adapter")
         self.tokenizer.save_pretrained(directory)
         state = {"step": self.step, "weight_version": weight_version}
         (directory / "trainer_state.json").write_text(json.dumps(state) + "\n")

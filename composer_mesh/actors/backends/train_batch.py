@@ -18,8 +18,10 @@ temperature before any log-prob (generators report log-probs under `softmax(logi
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -327,7 +329,10 @@ def teacher_inputs(
 
 @dataclass
 class StudentPass:
-    """How the trainer runs the policy for a piece (settings of the `hf` trainer, resolved)."""
+    """How the trainer runs the policy for a piece (settings of the `hf` trainer, resolved).
+
+    The reference runs under `reference_scope()` (and no grad): a frozen copy needs nothing, while a LoRA policy
+    is its own reference with `reference=model` and a scope that disables its adapters."""
 
     model: torch.nn.Module
     loss: LossConfig
@@ -335,6 +340,7 @@ class StudentPass:
     reference: torch.nn.Module | None = None
     head: Head = "full"
     packed: bool = False
+    reference_scope: Callable[[], AbstractContextManager[Any]] = nullcontext
 
     def forward(self, model: torch.nn.Module, prompts: list[list[int]], completions: list[list[int]]) -> tuple[
         torch.Tensor | HiddenStates, Layout
@@ -351,6 +357,14 @@ class StudentPass:
         student, lay = self.forward(model, prompts, completions)
         ids = pad(completions, 0, torch.long, lay.mask.device)
         return student_logprobs(student, ids, lay.mask, self.loss.loss_chunk_elements), lay.mask
+
+    def reference_logprobs(self, prompts: list[list[int]], completions: list[list[int]]) -> tuple[
+        torch.Tensor, torch.Tensor
+    ]:
+        """`logprobs` under the reference policy (no grad, inside `reference_scope`)."""
+        assert self.reference is not None, "no reference model"
+        with torch.no_grad(), self.reference_scope():
+            return self.logprobs(self.reference, prompts, completions)
 
 
 def _rows_of(student: torch.Tensor | HiddenStates, rows: list[int]) -> torch.Tensor | HiddenStates:
@@ -376,11 +390,10 @@ def _replay_pairs(
     rejected_logps = student_logprobs(_rows_of(student, rows), token_ids[rows], mask[rows], run.loss.loss_chunk_elements)
     ref_chosen = ref_rejected = None
     if run.reference is not None and run.loss.dpo_variant == "dpo":
-        with torch.no_grad():
-            lp, m = run.logprobs(run.reference, chosen_prompts, chosen_ids)
-            ref_chosen = (lp * m).sum(-1)
-            lp, m = run.logprobs(run.reference, [r.prompt_ids for r in rejected], [r.completion_ids for r in rejected])
-            ref_rejected = (lp * m).sum(-1)
+        lp, m = run.reference_logprobs(chosen_prompts, chosen_ids)
+        ref_chosen = (lp * m).sum(-1)
+        lp, m = run.reference_logprobs([r.prompt_ids for r in rejected], [r.completion_ids for r in rejected])
+        ref_rejected = (lp * m).sum(-1)
     return ReplayPairs(
         chosen_logps=chosen_logps, chosen_mask=chosen_mask, rejected_logps=rejected_logps,
         rejected_mask=mask[rows], ref_chosen_logps=ref_chosen, ref_rejected_logps=ref_rejected,
@@ -401,8 +414,7 @@ def build_piece(
     token_ids = pad(completions, 0, torch.long, dev)
     ref_logprobs = None
     if run.reference is not None and run.loss.kl_beta > 0:
-        with torch.no_grad():
-            ref_logprobs, _ = run.logprobs(run.reference, prompts, completions)
+        ref_logprobs, _ = run.reference_logprobs(prompts, completions)
     teacher = {}
     if run.loss.alpha_sdpo > 0:
         teacher = teacher_inputs([data.distributions[i] for i in piece.rows], mask.shape[1], student.shape[-1], dev)
@@ -425,8 +437,9 @@ def build_loss_batch(
     reference: torch.nn.Module | None = None,
     head: Head = "full",
     packed: bool = False,
+    reference_scope: Callable[[], AbstractContextManager[Any]] = nullcontext,
 ) -> LossBatch:
     """The whole batch as one `LossBatch` (one piece, group advantages from its own rewards)."""
     data = TrainRows.of(batch, loss)
-    run = StudentPass(model, loss, temperature, reference, head, packed)
+    run = StudentPass(model, loss, temperature, reference, head, packed, reference_scope)
     return build_piece(data, data.micro_batches(None)[0], run)

@@ -2,12 +2,14 @@
 
 One directory (any fsspec URL: a local path, `file://`, `s3://`) holds:
 
-- `state.safetensors`: the model's parameters and persistent buffers (`model/<name>`), every AdamW state tensor
-  (`optim/<param index>/<key>`), torch's CPU RNG state (`rng/torch`) and the caller's extra tensor groups
-  (`<group>/<name>`, e.g. a DiLoCo replica's `diloco/...`). Tensors only: nothing is pickled.
+- `state.safetensors`: the model's parameters and persistent buffers (`model/<name>`; saved with `trainable_only`,
+  only the optimizer's parameters: LoRA adapters, whose frozen base is rebuilt from the model source), every AdamW
+  state tensor (`optim/<param index>/<key>`), torch's CPU RNG state (`rng/torch`) and the caller's extra tensor
+  groups (`<group>/<name>`, e.g. a DiLoCo replica's `diloco/...`). Tensors only: nothing is pickled.
 - `state.json`: the optimizer step, AdamW's param groups (without the parameters), the parameter names in optimizer
-  order, Python's and NumPy's RNG states, the loss state (TAID's t and momentum), whatever `extra` the caller
-  adds (e.g. the weight version) and the JSON part of the extra groups (`extra_json`).
+  order, which model tensors are saved (`model_tensors`: "all" or "trainable"), Python's and NumPy's RNG states,
+  the loss state (TAID's t and momentum), whatever `extra` the caller adds (e.g. the weight version) and the JSON
+  part of the extra groups (`extra_json`).
 - `COMPLETE`: written last. A directory without it is a half-written state and is never loaded.
 
 Saving is two steps so that the slow one can run off the training path: `capture_trainer_state` copies everything
@@ -81,19 +83,20 @@ def _copy(t: torch.Tensor) -> torch.Tensor:
 def capture_trainer_state(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int, loss_state: dict[str, Any] | None,
     extra: dict[str, Any] | None = None, extra_tensors: dict[str, dict[str, torch.Tensor]] | None = None,
-    extra_json: dict[str, Any] | None = None,
+    extra_json: dict[str, Any] | None = None, *, trainable_only: bool = False,
 ) -> TrainerSnapshot:
     """Copy the state now, so that training can go on while it is written: every tensor to CPU, the JSON part
     through JSON (which also refuses anything that is not JSON here rather than in the writer).
 
-    `extra_tensors` are named groups of tensors (stored as `<group>/<name>`), `extra_json` named JSON parts."""
+    `extra_tensors` are named groups of tensors (stored as `<group>/<name>`), `extra_json` named JSON parts.
+    `trainable_only`: of the model, only the optimizer's parameters (LoRA adapters: the frozen rest is rebuilt)."""
     import numpy as np
 
     groups = extra_tensors or {}
     bad = sorted(g for g in groups if g in _RESERVED or not g or "/" in g)
     if bad:
         raise ValueError(f"extra tensor groups {bad}: names must be non-empty, without '/', and not {sorted(_RESERVED)}")
-    tensors = {f"model/{k}": _copy(v) for k, v in model.state_dict().items()}
+    tensors = {f"model/{k}": _copy(v) for k, v in _model_tensors(model, optimizer, trainable_only).items()}
     state = optimizer.state_dict()
     for index, entry in state["state"].items():
         for key, value in entry.items():
@@ -104,6 +107,7 @@ def capture_trainer_state(
     np_state = np.random.get_state()
     meta = {
         "format": FORMAT, "step": step, "param_names": _param_names(model, optimizer),
+        "model_tensors": "trainable" if trainable_only else "all",
         "param_groups": state["param_groups"], "loss_state": loss_state, "extra": extra or {},
         "extra_json": extra_json or {},
         "python_rng": _jsonable(random.getstate()),
@@ -133,9 +137,11 @@ def save_trainer_state(
     url: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int,
     loss_state: dict[str, Any] | None, extra: dict[str, Any] | None = None,
     extra_tensors: dict[str, dict[str, torch.Tensor]] | None = None, extra_json: dict[str, Any] | None = None,
+    *, trainable_only: bool = False,
 ) -> None:
     """Capture and write in one go (on the caller's thread)."""
-    write_trainer_state(url, capture_trainer_state(model, optimizer, step, loss_state, extra, extra_tensors, extra_json))
+    write_trainer_state(url, capture_trainer_state(model, optimizer, step, loss_state, extra, extra_tensors, extra_json,
+                                                   trainable_only=trainable_only))
 
 
 def read_trainer_state(url: str) -> TrainerSnapshot:
@@ -158,25 +164,38 @@ def read_trainer_state(url: str) -> TrainerSnapshot:
         raise TrainerStateError(f"{url}/state.json: format {meta.get('format') if isinstance(meta, dict) else meta!r}, "
                                 f"expected {FORMAT}")
     meta.setdefault("extra_json", {})  # states written before extra groups existed
+    meta.setdefault("model_tensors", "all")  # ... and before trainable-only states
     return TrainerSnapshot(tensors, meta)
 
 
 def restore_trainer_state(
     url: str, snapshot: TrainerSnapshot, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+    *, trainable_only: bool = False,
 ) -> None:
     """Load `snapshot` into `model` and `optimizer` and restore the RNGs, after checking it fits them (names,
-    shapes, dtypes, optimizer order). Extra groups are the caller's to apply. `url` names it in errors."""
+    shapes, dtypes, optimizer order). Extra groups are the caller's to apply. `url` names it in errors.
+    `trainable_only` as it was saved: the state then holds (and sets) only the optimizer's parameters."""
     import numpy as np
 
     meta, tensors = snapshot.meta, snapshot.tensors
-    _check_model(url, model, tensors)
+    kind = "trainable" if trainable_only else "all"
+    if meta["model_tensors"] != kind:
+        held = {"all": "the whole model", "trainable": "only the trainable parameters (LoRA adapters)"}
+        raise TrainerStateError(f"{url}: the state holds {held[meta['model_tensors']]}, this trainer needs {held[kind]}")
+    live = _model_tensors(model, optimizer, trainable_only)
+    _check_model(url, live, tensors, "adapter (trainable parameters)" if trainable_only else "model")
     names = _param_names(model, optimizer)
     if meta["param_names"] != names:
         first = next((i, a, b) for i, (a, b) in enumerate(zip([*meta["param_names"], None], [*names, None])) if a != b)
         raise TrainerStateError(f"{url}: the optimizer's parameters differ (saved {len(meta['param_names'])}, live "
                                 f"{len(names)}); the first difference is at {first[0]}: saved {first[1]}, live {first[2]}")
+    saved = {k[len("model/"):]: v for k, v in tensors.items() if k.startswith("model/")}
     with torch.no_grad():
-        model.load_state_dict({k[len("model/"):]: v for k, v in tensors.items() if k.startswith("model/")})
+        if trainable_only:
+            for name, t in live.items():
+                t.copy_(saved[name])
+        else:
+            model.load_state_dict(saved)
     optim_state: dict[int, dict[str, torch.Tensor]] = {}
     for key, value in tensors.items():
         if key.startswith("optim/"):
@@ -189,17 +208,30 @@ def restore_trainer_state(
     np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
 
 
-def load_trainer_state(url: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def load_trainer_state(
+    url: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, trainable_only: bool = False,
+) -> dict[str, Any]:
     """Load the state under `url` into `model` and `optimizer` and restore the RNGs; returns the JSON part
     (`step`, `loss_state`, `extra`, `extra_json`) plus `extra_tensors` (group -> name -> tensor), for the caller
     to apply. Raises TrainerStateError naming what is wrong and where."""
     snapshot = read_trainer_state(url)
-    restore_trainer_state(url, snapshot, model, optimizer)
+    restore_trainer_state(url, snapshot, model, optimizer, trainable_only=trainable_only)
     return {**snapshot.meta, "extra_tensors": {g: snapshot.group(g) for g in snapshot.groups}}
 
 
-def _check_model(url: str, model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    live = {f"model/{k}": v for k, v in model.state_dict().items()}
+def _model_tensors(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainable_only: bool,
+) -> dict[str, torch.Tensor]:
+    """The model tensors a state holds: the whole state dict, or only the optimizer's parameters (by name)."""
+    if not trainable_only:
+        return model.state_dict()
+    trained = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    return {n: p for n, p in model.named_parameters() if id(p) in trained}
+
+
+def _check_model(url: str, model_tensors: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor],
+                 what: str = "model") -> None:
+    live = {f"model/{k}": v for k, v in model_tensors.items()}
     saved = {k: v for k, v in tensors.items() if k.startswith("model/")}
     problems = [f"missing {k}" for k in sorted(live.keys() - saved.keys())]
     problems += [f"unexpected {k}" for k in sorted(saved.keys() - live.keys())]
@@ -209,7 +241,7 @@ def _check_model(url: str, model: torch.nn.Module, tensors: dict[str, torch.Tens
     ]
     if problems:
         shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
-        raise TrainerStateError(f"{url}: the state is for another model: {shown}")
+        raise TrainerStateError(f"{url}: the state is for another {what}: {shown}")
 
 
 def _param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
