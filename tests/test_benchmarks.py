@@ -116,3 +116,14 @@ def test_bench_checkpoint_quick_measures_every_mode(tmp_path: Path) -> None:
     assert len(modes) == 4 and all(m["step_s"] > 0 for m in modes.values())
     assert result["state_gib"] > 0 and result["copy_s"] > 0 and result["write_s"] > 0
 
+
+
+@pytest.mark.bench
+def test_bench_lora_quick_measures_full_and_lora_side_by_side(tmp_path: Path) -> None:
+    stdout, result = run_quick("bench_lora.py", tmp_path / "bench_lora.json", 300)
+    assert "| full fine-tuning |" in stdout and "x trainable" in stdout and "peft" in stdout
+    modes = result["modes"]
+    full, merged, adapter = modes["full fine-tuning"], modes["LoRA r=16, sync merged"], modes["LoRA r=16, sync adapter"]
+    assert all(m["step_s"] > 0 for m in modes.values())
+    assert merged["trainable"] < full["trainable"] and merged["state_mib"] < full["state_mib"]
+    assert merged["publish_mib"] == full["publish_mib"] and adapter["publish_mib"] < merged["publish_mib"]

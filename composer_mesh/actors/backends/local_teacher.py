@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 from pydantic import Field
@@ -28,9 +28,6 @@ from composer_mesh.actors.teacher_errors import TeacherUnavailable
 from composer_mesh.actors.teacher_topk import TopK, resolve_top_k
 from composer_mesh.models.chat import prompt_token_ids
 from composer_mesh.models.config import ModelConfig, WarmStartConfig
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
@@ -68,27 +65,6 @@ class LocalTeacherSettings(LocalModelSettings):
         "teacher forward (hf) or engine call (vllm); a longer rollout is scored alone. Bounds the logits of one "
         "forward: 8,192 tokens x 151,936 ids is ~2.5 GB in bfloat16.",
     )
-
-
-def tokenizer_mismatch(teacher: PreTrainedTokenizerBase, student: PreTrainedTokenizerBase) -> str | None:
-    """None when both tokenizers map every token to the same id and share EOS; else what differs."""
-    tv, sv = teacher.get_vocab(), student.get_vocab()
-    if tv != sv:
-        differ = sum(1 for k in set(tv) | set(sv) if tv.get(k) != sv.get(k))
-        return f"vocabularies differ ({len(tv)} vs {len(sv)} tokens, {differ} tokens map to different ids)"
-    if teacher.eos_token_id != student.eos_token_id:
-        return f"EOS ids differ ({teacher.eos_token_id} vs {student.eos_token_id})"
-    return None
-
-
-def student_vocab_size(student: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> int:
-    """Rows of the student's output head (what the trainer's logits are over)."""
-    if student.is_tiny:
-        return len(tokenizer)
-    from transformers import AutoConfig
-
-    cfg = AutoConfig.from_pretrained(student.source, local_files_only=True)
-    return int(getattr(cfg, "vocab_size", None) or len(tokenizer))
 
 
 class LocalTeacher(ABC):
@@ -139,13 +115,14 @@ class LocalTeacher(ABC):
     # -- lifecycle ---------------------------------------------------------------------------------------
     def bind_student(self, student_model: Any) -> None:
         """Load the student's tokenizer (from its ModelConfig) and decide whether channel 2 is possible."""
+        from composer_mesh.models.compat import tokenizer_mismatch, vocab_rows
         from composer_mesh.models.loading import load_tokenizer
 
         self._require_started()
         student = as_model_config(student_model)
         self.student_tokenizer = load_tokenizer(student)
         self.mismatch = tokenizer_mismatch(self.tokenizer, self.student_tokenizer)
-        self.student_vocab = student_vocab_size(student, self.student_tokenizer)
+        self.student_vocab = vocab_rows(student, self.student_tokenizer)
         if self.mismatch is not None:
             log.info("%s teacher %r: not the student's tokenizer (%s): replay only", self.binding, self.name, self.mismatch)
 
