@@ -313,3 +313,15 @@ async def test_sampled_traces_follow_the_request_seed_not_the_call_order(cache, 
     other = await t.traces(ps, 6, seed=12)
     assert [x.completion_ids for x in first] == [x.completion_ids for x in again]
     assert [x.completion_ids for x in first] != [x.completion_ids for x in other]
+
+
+def test_a_prompt_that_leaves_no_room_for_the_trace_is_named(teacher) -> None:
+    context = teacher.model.config.max_position_embeddings  # 128 for the tiny model
+    tok = teacher.tokenizer
+    text = "1+2=" * (context // 4)
+    long = Prompt("too-long", text, tok.encode(text, add_special_tokens=False), "3")
+    with pytest.raises(ValueError, match=rf"teacher 't0': prompt 'too-long' is {context} tokens; with "
+                       rf"max_new_tokens=8 that is more than the model's context of {context} tokens"):
+        asyncio.run(teacher.traces([long], max_new_tokens=8))
+    fits = Prompt("fits", text[: 4 * 20], tok.encode(text[: 4 * 20], add_special_tokens=False), "3")
+    assert len(asyncio.run(teacher.traces([fits], max_new_tokens=8))) <= 1

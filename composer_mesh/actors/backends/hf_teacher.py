@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from pydantic import BaseModel, Field
 
-from composer_mesh.actors.backends.local_model import TorchSettings, stop_ids_for
+from composer_mesh.actors.backends.local_model import TorchSettings, context_of, stop_ids_for
 from composer_mesh.actors.backends.local_teacher import LocalTeacher, LocalTeacherSettings
 from composer_mesh.actors.messages import Rollout, TokenDistribution
 
@@ -64,6 +64,7 @@ class HFTeacher(LocalTeacher):
         self.model, self.tokenizer = load_pretrained(self.settings.model, self.settings.cache_dir, self.settings.device)
         self.model.requires_grad_(False)
         self._vocab = int(self.model.get_output_embeddings().weight.shape[0])
+        self._context = context_of(self.model.config)
         self.stop_ids = stop_ids_for(
             self.tokenizer, self.settings.model, self.settings.stop_at_task_eos, self.model.generation_config
         )

@@ -68,8 +68,12 @@ def as_model_config(model: Any) -> ModelConfig:
     return model if isinstance(model, ModelConfig) else ModelConfig.model_validate(model)
 
 
-def prompt_ids(prompt: Prompt, tokenizer: PreTrainedTokenizerBase, vocab_size: int, who: str) -> list[int]:
-    """The prompt's token ids, checked against the model's vocabulary. When it has none, they come from
+def prompt_ids(
+    prompt: Prompt, tokenizer: PreTrainedTokenizerBase, vocab_size: int, who: str,
+    max_new_tokens: int = 0, context: int | None = None,
+) -> list[int]:
+    """The prompt's token ids, checked against the model's vocabulary and, with `context` (the model's
+    longest sequence), that `max_new_tokens` more fit. When it has none, they come from
     `models.chat.prompt_token_ids` (messages through the chat template, else the text), so every binding
     feeds the same prompt the same ids."""
     from composer_mesh.models.chat import NoChatTemplateError, prompt_token_ids
@@ -85,7 +89,17 @@ def prompt_ids(prompt: Prompt, tokenizer: PreTrainedTokenizerBase, vocab_size: i
         raise ValueError(
             f"{who}: prompt {prompt.prompt_id!r} has token ids {bad[:5]} outside the model's vocabulary [0, {vocab_size})"
         )
+    if context is not None and len(ids) + max_new_tokens > context:
+        raise ValueError(f"{who}: prompt {prompt.prompt_id!r} is {len(ids)} tokens; with max_new_tokens="
+                         f"{max_new_tokens} that is more than the model's context of {context} tokens (shorten the "
+                         "prompt or run.max_new_tokens)")
     return ids
+
+
+def context_of(hf_config: Any) -> int | None:
+    """A transformers config's longest sequence (`max_position_embeddings`); None when it does not say."""
+    value = getattr(hf_config, "max_position_embeddings", None)
+    return int(value) if value else None
 
 
 def task_stop_texts(model_config: ModelConfig) -> tuple[str, ...]:

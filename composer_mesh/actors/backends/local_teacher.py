@@ -83,6 +83,7 @@ class LocalTeacher(ABC):
         self.student_vocab = 0
         self.stop_ids: list[int] = []
         self._vocab = 0  # rows of the teacher's output head
+        self._context: int | None = None  # its longest sequence, when its config says
         self._calls = 0
         self._logged_auto = False
         self._lock = threading.Lock()
@@ -191,7 +192,8 @@ class LocalTeacher(ABC):
     def _traces(self, prompts: list[Prompt], max_new_tokens: int, seed: int | None = None) -> list[TeacherTrace]:
         self._require_started()
         if self.shares_tokenizer:
-            ids = [prompt_ids(p, self.tokenizer, self._vocab, f"teacher {self.name!r}") for p in prompts]
+            ids = [prompt_ids(p, self.tokenizer, self._vocab, f"teacher {self.name!r}", max_new_tokens, self._context)
+                   for p in prompts]
         else:  # the prompt's ids are the student's: re-tokenise its text (or render its messages) in ours
             ids = [prompt_token_ids(self.tokenizer, p, checked=False) for p in prompts]
             for p, i in zip(prompts, ids):

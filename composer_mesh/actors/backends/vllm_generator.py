@@ -28,6 +28,7 @@ from composer_mesh.actors.backends.local_model import (
     as_model_config,
     check_generation_request,
     check_weights,
+    context_of,
     prompt_ids,
     stop_ids_for,
 )
@@ -55,6 +56,7 @@ class VLLMGenerator:
         self.stop_ids: list[int] = []
         self._specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
         self._vocab = 0
+        self._context: int | None = None
         self._calls = 0
 
     def start(self, model: Any) -> None:
@@ -70,6 +72,7 @@ class VLLMGenerator:
         )
         self._specs = self.engine.weight_specs(torch_dtype(cfg.dtype))
         self._vocab = int(self.engine.hf_config.vocab_size)
+        self._context = context_of(self.engine.hf_config)
         log.info("vllm generator on %s (engine dtype %s), stop ids %s", model_dir, self.engine.dtype, self.stop_ids)
 
     def _engine(self) -> VLLMEngine:
@@ -83,7 +86,8 @@ class VLLMGenerator:
 
         engine = self._engine()
         check_generation_request(request)
-        ids = [prompt_ids(p, engine.tokenizer, self._vocab, "vllm generator") for p in request.prompts]
+        ids = [prompt_ids(p, engine.tokenizer, self._vocab, "vllm generator", request.max_new_tokens, self._context)
+               for p in request.prompts]
         seed = request.seed if request.seed is not None else self.settings.seed + self._calls
         self._calls += 1
         k = request.samples_per_prompt

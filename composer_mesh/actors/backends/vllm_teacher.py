@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 import torch
 from pydantic import Field
 
-from composer_mesh.actors.backends.local_model import stop_ids_for
+from composer_mesh.actors.backends.local_model import context_of, stop_ids_for
 from composer_mesh.actors.backends.local_teacher import (
     LocalTeacher,
     LocalTeacherSettings,
@@ -71,6 +71,7 @@ class VLLMTeacher(LocalTeacher):
         self.engine = VLLMEngine(self.settings, model_dir, model_dtype=cfg.dtype, max_logprobs=-1)
         self.tokenizer = self.engine.tokenizer
         self._vocab = int(self.engine.hf_config.vocab_size)
+        self._context = context_of(self.engine.hf_config)
         self.stop_ids = stop_ids_for(
             self.engine.tokenizer, cfg, self.settings.stop_at_task_eos, load_generation_config(model_dir)
         )
