@@ -308,6 +308,7 @@ def test_the_shipped_topology_starts_the_shipped_environment() -> None:
     assert load_topology(TOPOLOGY).run.environment == env
 
 
+@pytest.mark.e2e  # a shipped topology run end to end: its own tier (`pytest -m e2e`), run by .ci/run
 async def test_a_few_steps_on_cpu_with_every_loss_channel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The shipped topology, shortened, on real local Monarch meshes, with its server on a free port (not 8765,
     so runs side by side do not clash); the run's end stops the server it started."""

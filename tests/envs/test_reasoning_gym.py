@@ -166,6 +166,7 @@ def test_topology_validates_with_every_channel_and_the_warm_start_tasks_environm
     assert all(m.backend == "local" and m.gpus_held == 0 for m in t.meshes.values())
 
 
+@pytest.mark.e2e  # a shipped topology run end to end: its own tier (`pytest -m e2e`), run by .ci/run
 async def test_a_few_steps_on_cpu_with_every_loss_channel(tmp_path: Path) -> None:
     """The shipped topology, shortened (smaller warm starts and batches), on real local Monarch meshes."""
     data = shortened(TOPOLOGY, tmp_path)

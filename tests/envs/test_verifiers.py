@@ -249,6 +249,7 @@ def test_the_shipped_topology_names_the_shipped_taskset() -> None:
     assert load_topology(TOPOLOGY).run.environment == env
 
 
+@pytest.mark.e2e  # a shipped topology run end to end: its own tier (`pytest -m e2e`), run by .ci/run
 async def test_a_few_steps_on_cpu_with_every_loss_channel(tmp_path: Path) -> None:
     """The shipped topology, shortened, on real local Monarch meshes: the shipped taskset loads by its module
     path in the controller and in the reward workers."""

@@ -89,6 +89,7 @@ def test_max_new_tokens_beyond_the_context_and_a_short_head_are_named(llama_dir:
         check_models(parse_topology(policy_only))
 
 
+@pytest.mark.e2e  # a shipped topology run end to end: its own tier (`pytest -m e2e`), run by .ci/run
 async def test_a_few_lora_steps_with_every_loss_channel(llama_dir: Path, tmp_path: Path) -> None:
     import yaml
     from envs.e2e import run_every_channel, shortened
