@@ -13,7 +13,7 @@ from composer_mesh.bindings import BoundBinding
 from composer_mesh.loss.config import LossConfig
 from composer_mesh.mesh.objectstore.config import DiLoCoConfig
 from composer_mesh.mesh.weights.config import WeightPlaneConfig
-from composer_mesh.models.config import ModelConfig
+from composer_mesh.models.config import LoraConfig, ModelConfig
 
 
 @dataclass(frozen=True)
@@ -40,11 +40,14 @@ class TrainerConfig(RoleConfig):
 
 @dataclass(frozen=True)
 class GeneratorConfig(RoleConfig):
-    """A generator: its binding, the policy model and the weight plane it pulls from."""
+    """A generator: its binding, the policy model and the weight plane it pulls from; `adapter` is the trainer's
+    LoRA when it publishes the adapters alone (`lora.sync: adapter`): the generator applies the same LoRA to its
+    model and loads adapters, not full weights."""
 
     binding: BoundBinding
     model: ModelConfig
     weights: WeightPlaneConfig
+    adapter: LoraConfig | None = None
 
 
 @dataclass(frozen=True)

@@ -45,8 +45,13 @@ class GeneratorService:
         self.last_sync_s = 0.0
         self.requests = 0
 
-    def start(self, model: Any) -> None:
-        self.backend.start(model)
+    def start(self, model: Any, adapter: Any = None) -> None:
+        """Start the backend on `model`; with `adapter` (a LoraConfig: the trainer publishes adapters only) the
+        backend applies it and takes adapter tensors as its weights (capability `adapters`)."""
+        if adapter is None:
+            self.backend.start(model)
+        else:
+            self.backend.start(model, adapter=adapter)
 
     def _swap_if_pending(self) -> int:
         """Load a pulled version, if any, into the backend; returns the active version. Under `_lock`, so a
@@ -125,7 +130,7 @@ class GeneratorActor(RoleActor[GeneratorService]):
     async def setup(self) -> str:
         name = f"generator{actor_position()[0]}"
         service = GeneratorService(self.config.binding.build(), self.config.weights, name=name)
-        await asyncio.to_thread(service.start, self.config.model)
+        await asyncio.to_thread(service.start, self.config.model, self.config.adapter)
         self._service = service
         return name
 

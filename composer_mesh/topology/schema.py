@@ -39,7 +39,7 @@ from composer_mesh.loss.config import LossConfig
 from composer_mesh.mesh.objectstore.config import DiLoCoConfig
 from composer_mesh.mesh.spec import BACKENDS, Identifier, MeshSpec, SlurmJobName, StrictModel, slurm_job_name
 from composer_mesh.mesh.weights.config import WeightPlaneConfig
-from composer_mesh.models.config import ModelConfig
+from composer_mesh.models.config import LoraConfig, ModelConfig
 from composer_mesh.orchestration.config import RunConfig
 from composer_mesh.roles import Role, resolve_binding
 
@@ -360,6 +360,7 @@ class Topology(StrictModel):
                 binding=self.generators.bound(),
                 model=self.model,
                 weights=self.weights,
+                adapter=self._published_adapter(),
             ),
             "rewarder": RewarderConfig(
                 role="rewarder", mesh=self.rewarder.mesh, binding=self.rewarder.bound()
@@ -368,6 +369,12 @@ class Topology(StrictModel):
         if self.teachers is not None:
             configs["teachers"] = self._teachers_config(self.teachers)
         return configs
+
+    def _published_adapter(self) -> LoraConfig | None:
+        """The trainer's LoRA when it publishes adapters only (`lora.sync: adapter`); None when it publishes
+        full (merged) weights."""
+        lora = getattr(self.trainer.settings, "lora", None)
+        return lora if isinstance(lora, LoraConfig) and lora.sync == "adapter" else None
 
     def _trainer_config(self) -> TrainerConfig:
         spec = self.trainer

@@ -34,6 +34,7 @@ from composer_mesh.actors.backends.local_model import (
     as_model_config,
     check_generation_request,
     check_weights,
+    context_of,
     prompt_ids,
     stop_ids_for,
 )
@@ -41,6 +42,8 @@ from composer_mesh.actors.messages import GenerationRequest, Rollout, RolloutGro
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from composer_mesh.models.config import LoraConfig
 
 
 class HFGeneratorSettings(LocalModelSettings, TorchSettings):
@@ -67,7 +70,7 @@ class HFGenerator:
     decode steps through `generate`'s `refresh` when `in_flight_weight_updates` is set."""
 
     Settings: ClassVar[type[BaseModel]] = HFGeneratorSettings
-    capabilities: ClassVar[frozenset[str]] = frozenset()
+    capabilities: ClassVar[frozenset[str]] = frozenset({"adapters"})  # takes LoRA adapters alone (lora.sync)
 
     def __init__(self, settings: HFGeneratorSettings | None = None) -> None:
         self.settings = settings or HFGeneratorSettings()
@@ -80,7 +83,10 @@ class HFGenerator:
         self._lock = threading.RLock()
 
     # -- lifecycle ---------------------------------------------------------------------------------------
-    def start(self, model: Any) -> None:
+    def start(self, model: Any, adapter: LoraConfig | None = None) -> None:
+        """Load `model`; with `adapter`, apply that LoRA (as the trainer does, same initial adapters) and take
+        the adapter tensors as this generator's weights: the policy it samples is base + adapters, the
+        merged policy, and each update carries the adapters alone."""
         from composer_mesh.models.loading import load_pretrained, named_weights
 
         cfg = as_model_config(model)
@@ -93,7 +99,13 @@ class HFGenerator:
         )
         self._pad_id = int(self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stop_ids[0])
         self._vocab = int(self.model.get_output_embeddings().weight.shape[0])
-        self._targets = named_weights(self.model)  # shares storage with the parameters
+        if adapter is not None:
+            from composer_mesh.models.lora import adapter_weights, apply_lora
+
+            apply_lora(self.model, adapter).requires_grad_(False)
+        # Views that share storage with the parameters: the adapters alone with `adapter`, else every weight.
+        self._targets = adapter_weights(self.model) if adapter is not None else named_weights(self.model)
+        self._context = context_of(self.model.config)
 
     def _require_started(self) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
         if self.model is None or self.tokenizer is None:
@@ -115,7 +127,8 @@ class HFGenerator:
 
         model, tokenizer = self._require_started()
         check_generation_request(request)
-        ids = [prompt_ids(p, tokenizer, self._vocab, "hf generator") for p in request.prompts]
+        ids = [prompt_ids(p, tokenizer, self._vocab, "hf generator", request.max_new_tokens, self._context)
+               for p in request.prompts]
         flat = [(i, ids[i]) for i in range(len(ids)) for _ in range(request.samples_per_prompt)]
         seed = request.seed if request.seed is not None else self.settings.seed + self._calls
         self._calls += 1
@@ -155,8 +168,8 @@ class HFGenerator:
 
     # -- weights -----------------------------------------------------------------------------------------
     def weight_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """Name -> (shape, dtype) of `named_weights(model)`: parameters (tied ones once) + persistent buffers,
-        under their state-dict names — the set the trainer publishes."""
+        """Name -> (shape, dtype) of the set the trainer publishes: the LoRA adapters (started with `adapter`),
+        else `named_weights(model)`: parameters (tied ones once) + persistent buffers, by state-dict name."""
         self._require_started()
         return {name: (tuple(t.shape), t.dtype) for name, t in self._targets.items()}
 
