@@ -80,3 +80,27 @@ async def test_generators_sample_the_merged_policy_from_adapters_alone(tmp_path:
     base.start(parse_topology(lora_topology(tmp_path, "merged")).model)
     base_lps = [g.rollouts[0].logprobs for g in base.generate(PROBE, weight_version=0)]
     assert any(b != pytest.approx(a, abs=1e-4) for b, a in zip(base_lps, adapter_lps))
+
+
+async def test_a_stopped_lora_run_resumes_bitwise_with_the_adapters_in_its_checkpoint(tmp_path: Path) -> None:
+    from loop.test_resume import assert_bitwise, final_state, records, stop_and_resume
+
+    from composer_mesh.app.runner import apply_overrides
+
+    def topology(name: str) -> object:
+        text = lora_topology(tmp_path, "merged")
+        (tmp_path / f"{name}.yaml").write_text(text)
+        topo = apply_overrides(parse_topology(text, str(tmp_path / f"{name}.yaml")), 4, tmp_path / name)
+        topo._source = tmp_path / f"{name}.yaml"
+        return topo
+
+    await run_and_probe(lora_topology(tmp_path, "merged").replace(str(tmp_path / "merged"), str(tmp_path / "whole"))
+                        .replace("steps: 3", "steps: 4"))
+    await stop_and_resume(topology("cut"), stop_after=1)
+    whole, cut = final_state(tmp_path / "whole", 4), final_state(tmp_path / "cut", 4)
+    assert_bitwise(whole, cut)
+    weights = [k for k in cut if k.startswith("model/")]
+    assert weights and all(".lora_A." in k or ".lora_B." in k for k in weights)  # the adapters, not the base
+    keys = ("step", "weight_version", "reward", "loss", "channels", "prompts")
+    assert [{k: r[k] for k in keys} for r in records(tmp_path / "whole")] == [
+        {k: r[k] for k in keys} for r in records(tmp_path / "cut")]
