@@ -2,13 +2,35 @@
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 from composer_mesh.tasks.data import DataRow
 
 
 class EnvironmentStateError(ValueError):
     """A checkpointed stream position that belongs to another environment (its settings or library changed)."""
+
+
+class StreamPosition:
+    """The state of an environment's train stream: `position` (entries drawn, `skipped` ones included: those left
+    out because they ask an eval prompt) under a `digest` of what the stream draws from, so that a checkpoint of
+    another environment is refused rather than continued at a meaningless position."""
+
+    name: str
+    digest: str
+    position: int = 0
+    skipped: int = 0
+    changed: ClassVar[str] = "run.environment or the seed changed"  # why digests differ, said in the refusal
+
+    def state(self) -> dict[str, Any]:
+        return {"environment": self.name, "digest": self.digest, "position": self.position, "skipped": self.skipped}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        if state.get("digest") != self.digest:
+            raise EnvironmentStateError(
+                f"the checkpoint's prompts are {state.get('environment')} (digest {state.get('digest')}), this run's "
+                f"{self.name} (digest {self.digest}): {self.changed}")
+        self.position, self.skipped = int(state["position"]), int(state.get("skipped", 0))
 
 
 class Environment(Protocol):

@@ -47,7 +47,7 @@ from urllib.parse import urlsplit
 import httpx
 from pydantic import Field
 
-from composer_mesh.envs.base import EnvironmentStateError
+from composer_mesh.envs.base import StreamPosition
 from composer_mesh.envs.config import ClientSettings, OpenEnvConfig, ServerCommand
 from composer_mesh.tasks.arithmetic import AdditionTask, exact_match
 from composer_mesh.tasks.data import DataRow
@@ -340,12 +340,15 @@ def prompt_key(text: str, messages: list[dict[str, str]] | None) -> str:
     return hashlib.sha256(body.encode("utf-8")).hexdigest()
 
 
-class OpenEnvEnvironment:
+class OpenEnvEnvironment(StreamPosition):
     """An OpenEnv server's episodes as a train stream and a disjoint, fixed eval set (`composer_mesh.envs.Environment`).
 
     Starts `cfg.server` first if set: the run stops it with `close()`; a finalizer stops it when this object goes
     away unclosed, and the server's lifeline when the process dies. The eval set (the first `eval_size` distinct
-    prompts of the eval seeds) is fetched here, so an unreachable server or a wrong observation field fails now. The stream's position (train seeds used, skipped ones included) is its state."""
+    prompts of the eval seeds) is fetched here, so an unreachable server or a wrong observation field fails now.
+    The stream's position (train seeds used, skipped ones included) is its state."""
+
+    changed = "run.environment, the seed or the environment's prompts changed"
 
     def __init__(self, cfg: OpenEnvConfig, seed: int) -> None:
         self.cfg, self.seed = cfg, cfg.seed if cfg.seed is not None else seed
@@ -430,15 +433,6 @@ class OpenEnvEnvironment:
         ident = {**self.cfg.model_dump(include=fields), "seed": self.seed, "eval": sorted(self.eval_keys)}
         return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 
-    def state(self) -> dict[str, Any]:
-        return {"environment": self.name, "digest": self.digest, "position": self.position, "skipped": self.skipped}
-
-    def restore(self, state: dict[str, Any]) -> None:
-        if state.get("digest") != self.digest:
-            raise EnvironmentStateError(
-                f"the checkpoint's prompts are {state.get('environment')} (digest {state.get('digest')}), this run's "
-                f"{self.name} (digest {self.digest}): run.environment, the seed or the environment's prompts changed")
-        self.position, self.skipped = int(state["position"]), int(state["skipped"])
 
 
 _CLIENT_FIELDS = set(ClientSettings.model_fields)

@@ -22,7 +22,7 @@ import json
 import logging
 from typing import TYPE_CHECKING, Any
 
-from composer_mesh.envs.base import EnvironmentStateError
+from composer_mesh.envs.base import StreamPosition
 from composer_mesh.envs.config import EVAL_SEED_OFFSET, ReasoningGymConfig, library_missing
 from composer_mesh.tasks.data import DataRow
 
@@ -78,12 +78,14 @@ def messages_for(cfg: ReasoningGymConfig, question: str) -> list[dict[str, str]]
     return out
 
 
-class ReasoningGymEnvironment:
+class ReasoningGymEnvironment(StreamPosition):
     """A reasoning-gym dataset as a train stream and a disjoint, fixed eval set (`composer_mesh.envs.Environment`).
 
     Train entries are generated when drawn (some datasets take a second per entry), in index order; the stream's
     position (`position`: train entries drawn, skipped ones included) is its whole state. The eval set (the first
     `eval_size` distinct questions of the eval seed) is built here, so a bad name or config fails now."""
+
+    changed = "run.environment, the seed or reasoning-gym changed"
 
     def __init__(self, cfg: ReasoningGymConfig, seed: int) -> None:
         self.cfg, self.seed = cfg, seed
@@ -156,15 +158,6 @@ class ReasoningGymEnvironment:
                  "eval": sorted(self.eval_hashes)}
         return hashlib.sha256(_canonical(ident).encode()).hexdigest()[:16]
 
-    def state(self) -> dict[str, Any]:
-        return {"environment": self.name, "digest": self.digest, "position": self.position, "skipped": self.skipped}
-
-    def restore(self, state: dict[str, Any]) -> None:
-        if state.get("digest") != self.digest:
-            raise EnvironmentStateError(
-                f"the checkpoint's prompts are {state.get('environment')} (digest {state.get('digest')}), this run's "
-                f"{self.name} (digest {self.digest}): run.environment, the seed or reasoning-gym changed")
-        self.position, self.skipped = int(state["position"]), int(state["skipped"])
 
     def close(self) -> None:
         """Nothing to release: the library runs in this process."""

@@ -38,7 +38,7 @@ import sys
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from composer_mesh.envs.base import EnvironmentStateError
+from composer_mesh.envs.base import StreamPosition
 from composer_mesh.envs.config import VerifiersConfig
 from composer_mesh.tasks.data import DataRow, default_eval_size, held_out_score
 
@@ -143,9 +143,11 @@ def _distinct(rows: list[DataRow]) -> list[DataRow]:
     return list(seen.values())
 
 
-class VerifiersEnvironment:
+class VerifiersEnvironment(StreamPosition):
     """A verifiers environment's tasks as a train stream and a disjoint, fixed eval set
     (`composer_mesh.envs.Environment`). Loads every task here, so a bad taskset fails the run before any work."""
+
+    changed = "run.environment, the seed, the taskset or verifiers changed"
 
     def __init__(self, cfg: VerifiersConfig, seed: int) -> None:
         self.cfg, self.seed = cfg, cfg.seed if cfg.seed is not None else seed
@@ -197,15 +199,6 @@ class VerifiersEnvironment:
                  "eval": [r.key for r in self.eval]}
         return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 
-    def state(self) -> dict[str, Any]:
-        return {"environment": self.name, "digest": self.digest, "position": self.position}
-
-    def restore(self, state: dict[str, Any]) -> None:
-        if state.get("digest") != self.digest:
-            raise EnvironmentStateError(
-                f"the checkpoint's prompts are {state.get('environment')} (digest {state.get('digest')}), this run's "
-                f"{self.name} (digest {self.digest}): run.environment, the seed, the taskset or verifiers changed")
-        self.position = int(state["position"])
 
     def close(self) -> None:
         """Nothing to release: the tasksets run in this process."""

@@ -1,5 +1,6 @@
-"""A shipped environment topology, shortened, run for a few RL steps on real local Monarch meshes with every loss
-channel on: the e2e check each integration (reasoning-gym, OpenEnv, verifiers) shares."""
+"""Checks every integration (reasoning-gym, OpenEnv, verifiers, your own model) shares: a shipped topology,
+shortened, run for a few RL steps on real local Monarch meshes with every loss channel on; and a reward function
+scoring completions in the `python` rewarder's worker processes."""
 
 from __future__ import annotations
 
@@ -44,3 +45,19 @@ async def run_every_channel(data: dict[str, Any], where: Path) -> list[dict[str,
     assert any("replay" in r["channels"] for r in steps)  # a teacher trace beat a sample: channel 3 trained
     assert [e["when"] for e in lines if e.get("event") == "eval"] == ["before", "after"]
     return lines
+
+
+def scores_in_workers(prompt: Any, texts: tuple[str, ...], path: str, workers: int = 1) -> list[float]:
+    """The scores of completions `texts` of `prompt` by the reward function `path`, run the way a run runs it:
+    in the `python` rewarder's worker processes (each imports the library). Every one must have been scored."""
+    from composer_mesh.actors.backends.rewards import PythonRewarder, PythonRewarderSettings
+    from composer_mesh.actors.messages import Rollout
+
+    rollouts = [Rollout(prompt.prompt_id, [1], [2], [-0.1], 1, text=t) for t in texts]
+    rewarder = PythonRewarder(PythonRewarderSettings(functions=[{"path": path, "timeout_s": 60}], workers=workers))
+    try:
+        results = rewarder.score_batch([(prompt, r) for r in rollouts])
+    finally:
+        rewarder.close()
+    assert [r.ok for r in results] == [True] * len(texts), [r.error for r in results]
+    return [r.score for r in results]

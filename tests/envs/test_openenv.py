@@ -27,7 +27,6 @@ import yaml
 from pydantic import TypeAdapter, ValidationError
 from websockets.sync.client import connect as ws_connect
 
-from composer_mesh.actors.messages import Rollout
 from composer_mesh.envs.base import EnvironmentStateError
 from composer_mesh.envs.openenv import (
     ClientSettings,
@@ -46,7 +45,7 @@ from composer_mesh.envs.openenv import (
 from composer_mesh.orchestration.config import RunConfig
 from composer_mesh.orchestration.prompts import EnvironmentPrompts, prompt_source
 from composer_mesh.tasks.arithmetic import AdditionTask
-from envs.e2e import run_every_channel, shortened
+from envs.e2e import run_every_channel, scores_in_workers, shortened
 
 ROOT = Path(__file__).resolve().parents[2]
 TOPOLOGY = ROOT / "topologies" / "openenv.yaml"
@@ -172,20 +171,10 @@ def test_an_episode_over_the_websocket_api_scores_the_completion(server: EnvServ
 
 
 def test_python_rewarder_plays_episodes_in_its_workers(server: EnvServer) -> None:
-    from composer_mesh.actors.backends.rewards import PythonRewarder, PythonRewarderSettings
 
     prompt = EnvironmentPrompts(OpenEnvEnvironment(config(server.url, eval_size=0), seed=0)).take(1)[0]
     texts = (f"{prompt.answer};", "19;", "no idea")  # sums of two digits are 0..18
-    rollouts = [Rollout(prompt.prompt_id, [1], [2], [-0.1], 1, text=t) for t in texts]
-    settings = PythonRewarderSettings(
-        functions=[{"path": "composer_mesh.envs.openenv:score", "timeout_s": 60}], workers=2)
-    rewarder = PythonRewarder(settings)
-    try:
-        results = rewarder.score_batch([(prompt, r) for r in rollouts])
-    finally:
-        rewarder.close()
-    assert [r.ok for r in results] == [True] * 3, [r.error for r in results]
-    assert [r.score for r in results] == [1.0, 0.0, 0.0]
+    assert scores_in_workers(prompt, texts, "composer_mesh.envs.openenv:score", workers=2) == [1.0, 0.0, 0.0]
 
 
 def test_a_busy_server_is_retried_until_a_session_frees(server: EnvServer) -> None:

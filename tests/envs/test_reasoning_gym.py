@@ -13,12 +13,12 @@ import reasoning_gym
 import yaml
 from pydantic import ValidationError
 
-from composer_mesh.actors.messages import Prompt, Rollout
+from composer_mesh.actors.messages import Prompt
 from composer_mesh.envs.reasoning_gym import score
 from composer_mesh.envs.tasks import TINY_ADDITION, tiny_addition
 from composer_mesh.orchestration.config import RunConfig
 from composer_mesh.orchestration.prompts import EnvironmentPrompts, PromptSourceError, prompt_source
-from envs.e2e import run_every_channel, shortened
+from envs.e2e import run_every_channel, scores_in_workers, shortened
 
 ROOT = Path(__file__).resolve().parents[2]
 TOPOLOGY = ROOT / "topologies" / "reasoning_gym.yaml"
@@ -103,19 +103,9 @@ def test_scoring_uses_the_exact_entry_not_a_json_copy() -> None:
 
 
 def test_python_rewarder_scores_with_the_library_in_its_workers() -> None:
-    from composer_mesh.actors.backends.rewards import PythonRewarder, PythonRewarderSettings
-
     p = _prompt(source(CHAIN, eval_prompts=0))
     right, wrong = f"<answer>{p.answer}</answer>", "<answer>-1</answer>"
-    rollouts = [Rollout(p.prompt_id, [1], [2], [-0.1], 1, text=t) for t in (right, wrong, "I think 3")]
-    settings = PythonRewarderSettings(functions=[{"path": "composer_mesh.envs.reasoning_gym:score"}], workers=1)
-    rewarder = PythonRewarder(settings)
-    try:
-        results = rewarder.score_batch([(p, r) for r in rollouts])
-    finally:
-        rewarder.close()
-    assert [r.ok for r in results] == [True] * 3, [r.error for r in results]
-    assert [r.score for r in results] == [1.0, 0.0, 0.0]
+    assert scores_in_workers(p, (right, wrong, "I think 3"), "composer_mesh.envs.reasoning_gym:score") == [1.0, 0.0, 0.0]
 
 
 def test_state_restores_the_stream_and_refuses_another_environment() -> None:

@@ -17,12 +17,11 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from composer_mesh.actors.messages import Rollout
 from composer_mesh.envs.base import EnvironmentStateError
 from composer_mesh.envs.verifiers import VerifiersConfig, VerifiersEnvironment, score
 from composer_mesh.orchestration.prompts import EnvironmentPrompts
 from composer_mesh.tasks.arithmetic import AdditionTask
-from envs.e2e import run_every_channel, shortened
+from envs.e2e import run_every_channel, scores_in_workers, shortened
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs" / "verifiers.md"
@@ -179,20 +178,11 @@ def test_a_task_with_only_runtime_rewards_cannot_be_scored_offline() -> None:
 
 
 def test_python_rewarder_scores_with_the_library_in_its_workers() -> None:
-    from composer_mesh.actors.backends.rewards import PythonRewarder, PythonRewarderSettings
 
     prompt = EnvironmentPrompts(environment()).take(1)[0]
     assert prompt.answer is not None
-    rollouts = [Rollout(prompt.prompt_id, [1], [2], [-0.1], 1, text=t) for t in (prompt.answer, "99", "no idea")]
-    settings = PythonRewarderSettings(
-        functions=[{"path": "composer_mesh.envs.verifiers:score", "timeout_s": 60}], workers=1)
-    rewarder = PythonRewarder(settings)
-    try:
-        results = rewarder.score_batch([(prompt, r) for r in rollouts])
-    finally:
-        rewarder.close()
-    assert [r.ok for r in results] == [True] * 3, [r.error for r in results]
-    assert [r.score for r in results] == [1.5, 0.5, 0.0]
+    texts = (prompt.answer, "99", "no idea")
+    assert scores_in_workers(prompt, texts, "composer_mesh.envs.verifiers:score") == [1.5, 0.5, 0.0]
 
 
 def test_train_and_eval_share_no_prompt() -> None:
