@@ -131,10 +131,8 @@ class OpenEnvConfig(ClientSettings):
     @field_validator("kind")
     @classmethod
     def _installed(cls, v: str) -> str:
-        import importlib.util
-
         if importlib.util.find_spec("openenv") is None:
-            raise ValueError("run.environment needs the 'openenv' package: pip install 'composer-mesh[openenv]'")
+            raise ValueError(library_missing("openenv", "openenv"))
         return v
 
     @field_validator("url")
@@ -187,10 +185,8 @@ class VerifiersConfig(BaseModel):
     @field_validator("kind")
     @classmethod
     def _installed(cls, v: str) -> str:
-        import importlib.util
-
         if importlib.util.find_spec("verifiers") is None:
-            raise ValueError("run.environment needs the 'verifiers' package: pip install 'composer-mesh[verifiers]'")
+            raise ValueError(library_missing("verifiers", "verifiers"))
         return v
 
     @model_validator(mode="after")
