@@ -10,7 +10,8 @@ destination the trainer procs can reach too):
                              the scheduler (admitted steps, their queued prompts, finished groups), run counters
                              and the training fingerprint of the topology
       controller.safetensors the tensors of finished groups (teacher distributions)
-      COMMITTED.json         written last, once every part above is complete
+      COMMITTED.json         written last, once every part above is complete (the storage primitive's marker:
+                             format, step, time, and the controller's files with their sizes)
 
 A directory without `COMMITTED.json` is never picked: the latest checkpoint is the highest committed step found
 by listing (no mutable pointer that a slow writer could move backwards). After a commit, checkpoints beyond the
@@ -24,7 +25,6 @@ controller state is JSON whose dataclasses come from a fixed list of message typ
 from __future__ import annotations
 
 import dataclasses
-import json
 import random
 import time
 from collections import deque
@@ -43,6 +43,7 @@ from composer_mesh.actors.messages import (
     TeacherTrace,
     TokenDistribution,
 )
+from composer_mesh.mesh.storage import CommittedDir, CommittedSeries, FsspecBlobs, MarkerError, absolute
 from composer_mesh.orchestration.schedule import Chunk, GroupResult, SchedulerState, StepPlan
 
 FORMAT = 1
@@ -93,13 +94,15 @@ class ControllerState:
 
 
 class CheckpointStore:
-    """The checkpoints of one run under `url` (any fsspec URL or a local path)."""
+    """The checkpoints of one run under `url` (any fsspec URL or a local path): a `CommittedSeries` of
+    `step-NNNNNNNN/` directories, each committed by its `COMMITTED.json`."""
 
     def __init__(self, url: str) -> None:
-        import fsspec
-
-        self.url = _absolute(url)
-        self.fs, self.root = fsspec.core.url_to_fs(self.url)
+        self.url = absolute(url)
+        self.blobs = FsspecBlobs(self.url)
+        self.fs, self.root = self.blobs.fs, self.blobs.root
+        self.series = CommittedSeries(self.blobs, name=_STEP_PREFIX, marker=COMMITTED, where=self.url)
+        self._written: dict[int, list[dict[str, Any]]] = {}  # step -> the controller's files, for its marker
 
     def step_url(self, step: int) -> str:
         return f"{self.url}/{_STEP_PREFIX}{step:08d}"
@@ -107,21 +110,12 @@ class CheckpointStore:
     def trainer_url(self, step: int, replica: int) -> str:
         return f"{self.step_url(step)}/trainer/r{replica}"
 
-    def _path(self, step: int, name: str = "") -> str:
-        return f"{self.root}/{_STEP_PREFIX}{step:08d}" + (f"/{name}" if name else "")
-
     def steps(self) -> list[int]:
         """Every step that has a directory here, committed or not (listed afresh: other processes write here)."""
-        self.fs.invalidate_cache(self.root)
-        try:
-            names = [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self.root, detail=False)]
-        except FileNotFoundError:
-            return []
-        return sorted(int(n[len(_STEP_PREFIX):]) for n in names
-                      if n.startswith(_STEP_PREFIX) and n[len(_STEP_PREFIX):].isdigit())
+        return self.series.steps()
 
     def committed(self) -> list[int]:
-        return [s for s in self.steps() if self.fs.exists(self._path(s, COMMITTED))]
+        return self.series.committed()
 
     def latest(self) -> str | None:
         """URL of the newest committed checkpoint, or None."""
@@ -130,37 +124,32 @@ class CheckpointStore:
 
     def write_controller(self, state: ControllerState) -> None:
         """The controller's part (JSON + safetensors); the trainers write theirs themselves."""
-        from safetensors.torch import save
-
         tensors: dict[str, torch.Tensor] = {}
         doc = {"format": FORMAT, **encode(_state_fields(state), tensors)}
-        self.fs.makedirs(self._path(state.step), exist_ok=True)
-        with self.fs.open(self._path(state.step, "controller.safetensors"), "wb") as f:
-            f.write(save(tensors))
-        with self.fs.open(self._path(state.step, "controller.json"), "w") as f:
-            f.write(json.dumps(doc))
+        part = self.series.at(state.step)
+        part.write_tensors("controller.safetensors", tensors)
+        part.write_json("controller.json", doc)
+        self._written[state.step] = part.files
 
     def commit(self, step: int, keep: int) -> str:
-        """Mark step `step` complete (every part is written), then delete what is no longer needed."""
-        marker = {"format": FORMAT, "step": step, "time": time.time()}
-        with self.fs.open(self._path(step, COMMITTED), "w") as f:
-            f.write(json.dumps(marker))
-        done = self.committed()
-        for old in self.steps():
-            if old < step and (old not in done or old not in done[-keep:]):
-                self.fs.rm(self._path(old), recursive=True)
+        """Mark step `step` complete (every part is written), then delete what is no longer needed: checkpoints
+        beyond the newest `keep` committed ones, and abandoned half-written ones below this one (so commits go in
+        step order: see `CommittedSeries.retain`). The marker lists the controller's files when this store wrote
+        them; each trainer part has its own marker listing its files."""
+        step_dir = self.series.at(step)
+        step_dir.files = self._written.pop(step, [])
+        step_dir.commit({"format": FORMAT, "step": step, "time": time.time()})
+        self.series.retain(step, keep)
         return self.step_url(step)
 
 
 def find_checkpoint(path: str) -> str:
     """The checkpoint `path` names: a step directory itself, else the newest committed one under `path` (a
     checkpoints directory, or a run dir holding `checkpoints/`)."""
-    import fsspec
-
-    url = _absolute(path)
-    fs, root = fsspec.core.url_to_fs(url)
-    if fs.exists(f"{root}/controller.json") or fs.exists(f"{root}/{COMMITTED}"):
-        if not fs.exists(f"{root}/{COMMITTED}"):
+    url = absolute(path)
+    step_dir = CommittedDir(FsspecBlobs(url), marker=COMMITTED, where=url)
+    if step_dir.blobs.exists("controller.json") or step_dir.committed():
+        if not step_dir.committed():
             raise RunCheckpointError(f"{url}: not committed ({COMMITTED} is missing): a checkpoint whose writing "
                                      "never finished; resume from an earlier one")
         return url
@@ -168,7 +157,7 @@ def find_checkpoint(path: str) -> str:
         latest = CheckpointStore(candidate).latest()
         if latest is not None:
             return latest
-    if not fs.exists(root):
+    if not step_dir.blobs.exists(""):
         raise RunCheckpointError(f"{url}: no such checkpoint or run directory")
     raise RunCheckpointError(f"{url}: holds no committed checkpoint (looked for {_STEP_PREFIX}NNNNNNNN/{COMMITTED} "
                              "here and under checkpoints/)")
@@ -176,18 +165,18 @@ def find_checkpoint(path: str) -> str:
 
 def read_checkpoint(url: str) -> ControllerState:
     """The controller state of the committed checkpoint at `url`; RunCheckpointError naming what is wrong."""
-    import fsspec
     from safetensors import SafetensorError
-    from safetensors.torch import load
 
-    fs, root = fsspec.core.url_to_fs(url)
-    if not fs.exists(f"{root}/{COMMITTED}"):
+    step_dir = CommittedDir(FsspecBlobs(url), marker=COMMITTED, where=url)
+    try:
+        marker = step_dir.marker()
+    except MarkerError as e:
+        raise RunCheckpointError(str(e)) from e
+    if marker is None:
         raise RunCheckpointError(f"{url}: not a committed run checkpoint ({COMMITTED} is missing)")
     try:
-        with fs.open(f"{root}/controller.json", "r") as f:
-            doc = json.loads(f.read())
-        with fs.open(f"{root}/controller.safetensors", "rb") as f:
-            tensors = load(f.read())
+        doc = step_dir.read_json("controller.json")
+        tensors = step_dir.read_tensors("controller.safetensors")
     except (OSError, ValueError, SafetensorError) as e:
         raise RunCheckpointError(f"{url}: unreadable controller state: {type(e).__name__}: {e}") from e
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
@@ -300,10 +289,3 @@ def _schedule_state(tree: dict[str, Any]) -> SchedulerState:
     plans = [StepPlan(step=p["step"], needed=p["needed"], pending=deque(p["pending"]), kept=p["kept"],
                       set_aside=p["set_aside"], drawn=p["drawn"], short=p["short"]) for p in tree.pop("plans")]
     return SchedulerState(plans=plans, **tree)
-
-
-def _absolute(url: str) -> str:
-    """A local path made absolute (trainer procs may run in another directory); URLs unchanged."""
-    from pathlib import Path
-
-    return url.rstrip("/") if "://" in url else str(Path(url).resolve())

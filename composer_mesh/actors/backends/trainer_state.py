@@ -10,7 +10,8 @@ One directory (any fsspec URL: a local path, `file://`, `s3://`) holds:
   order, which model tensors are saved (`model_tensors`: "all" or "trainable"), Python's and NumPy's RNG states,
   the loss state (TAID's t and momentum), whatever `extra` the caller adds (e.g. the weight version) and the JSON
   part of the extra groups (`extra_json`).
-- `COMPLETE`: written last. A directory without it is a half-written state and is never loaded.
+- `COMPLETE`: written last (the storage primitive's commit marker, `mesh/storage`: JSON with the files and their
+  sizes; states written before it hold "ok"). A directory without it is a half-written state and is never loaded.
 
 Saving is two steps so that the slow one can run off the training path: `capture_trainer_state` copies everything
 (tensors to CPU, no serialisation, no I/O) into a `TrainerSnapshot` that training can no longer change, and
@@ -27,6 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from composer_mesh.mesh.storage import CommittedDir, FsspecBlobs, MarkerError
 
 FORMAT = 1
 _MARKER = "COMPLETE"
@@ -68,10 +71,9 @@ class TrainerSnapshot:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
-def _fs(url: str) -> tuple[Any, str]:
-    import fsspec
-
-    return fsspec.core.url_to_fs(url)
+def _state_dir(url: str) -> CommittedDir:
+    """The state's directory, committed by `COMPLETE` ("ok" in states written before the storage primitive)."""
+    return CommittedDir(FsspecBlobs(url), marker=_MARKER, legacy=frozenset({b"ok\n"}), where=url)
 
 
 def _copy(t: torch.Tensor) -> torch.Tensor:
@@ -119,18 +121,11 @@ def capture_trainer_state(
 def write_trainer_state(url: str, snapshot: TrainerSnapshot) -> None:
     """Write `snapshot` under `url`: the state files first, the `COMPLETE` marker last. Over an earlier state the
     old marker is removed first, so a write that dies half-way never leaves a marker over mixed files."""
-    from safetensors.torch import save
-
-    fs, root = _fs(url)
-    fs.makedirs(root, exist_ok=True)
-    if fs.exists(f"{root}/{_MARKER}"):
-        fs.rm(f"{root}/{_MARKER}")
-    with fs.open(f"{root}/state.safetensors", "wb") as f:
-        f.write(save(snapshot.tensors))
-    with fs.open(f"{root}/state.json", "w") as f:
-        f.write(json.dumps(snapshot.meta))
-    with fs.open(f"{root}/{_MARKER}", "w") as f:
-        f.write("ok\n")
+    state_dir = _state_dir(url)
+    state_dir.reopen()
+    state_dir.write_tensors("state.safetensors", snapshot.tensors)
+    state_dir.write_json("state.json", snapshot.meta)
+    state_dir.commit()
 
 
 def save_trainer_state(
@@ -148,16 +143,17 @@ def read_trainer_state(url: str) -> TrainerSnapshot:
     """Read the state under `url` without applying it. Raises TrainerStateError if it is half-written,
     unreadable or of another format."""
     from safetensors import SafetensorError
-    from safetensors.torch import load
 
-    fs, root = _fs(url)
-    if not fs.exists(f"{root}/{_MARKER}"):
+    state_dir = _state_dir(url)
+    try:
+        marker = state_dir.marker()
+    except MarkerError as e:
+        raise TrainerStateError(str(e)) from e
+    if marker is None:
         raise TrainerStateError(f"{url}: no {_MARKER} marker: not a trainer state, or one that was never finished")
     try:
-        with fs.open(f"{root}/state.json", "r") as f:
-            meta = json.loads(f.read())
-        with fs.open(f"{root}/state.safetensors", "rb") as f:
-            tensors = load(f.read())
+        meta = state_dir.read_json("state.json")
+        tensors = state_dir.read_tensors("state.safetensors")
     except (OSError, ValueError, SafetensorError) as e:
         raise TrainerStateError(f"{url}: unreadable trainer state: {type(e).__name__}: {e}") from e
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
