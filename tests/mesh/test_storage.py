@@ -1,0 +1,143 @@
+"""The storage primitive: committed directories on a local path and on S3 (moto), listing, retention, markers."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import pytest
+import torch
+from diloco.conftest import S3_ENV, moto_endpoint  # noqa: F401  (the moto server fixture)
+
+from composer_mesh.mesh.storage import (
+    MARKER_VERSION,
+    CommittedDir,
+    CommittedSeries,
+    FsspecBlobs,
+    MarkerError,
+)
+
+
+@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.s3)])
+def blobs(request, tmp_path) -> FsspecBlobs:
+    """A fresh root on a local path, or in a fresh bucket of the moto server."""
+    if request.param == "local":
+        return FsspecBlobs(str(tmp_path / "root"))
+    import boto3
+
+    endpoint = request.getfixturevalue("moto_endpoint")
+    bucket = f"storage-{uuid.uuid4().hex[:10]}"
+    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id=S3_ENV["AWS_ACCESS_KEY_ID"],
+                 aws_secret_access_key=S3_ENV["AWS_SECRET_ACCESS_KEY"]).create_bucket(Bucket=bucket)
+    return FsspecBlobs(f"s3://{bucket}/root", client_kwargs={"endpoint_url": endpoint, "region_name": "us-east-1"},
+                       key=S3_ENV["AWS_ACCESS_KEY_ID"], secret=S3_ENV["AWS_SECRET_ACCESS_KEY"],
+                       use_listings_cache=False, skip_instance_cache=True)
+
+
+def _write_step(series: CommittedSeries, step: int, commit: bool = True) -> CommittedDir:
+    part = series.at(step)
+    part.write_tensors("t.safetensors", {"w": torch.full((3,), float(step))})
+    part.write_json("meta.json", {"step": step})
+    if commit:
+        part.commit({"step": step})
+    return part
+
+
+def test_a_directory_is_visible_only_once_its_marker_is_written_last(blobs):
+    series = CommittedSeries(blobs)
+    part = _write_step(series, 7, commit=False)
+    assert series.steps() == [7] and series.committed() == [] and series.newest() is None
+    assert part.marker() is None and not part.committed()
+    marker = part.commit({"step": 7})
+    assert series.committed() == [7]
+    found = series.newest()
+    assert found is not None and (found.step, found.key) == (7, "step-00000007")
+    assert found.marker == marker and marker["step"] == 7 and marker["marker_version"] == MARKER_VERSION
+    assert [f["name"] for f in marker["files"]] == ["t.safetensors", "meta.json"]
+    assert [f["size"] for f in marker["files"]] == [len(part.read("t.safetensors")), len(part.read("meta.json"))]
+    assert torch.equal(part.read_tensors("t.safetensors")["w"], torch.full((3,), 7.0))
+    assert part.read_json("meta.json") == {"step": 7}
+
+
+def test_newest_skips_uncommitted_directories_above_it(blobs):
+    series = CommittedSeries(blobs)
+    _write_step(series, 3)
+    _write_step(series, 4, commit=False)
+    found = series.newest()
+    assert found is not None and found.step == 3
+
+
+def test_retention_keeps_the_newest_committed_and_deletes_older_and_abandoned(blobs):
+    series = CommittedSeries(blobs)
+    _write_step(series, 1)
+    _write_step(series, 2, commit=False)  # abandoned half-written by a stopped writer
+    _write_step(series, 3)
+    _write_step(series, 4)
+    _write_step(series, 6, commit=False)  # being written above: not this commit's business
+    assert series.retain(4, keep=2) == [1, 2]
+    assert series.steps() == [3, 4, 6] and series.committed() == [3, 4]
+    _write_step(series, 5)  # commits go in step order: 6 is only ever judged by a later commit
+    assert series.retain(5, keep=2) == [3]
+    assert series.steps() == [4, 5, 6]
+
+
+def test_retention_deletes_an_uncommitted_step_below_in_step_order(blobs):
+    """Why commits go in step order: committing step k deletes k-1 if k-1 has no marker yet."""
+    series = CommittedSeries(blobs)
+    _write_step(series, 1, commit=False)  # still being written, had k-1 been committed out of order
+    _write_step(series, 2)
+    assert series.retain(2, keep=5) == [1] and series.steps() == [2]
+
+
+def test_keep_zero_keeps_every_committed_step(blobs):
+    series = CommittedSeries(blobs)
+    for step in (1, 2, 3):
+        _write_step(series, step)
+        series.retain(step, keep=0)
+    assert series.committed() == [1, 2, 3]
+
+
+@pytest.mark.parametrize(("body", "problem"), [
+    (b"{not json", "unreadable commit marker"),
+    (b"[1, 2]", "a JSON list, not an object"),
+    (json.dumps({"marker_version": MARKER_VERSION + 1}).encode(), f"commit marker version {MARKER_VERSION + 1}"),
+    (json.dumps({"files": "state.safetensors"}).encode(), "`files` is not a list"),
+])
+def test_a_garbled_marker_is_refused_naming_the_file(blobs, body, problem):
+    series = CommittedSeries(blobs, where="run/checkpoints")
+    _write_step(series, 2)
+    blobs.put("step-00000002/COMMITTED.json", body)
+    with pytest.raises(MarkerError, match=rf"^run/checkpoints/step-00000002/COMMITTED\.json: .*{problem}") as e:
+        series.newest()
+    assert e.value.key == "step-00000002/COMMITTED.json" and "\n" not in str(e.value)
+
+
+def test_old_markers_still_read(blobs):
+    """Markers written before the primitive: the writer's fields only, or a legacy text body."""
+    blobs.put("a/COMMITTED.json", json.dumps({"format": 1, "step": 5, "time": 1.0}).encode())
+    assert CommittedDir(blobs, "a").marker() == {"format": 1, "step": 5, "time": 1.0, "marker_version": 0,
+                                                 "files": []}
+    blobs.put("b/COMPLETE", b"ok\n")
+    assert CommittedDir(blobs, "b", "COMPLETE", legacy=frozenset({b"ok\n"})).marker() == {"marker_version": 0,
+                                                                                          "files": []}
+    with pytest.raises(MarkerError, match=r"^b/COMPLETE: unreadable commit marker"):
+        CommittedDir(blobs, "b", "COMPLETE").marker()  # not this writer's legacy body: refused
+
+
+def test_reopen_removes_the_marker_before_a_rewrite(blobs):
+    part = CommittedDir(blobs, "state", "COMPLETE")
+    part.write("x.bin", b"old")
+    part.commit()
+    part.reopen()
+    assert not part.committed() and part.files == []
+    part.write("x.bin", b"newer")
+    assert part.commit()["files"] == [{"name": "x.bin", "size": 5}]
+
+
+def test_files_written_by_another_writer_are_listed_by_note(blobs):
+    """A sharded writer (each rank writes its own files) records them in the one marker."""
+    part = CommittedDir(blobs, "dcp")
+    for rank in range(2):
+        blobs.put(f"dcp/__{rank}_0.distcp", bytes(10 + rank))
+        part.note(f"__{rank}_0.distcp", 10 + rank)
+    assert part.commit()["files"] == [{"name": "__0_0.distcp", "size": 10}, {"name": "__1_0.distcp", "size": 11}]
