@@ -36,18 +36,18 @@ class FsspecBlobs:
 
         self.url = url.rstrip("/")
         self.fs, self.root = fsspec.core.url_to_fs(self.url, **storage_options)
-        self._made: set[str] = set()
 
     def path(self, key: str) -> str:
         return f"{self.root}/{key}" if key else self.root
 
     def put(self, key: str, data: bytes) -> None:
         path = self.path(key)
-        parent = path.rsplit("/", 1)[0]
-        if parent not in self._made:  # local paths need their directories; once per directory is enough
-            self.fs.makedirs(parent, exist_ok=True)
-            self._made.add(parent)
-        with self.fs.open(path, "wb") as f:
+        try:
+            f = self.fs.open(path, "wb")
+        except FileNotFoundError:  # a local path whose directory is not there yet (object stores have none)
+            self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+            f = self.fs.open(path, "wb")
+        with f:
             f.write(data)
 
     def get(self, key: str) -> bytes:
