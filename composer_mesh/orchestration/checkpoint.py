@@ -102,7 +102,7 @@ class CheckpointStore:
         self.blobs = FsspecBlobs(self.url)
         self.fs, self.root = self.blobs.fs, self.blobs.root
         self.series = CommittedSeries(self.blobs, name=_STEP_PREFIX, marker=COMMITTED, where=self.url)
-        self._written: dict[int, list[dict[str, Any]]] = {}  # step -> the controller's files, for its marker
+        self._parts: dict[int, CommittedDir] = {}  # step -> the directory the controller's part went to
 
     def step_url(self, step: int) -> str:
         return f"{self.url}/{_STEP_PREFIX}{step:08d}"
@@ -129,15 +129,14 @@ class CheckpointStore:
         part = self.series.at(state.step)
         part.write_tensors("controller.safetensors", tensors)
         part.write_json("controller.json", doc)
-        self._written[state.step] = part.files
+        self._parts[state.step] = part  # its marker lists these files
 
     def commit(self, step: int, keep: int) -> str:
         """Mark step `step` complete (every part is written), then delete what is no longer needed: checkpoints
         beyond the newest `keep` committed ones, and abandoned half-written ones below this one (so commits go in
         step order: see `CommittedSeries.retain`). The marker lists the controller's files when this store wrote
         them; each trainer part has its own marker listing its files."""
-        step_dir = self.series.at(step)
-        step_dir.files = self._written.pop(step, [])
+        step_dir = self._parts.pop(step, None) or self.series.at(step)
         step_dir.commit({"format": FORMAT, "step": step, "time": time.time()})
         self.series.retain(step, keep)
         return self.step_url(step)

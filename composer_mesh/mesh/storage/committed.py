@@ -58,7 +58,12 @@ class CommittedDir:
         self.marker_name = marker
         self.legacy = legacy
         self.where = where if where is not None else prefix
-        self.files: list[dict[str, Any]] = []
+        self._files: list[dict[str, Any]] = []  # written (or noted) since this object was made or reopened
+
+    @property
+    def files(self) -> list[dict[str, Any]]:
+        """The files the next marker lists: `{"name", "size"}` each, in the order written."""
+        return list(self._files)
 
     def key(self, name: str) -> str:
         return join(self.prefix, name)
@@ -69,7 +74,7 @@ class CommittedDir:
         never leaves a marker over a mix of old and new files."""
         if self.blobs.exists(self.key(self.marker_name)):
             self.blobs.rm_prefix(self.key(self.marker_name))
-        self.files = []
+        self._files = []
 
     def write(self, name: str, data: bytes) -> None:
         self.blobs.put(self.key(name), data)
@@ -86,11 +91,11 @@ class CommittedDir:
 
     def note(self, name: str, size: int) -> None:
         """Record a file that was written here by another writer (it is listed in the marker like the others)."""
-        self.files.append({"name": name, "size": int(size)})
+        self._files.append({"name": name, "size": int(size)})
 
     def commit(self, fields: dict[str, Any] | None = None) -> dict[str, Any]:
         """Write the marker, last: the writer's `fields` plus the version and the files written. Returns it."""
-        doc = {**(fields or {}), "marker_version": MARKER_VERSION, "files": list(self.files)}
+        doc = {**(fields or {}), "marker_version": MARKER_VERSION, "files": self.files}
         self.blobs.put(self.key(self.marker_name), json.dumps(doc, sort_keys=True).encode())
         return doc
 
