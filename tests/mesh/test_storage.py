@@ -141,3 +141,16 @@ def test_files_written_by_another_writer_are_listed_by_note(blobs):
         blobs.put(f"dcp/__{rank}_0.distcp", bytes(10 + rank))
         part.note(f"__{rank}_0.distcp", 10 + rank)
     assert part.commit()["files"] == [{"name": "__0_0.distcp", "size": 10}, {"name": "__1_0.distcp", "size": 11}]
+
+
+def test_the_diloco_store_serves_as_blobs(tmp_path):
+    """The object-store plane's `Store` (atomic puts, byte accounting) holds committed directories unchanged."""
+    from composer_mesh.mesh.objectstore.store import Store
+
+    store = Store(f"file://{tmp_path}/s")
+    series = CommittedSeries(store, "ckpt", name="q")
+    _write_step(series, 2)
+    part = _write_step(series, 3)
+    part.reopen()  # deletes the one marker object
+    assert series.committed() == [2] and series.newest().step == 2  # type: ignore[union-attr]
+    assert store.counters()[1] > 0

@@ -425,13 +425,17 @@ class Store:
         return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
 
     def rm_prefix(self, prefix: str) -> None:
-        """Delete everything under `prefix` (best effort: garbage collection must not fail a round)."""
+        """Delete the object `prefix` or everything under it (best effort: garbage collection must not fail a
+        round)."""
         p = self.path(prefix)
         try:
             if self.scheme == "file":
                 import shutil
 
-                shutil.rmtree(p, ignore_errors=True)
+                if os.path.isfile(p):  # one object (a commit marker: `mesh.storage.Blobs` deletes those too)
+                    os.unlink(p)
+                else:
+                    shutil.rmtree(p, ignore_errors=True)
             else:
                 self.fs.rm(p, recursive=True)
         except FileNotFoundError:
