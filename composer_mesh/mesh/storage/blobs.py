@@ -42,12 +42,9 @@ class FsspecBlobs:
 
     def put(self, key: str, data: bytes) -> None:
         path = self.path(key)
-        try:
-            f = self.fs.open(path, "wb")
-        except FileNotFoundError:  # a local path whose directory is not there yet (object stores have none)
-            self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-            f = self.fs.open(path, "wb")
-        with f:
+        # Local paths need their directory; on s3 this makes a missing bucket, as the writers did before.
+        self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+        with self.fs.open(path, "wb") as f:
             f.write(data)
 
     def get(self, key: str) -> bytes:
