@@ -206,10 +206,10 @@ class ObjectStoreDiLoCo:
         replayed steps then meet that round as a late non-member and read its result. A newer checkpoint means
         the survivors closed a round without this replica (it was replaced too slowly): DiLoCoStateError."""
         deadline = time.monotonic() + wait_s
-        latest = self.manager.read_latest()
+        latest = self.manager.checkpoints.read_latest()
         while (latest is None or latest["quorum_id"] < round_id) and time.monotonic() < deadline:
             time.sleep(self.config.poll_interval_s)
-            latest = self.manager.read_latest()
+            latest = self.manager.checkpoints.read_latest()
         if latest is not None and latest["quorum_id"] > round_id:
             raise DiLoCoStateError(f"DiLoCo replica {self.manager.replica_id} cannot rejoin at round {round_id}: "
                                    f"the survivors closed round {latest['quorum_id']} without it (raise "

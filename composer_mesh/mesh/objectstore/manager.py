@@ -89,7 +89,7 @@ class ObjectStoreManager:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"objstore-r{replica_id}")
         self.checkpoints = DiLoCoCheckpoints(config, replica_id, self.store, self._state_fns,
                                              lambda state: self.on_heal(state) if self.on_heal is not None else None)
-        self.rounds = RoundProtocol(config, replica_id, self.store, self.read_latest, self.report_error)
+        self.rounds = RoundProtocol(config, replica_id, self.store, self.checkpoints.read_latest, self.report_error)
         self.reports: list[RoundReport] = []
         self.on_heal: Callable[[dict[str, StateDict]], None] | None = None
 
@@ -122,12 +122,12 @@ class ObjectStoreManager:
             self._complete_round(self._quorum_id)
         self._abstain = False
         self._errored = None
-        latest = self.read_latest()
+        latest = self.checkpoints.read_latest()
         if self._needs_heal:  # give the others' checkpoint of the round we failed a chance to land
             until = time.monotonic() + self.config.quorum_deadline_s
             while (latest is None or latest["quorum_id"] < self._quorum_id) and time.monotonic() < until:
                 time.sleep(self.config.poll_interval_s)
-                latest = self.read_latest()
+                latest = self.checkpoints.read_latest()
         if self._needs_heal or (latest is not None and latest["quorum_id"] > self._quorum_id):
             why = (
                 "its last round failed"
@@ -248,10 +248,6 @@ class ObjectStoreManager:
             w._future.set_result([w.tensor])
 
     # ------------------------------------------------------------------ checkpoints, bootstrap, heal
-    def read_latest(self) -> dict[str, Any] | None:
-        """The newest committed checkpoint's marker plus its `key`, or None (see `DiLoCoCheckpoints`)."""
-        return self.checkpoints.read_latest()
-
     def collect_state(self) -> dict[str, StateDict]:
         """What the registered state-dict fns return now (DiLoCo: global params + outer optimizer per fragment)."""
         return self.checkpoints.collect_state()
@@ -306,7 +302,7 @@ class ObjectStoreManager:
         return mode
 
     def heal(self, latest: dict[str, Any] | None = None) -> bool:
-        """Load the latest committed state (a `read_latest()` record); False if the store has none."""
+        """Load the latest committed state (a `checkpoints.read_latest()` record); False if the store has none."""
         position = self.checkpoints.heal(latest)
         if position is None:
             return False
