@@ -41,25 +41,25 @@ class RoleEntry:
 ROLE_TABLE: dict[Role, RoleEntry] = {
     "trainer": RoleEntry(
         actor="composer_mesh.actors.trainer:TrainerActor",
-        bindings={"hf": "composer_mesh.actors.backends.hf_trainer:HFTrainer"},
+        bindings={"hf": "composer_mesh.actors.backends.trainer.hf_trainer:HFTrainer"},
     ),
     "generators": RoleEntry(
         actor="composer_mesh.actors.generator:GeneratorActor",
         bindings={
-            "hf": "composer_mesh.actors.backends.hf_generator:HFGenerator",
-            "vllm": "composer_mesh.actors.backends.vllm_generator:VLLMGenerator",
+            "hf": "composer_mesh.actors.backends.generation.hf_generator:HFGenerator",
+            "vllm": "composer_mesh.actors.backends.generation.vllm_generator:VLLMGenerator",
         },
     ),
     "rewarder": RoleEntry(
         actor="composer_mesh.actors.rewarder:RewarderActor",
-        bindings={"python": "composer_mesh.actors.backends.rewards:PythonRewarder"},
+        bindings={"python": "composer_mesh.actors.backends.rewards.rewards:PythonRewarder"},
     ),
     "teachers": RoleEntry(
         actor="composer_mesh.actors.teachers:TeacherPoolActor",
         bindings={
-            "hf": "composer_mesh.actors.backends.hf_teacher:HFTeacher",
-            "vllm": "composer_mesh.actors.backends.vllm_teacher:VLLMTeacher",
-            "openrouter": "composer_mesh.actors.backends.openrouter:OpenRouterTeacher",
+            "hf": "composer_mesh.actors.backends.teachers.hf_teacher:HFTeacher",
+            "vllm": "composer_mesh.actors.backends.teachers.vllm_teacher:VLLMTeacher",
+            "openrouter": "composer_mesh.actors.backends.teachers.openrouter:OpenRouterTeacher",
         },
     ),
 }

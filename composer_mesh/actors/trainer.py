@@ -91,7 +91,7 @@ class TrainerService:
         `wait=False` keeps writing off the training path: the state is copied now and written by a background
         thread; the next `train_step` reports it in `TrainMetrics.states_written` (or raises its failure), and
         `flush_states` waits for it. One write at a time: a new save first waits for the previous write."""
-        from composer_mesh.actors.backends.trainer_state import write_trainer_state
+        from composer_mesh.actors.backends.trainer.trainer_state import write_trainer_state
 
         if self._writes:
             self._writes[-1][1].exception()  # wait; its error is raised when collected

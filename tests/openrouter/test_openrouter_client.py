@@ -20,13 +20,13 @@ import pytest
 from fake_openrouter import FakeOpenRouter, Reply, addition_answer, completion_body, error_body, teacher_text
 from pydantic import ValidationError
 
-from composer_mesh.actors.backends.openrouter import (
+from composer_mesh.actors.backends.teachers.openrouter import (
     OpenRouterTeacher,
     TeacherCapabilityError,
     TeacherTraceError,
     load_student_tokenizer,
 )
-from composer_mesh.actors.backends.openrouter_client import (
+from composer_mesh.actors.backends.teachers.openrouter_client import (
     OpenRouterClient,
     OpenRouterConfigError,
     OpenRouterHTTPError,

@@ -37,7 +37,7 @@ def tied_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def gen(tied_dir):
     require_module("vllm")
-    from composer_mesh.actors.backends.vllm_generator import VLLMGenerator
+    from composer_mesh.actors.backends.generation.vllm_generator import VLLMGenerator
     from composer_mesh.models.config import ModelConfig
 
     g = VLLMGenerator(VLLMGenerator.Settings(max_model_len=64))

@@ -9,8 +9,8 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from composer_mesh.actors.backends.hf_teacher import HFTeacher, HFTeacherSettings
-from composer_mesh.actors.backends.local_teacher import TeacherTokenizerMismatch
+from composer_mesh.actors.backends.teachers.hf_teacher import HFTeacher, HFTeacherSettings
+from composer_mesh.actors.backends.teachers.local_teacher import TeacherTokenizerMismatch
 from composer_mesh.actors.messages import Prompt, Rollout
 from composer_mesh.models.config import ModelConfig
 

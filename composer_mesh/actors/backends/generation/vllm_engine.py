@@ -49,7 +49,7 @@ R = TypeVar("R")
 
 EngineDType = Literal["auto", "float32", "bfloat16", "float16"]
 CPU_DEFAULT_KV_CACHE_BYTES = 256 * 2**20
-WORKER_EXTENSION = "composer_mesh.actors.backends.vllm_engine.ComposerWorkerExtension"  # dotted, as vLLM wants
+WORKER_EXTENSION = "composer_mesh.actors.backends.generation.vllm_engine.ComposerWorkerExtension"  # dotted, as vLLM wants
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's allowed max_lora_rank values (MaxLoRARanks)
 
 

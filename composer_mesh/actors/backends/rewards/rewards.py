@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from composer_mesh.actors.backends.reward_pool import CallFailed, FunctionPool
+from composer_mesh.actors.backends.rewards.reward_pool import CallFailed, FunctionPool
 from composer_mesh.actors.messages import Prompt, RewardResult, Rollout
 from composer_mesh.bindings import import_object
 

@@ -23,7 +23,7 @@ import torch
 from pydantic import BaseModel, Field
 
 from composer_mesh.actors.backends.local_model import TorchSettings, context_of, stop_ids_for
-from composer_mesh.actors.backends.local_teacher import LocalTeacher, LocalTeacherSettings
+from composer_mesh.actors.backends.teachers.local_teacher import LocalTeacher, LocalTeacherSettings
 from composer_mesh.actors.messages import Rollout, TokenDistribution
 
 if TYPE_CHECKING:

@@ -48,7 +48,7 @@ def cfgs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def teacher(cfgs):
     require_module("vllm")
-    from composer_mesh.actors.backends.vllm_teacher import VLLMTeacher
+    from composer_mesh.actors.backends.teachers.vllm_teacher import VLLMTeacher
 
     student, teacher_cfg, cache = cfgs
     # As in a teacher-pool proc where an hf teacher (torch_threads: 1) started first. The async calls then
@@ -63,7 +63,7 @@ def teacher(cfgs):
 @pytest.fixture(scope="module")
 def hf_teacher(cfgs):
     """The `hf` binding on the same teacher model: the reference."""
-    from composer_mesh.actors.backends.hf_teacher import HFTeacher
+    from composer_mesh.actors.backends.teachers.hf_teacher import HFTeacher
 
     student, teacher_cfg, cache = cfgs
     t = HFTeacher(HFTeacher.Settings(model=teacher_cfg, cache_dir=cache))
@@ -181,7 +181,7 @@ async def test_concurrent_calls_and_empty_completion(teacher, tok):
 
 
 async def test_other_tokenizer_gives_retokenised_traces_but_no_distributions(teacher, tok, cfgs):
-    from composer_mesh.actors.backends.local_teacher import TeacherTokenizerMismatch
+    from composer_mesh.actors.backends.teachers.local_teacher import TeacherTokenizerMismatch
     from composer_mesh.models.config import ModelConfig
     from composer_mesh.models.loading import load_tokenizer
 

@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from composer_mesh.actors.backends.train_batch import (
+from composer_mesh.actors.backends.trainer.train_batch import (
     TrainRows,
     build_loss_batch,
     completion_logprobs,
@@ -179,7 +179,7 @@ def _rich_batch(model) -> TrainBatch:
 
 
 def _accumulated_grads(model, loss: LossConfig, batch: TrainBatch, budget, head, packed) -> tuple[dict, float]:
-    from composer_mesh.actors.backends.train_batch import StudentPass, build_piece
+    from composer_mesh.actors.backends.trainer.train_batch import StudentPass, build_piece
     from composer_mesh.loss.compose import LossAccumulator
     from composer_mesh.loss.grpo import group_advantages
 

@@ -9,7 +9,7 @@ throughput. The sleep holds no CPU, so N stand-ins behave like N independent eng
 
 Referenced from a topology by import path:
 
-    generators: {mesh: gen, binding: "composer_mesh.actors.backends.fixed_latency:FixedLatencyGenerator",
+    generators: {mesh: gen, binding: "composer_mesh.actors.backends.generation.fixed_latency:FixedLatencyGenerator",
                  settings: {seconds_per_group: 0.1}}
 """
 
@@ -21,7 +21,7 @@ from typing import ClassVar
 
 from pydantic import BaseModel, Field
 
-from composer_mesh.actors.backends.hf_generator import HFGenerator, HFGeneratorSettings
+from composer_mesh.actors.backends.generation.hf_generator import HFGenerator, HFGeneratorSettings
 from composer_mesh.actors.messages import GenerationRequest, RolloutGroup
 
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from composer_mesh.actors.backends.vllm_engine import platform_mismatch
+from composer_mesh.actors.backends.generation.vllm_engine import platform_mismatch
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[4]
 
 
 @pytest.mark.parametrize(("vllm_is_cpu", "proc_has_gpu", "expected"), [

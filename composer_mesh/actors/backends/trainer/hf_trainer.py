@@ -28,7 +28,12 @@ import torch
 from pydantic import BaseModel, Field
 
 from composer_mesh.actors.backends.local_model import TorchSettings
-from composer_mesh.actors.backends.train_batch import StudentPass, TrainRows, build_piece, check_chunked_head
+from composer_mesh.actors.backends.trainer.train_batch import (
+    StudentPass,
+    TrainRows,
+    build_piece,
+    check_chunked_head,
+)
 from composer_mesh.actors.messages import TrainBatch, TrainMetrics
 from composer_mesh.loss.compose import LossAccumulator, LossResult, new_loss_state
 from composer_mesh.loss.config import LossConfig
@@ -36,7 +41,7 @@ from composer_mesh.loss.grpo import group_advantages
 from composer_mesh.models.config import LoraConfig
 
 if TYPE_CHECKING:
-    from composer_mesh.actors.backends.trainer_state import TrainerSnapshot
+    from composer_mesh.actors.backends.trainer.trainer_state import TrainerSnapshot
 
 Precision = Literal["fp32", "bf16-mixed", "bf16"]
 WeightKind = Literal["full", "adapter"]
@@ -274,7 +279,7 @@ class HFTrainer:
         and their AdamW state are saved, and the adapter's shape (`lora` in `extra_json`): the frozen base is
         rebuilt from the model source too. A DiLoCo replica refuses while a fragment's sync is in flight
         (`DiLoCoConfig.checkpointable`)."""
-        from composer_mesh.actors.backends.trainer_state import capture_trainer_state
+        from composer_mesh.actors.backends.trainer.trainer_state import capture_trainer_state
 
         assert self.model is not None, "call start() first"
         extra_tensors, extra_json = None, {}
@@ -294,7 +299,7 @@ class HFTrainer:
 
     def save_state(self, url: str, extra: dict[str, Any] | None = None) -> None:
         """`snapshot_state` written under `url` (any fsspec URL), on this thread."""
-        from composer_mesh.actors.backends.trainer_state import write_trainer_state
+        from composer_mesh.actors.backends.trainer.trainer_state import write_trainer_state
 
         write_trainer_state(url, self.snapshot_state(extra))
 
@@ -304,7 +309,7 @@ class HFTrainer:
         Everything is checked before anything is loaded. A DiLoCo replica also rewinds the object store to the
         saved round (`ObjectStoreDiLoCo.load_replica_state`): the controller loads every replica and waits for
         all of them before any replica trains again."""
-        from composer_mesh.actors.backends.trainer_state import (
+        from composer_mesh.actors.backends.trainer.trainer_state import (
             TrainerStateError,
             read_trainer_state,
             restore_trainer_state,
@@ -337,7 +342,7 @@ class HFTrainer:
     @staticmethod
     def _diloco_call(fn: Any, *args: Any, url: str | None = None) -> Any:
         """`fn(*args)` with a DiLoCo state refusal raised as the TrainerStateError callers of the state expect."""
-        from composer_mesh.actors.backends.trainer_state import TrainerStateError
+        from composer_mesh.actors.backends.trainer.trainer_state import TrainerStateError
         from composer_mesh.mesh.objectstore.diloco import DiLoCoStateError
 
         try:

@@ -5,7 +5,7 @@ worker process: a call past its timeout has its worker killed (with anything the
 fresh one takes its place, and a worker that dies (`os._exit`, a signal, the OOM killer) fails only the
 call it was running. Calls are never retried: a failed call is the caller's scored failure.
 
-A worker is a fresh interpreter (`python -m composer_mesh.actors.backends.reward_pool`), never a `fork`:
+A worker is a fresh interpreter (`python -m composer_mesh.actors.backends.rewards.reward_pool`), never a `fork`:
 the rewarder's process runs threads (Monarch's and ours), and forking a threaded process can hand the child
 a lock some other thread held. Unlike multiprocessing's `spawn` and `forkserver`, it does not re-run the
 parent's `__main__`. Calls and answers cross its stdin/stdout as JSON lines; a function's prints go to stderr.

@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from composer_mesh.actors.backends.rewards import PythonRewarder, PythonRewarderSettings
+from composer_mesh.actors.backends.rewards.rewards import PythonRewarder, PythonRewarderSettings
 from composer_mesh.actors.messages import Prompt, Rollout, RolloutGroup
 from composer_mesh.roles import resolve_binding
 
-GRADERS = Path(__file__).parent.parent / "graders"
+GRADERS = Path(__file__).parents[3] / "graders"
 PROMPT = Prompt(prompt_id="p0", text="3+4=", token_ids=[], answer="7")
 
 
@@ -245,7 +245,7 @@ def test_dropping_the_rewarder_stops_its_workers():
 ORPHAN = textwrap.dedent(
     """
     import sys, time
-    from composer_mesh.actors.backends.reward_pool import FunctionPool
+    from composer_mesh.actors.backends.rewards.reward_pool import FunctionPool
 
     path = "graders.pyfuncs:leave_child_and_hang"
     pool = FunctionPool([path], workers=1)
@@ -302,7 +302,7 @@ async def test_real_rewarder_actor_scores_a_hang_and_a_crash_and_stops_its_worke
     from composer_mesh.bindings import BoundBinding
 
     settings = PythonRewarderSettings(functions=[{"path": MISBEHAVE, "timeout_s": 1}], workers=2)
-    binding = BoundBinding("python", "composer_mesh.actors.backends.rewards:PythonRewarder", settings)
+    binding = BoundBinding("python", "composer_mesh.actors.backends.rewards.rewards:PythonRewarder", settings)
     actor = rewarder_procs.spawn("rewarder", RewarderActor, RewarderConfig("rewarder", "rewarder", binding))
     group = RolloutGroup(prompt=PROMPT, rollouts=[rollout(c) for c in ("pid", "hang", "sigkill", "pid")])
     [scored] = await actor.score.call_one([group])

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
-from composer_mesh.actors.backends.openrouter_client import (
+from composer_mesh.actors.backends.teachers.openrouter_client import (
     ChatResult,
     OpenRouterClient,
     OpenRouterConfigError,

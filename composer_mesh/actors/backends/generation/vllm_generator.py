@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from pydantic import Field
 
+from composer_mesh.actors.backends.generation.vllm_engine import VLLMEngine, VLLMEngineSettings
 from composer_mesh.actors.backends.local_model import (
     LocalModelSettings,
     as_model_config,
@@ -42,7 +43,6 @@ from composer_mesh.actors.backends.local_model import (
     prompt_ids,
     stop_ids_for,
 )
-from composer_mesh.actors.backends.vllm_engine import VLLMEngine, VLLMEngineSettings
 from composer_mesh.actors.messages import GenerationRequest, Rollout, RolloutGroup
 
 if TYPE_CHECKING:

@@ -32,7 +32,7 @@ def gens(tiny):
     """(LoRA generator, plain generator taking merged weights)."""
     require_module("vllm")
     require_module("peft")
-    from composer_mesh.actors.backends.vllm_generator import VLLMGenerator
+    from composer_mesh.actors.backends.generation.vllm_generator import VLLMGenerator
 
     cfg, lora, cache = tiny
     settings = VLLMGenerator.Settings(max_model_len=128, cache_dir=cache)

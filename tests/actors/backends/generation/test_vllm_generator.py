@@ -32,7 +32,7 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="module")
 def gen(tiny):
     require_module("vllm")
-    from composer_mesh.actors.backends.vllm_generator import VLLMGenerator
+    from composer_mesh.actors.backends.generation.vllm_generator import VLLMGenerator
 
     cfg, cache = tiny
     g = VLLMGenerator(VLLMGenerator.Settings(max_model_len=320, cache_dir=cache))
@@ -135,7 +135,7 @@ def test_seed_reproducible_and_samples_differ(gen, hf):
 
 def test_greedy_rollouts_equal_hf_generator(gen, tiny):
     """Both bindings on the same checkpoint: identical greedy completions, text and finish reasons."""
-    from composer_mesh.actors.backends.hf_generator import HFGenerator
+    from composer_mesh.actors.backends.generation.hf_generator import HFGenerator
 
     cfg, cache = tiny
     hf_gen = HFGenerator(HFGenerator.Settings(cache_dir=cache))

@@ -26,13 +26,17 @@ from typing import Any, ClassVar
 import torch
 from pydantic import Field
 
+from composer_mesh.actors.backends.generation.vllm_engine import (
+    VLLMEngine,
+    VLLMEngineSettings,
+    topk_from_logprob_dicts,
+)
 from composer_mesh.actors.backends.local_model import context_of, stop_ids_for
-from composer_mesh.actors.backends.local_teacher import (
+from composer_mesh.actors.backends.teachers.local_teacher import (
     LocalTeacher,
     LocalTeacherSettings,
     default_teacher_model,
 )
-from composer_mesh.actors.backends.vllm_engine import VLLMEngine, VLLMEngineSettings, topk_from_logprob_dicts
 from composer_mesh.actors.messages import Rollout, TokenDistribution
 from composer_mesh.models.config import ModelConfig
 

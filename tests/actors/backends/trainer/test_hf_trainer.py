@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from composer_mesh.actors.backends.hf_trainer import HFTrainer, HFTrainerSettings
-from composer_mesh.actors.backends.train_batch import build_loss_batch, completion_logits
+from composer_mesh.actors.backends.trainer.hf_trainer import HFTrainer, HFTrainerSettings
+from composer_mesh.actors.backends.trainer.train_batch import build_loss_batch, completion_logits
 from composer_mesh.actors.messages import (
     Prompt,
     RewardResult,
@@ -187,7 +187,7 @@ def test_bf16_holds_weights_and_optimizer_state_in_bf16():
 
 
 def test_chunked_head_refuses_a_model_that_transforms_its_logits():
-    from composer_mesh.actors.backends.train_batch import check_chunked_head
+    from composer_mesh.actors.backends.trainer.train_batch import check_chunked_head
 
     trainer = make_trainer()
     trainer.model.config.final_logit_softcapping = 30.0
@@ -205,7 +205,7 @@ def test_settings_reject_bad_values():
 def test_bf16_mixed_runs_the_chunked_head_in_bf16():
     """Under autocast the decoder's last hidden state is float32; the head must still run in bf16, as the
     model's own forward would run it (a float32 head was 74% of a step's matmul work)."""
-    from composer_mesh.actors.backends.train_batch import layout, student_forward
+    from composer_mesh.actors.backends.trainer.train_batch import layout, student_forward
     from composer_mesh.loss.compose import HiddenStates
 
     trainer = make_trainer()

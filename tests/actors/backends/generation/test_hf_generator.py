@@ -9,7 +9,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from composer_mesh.actors.backends.hf_generator import HFGenerator, HFGeneratorSettings
+from composer_mesh.actors.backends.generation.hf_generator import HFGenerator, HFGeneratorSettings
 from composer_mesh.actors.messages import GenerationRequest, Prompt
 from composer_mesh.models.config import ModelConfig
 

@@ -8,11 +8,11 @@ import random
 import pytest
 import torch
 
-from composer_mesh.actors.backends.hf_trainer import HFTrainer, HFTrainerSettings
-from composer_mesh.actors.backends.trainer_state import TrainerStateError, write_trainer_state
+from composer_mesh.actors.backends.trainer.hf_trainer import HFTrainer, HFTrainerSettings
+from composer_mesh.actors.backends.trainer.trainer_state import TrainerStateError, write_trainer_state
 from composer_mesh.loss.config import LossConfig
 from composer_mesh.models.config import ModelConfig
-from tests.backends.test_hf_trainer import make_batch
+from tests.actors.backends.trainer.test_hf_trainer import make_batch
 
 MODEL = ModelConfig(source="tiny", seed=3)
 # Every channel, KL to the reference, and adaptive TAID: the state the loss carries across steps is saved too.
