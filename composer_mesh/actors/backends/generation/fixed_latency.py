@@ -19,24 +19,11 @@ import time
 from collections.abc import Callable
 from typing import ClassVar
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel
 
-from composer_mesh.actors.backends.generation.hf_generator import HFGenerator, HFGeneratorSettings
+from composer_mesh.actors.backends.generation.config import FixedLatencyGeneratorSettings
+from composer_mesh.actors.backends.generation.hf_generator import HFGenerator
 from composer_mesh.actors.messages import GenerationRequest, RolloutGroup
-
-
-class FixedLatencyGeneratorSettings(HFGeneratorSettings):
-    """Settings of the fixed-latency stand-in: the hf generator's, plus its cost model."""
-
-    seconds_per_group: float = Field(
-        ...,
-        gt=0,
-        description=(
-            "The stand-in's cost model: each request takes at least seconds_per_group x its prompts, like an "
-            "engine whose throughput is known. For capacity planning and orchestration tests on machines that "
-            "cannot run the real generator at scale."
-        ),
-    )
 
 
 class FixedLatencyGenerator(HFGenerator):

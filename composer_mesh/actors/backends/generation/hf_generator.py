@@ -26,11 +26,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-from pydantic import BaseModel, Field
+from pydantic import BaseModel
 
+from composer_mesh.actors.backends.generation.config import HF_GENERATOR_CAPABILITIES, HFGeneratorSettings
 from composer_mesh.actors.backends.local_model import (
-    LocalModelSettings,
-    TorchSettings,
     as_model_config,
     check_generation_request,
     check_weights,
@@ -46,31 +45,12 @@ if TYPE_CHECKING:
     from composer_mesh.models.config import LoraConfig
 
 
-class HFGeneratorSettings(LocalModelSettings, TorchSettings):
-    """Settings of the `hf` generator binding."""
-
-    max_batch: int = Field(64, ge=1, description="Maximum sequences sampled together in one batch.")
-    seed: int = Field(
-        0, description="Base sampling seed for requests without a seed (call i uses seed + i, so runs are reproducible)."
-    )
-    name: str = Field("hf", description="Label written into Rollout.generator (e.g. to tell generators apart).")
-    in_flight_weight_updates: bool = Field(
-        False,
-        description=(
-            "Apply a weight version pulled while a request runs between its decode steps instead of at the next "
-            "request. Each rollout then carries token_versions (the version that produced each token) and its "
-            "weight_version is its oldest token's, from which its policy lag counts. The KV cache computed by "
-            "older weights is kept (no recompute). False: every token of a request comes from one version."
-        ),
-    )
-
-
 class HFGenerator:
     """Samples rollouts with a transformers model; `load_weights` swaps weights between requests, or between
     decode steps through `generate`'s `refresh` when `in_flight_weight_updates` is set."""
 
     Settings: ClassVar[type[BaseModel]] = HFGeneratorSettings
-    capabilities: ClassVar[frozenset[str]] = frozenset({"adapters"})  # takes LoRA adapters alone (lora.sync)
+    capabilities: ClassVar[frozenset[str]] = HF_GENERATOR_CAPABILITIES  # takes LoRA adapters alone (lora.sync)
 
     def __init__(self, settings: HFGeneratorSettings | None = None) -> None:
         self.settings = settings or HFGeneratorSettings()

@@ -32,11 +32,11 @@ import sys
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from composer_mesh.actors.backends.generation.config import VLLMEngineSettings
 from composer_mesh.models.loading import TORCH_DTYPES
 
 if TYPE_CHECKING:
@@ -47,7 +47,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 R = TypeVar("R")
 
-EngineDType = Literal["auto", "float32", "bfloat16", "float16"]
 CPU_DEFAULT_KV_CACHE_BYTES = 256 * 2**20
 WORKER_EXTENSION = "composer_mesh.actors.backends.generation.vllm_engine.ComposerWorkerExtension"  # dotted, as vLLM wants
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's allowed max_lora_rank values (MaxLoRARanks)
@@ -59,69 +58,6 @@ def lora_rank_for(r: int) -> int:
         if rank >= r:
             return rank
     raise ValueError(f"vLLM engine: LoRA rank {r} is above vLLM's largest max_lora_rank ({LORA_RANKS[-1]})")
-
-
-class VLLMEngineSettings(BaseModel):
-    """Settings of one vLLM engine (`LLM(...)` arguments and the env vars set before importing vllm)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    dtype: EngineDType = Field(
-        "auto",
-        description="Engine dtype: 'auto' (the model's ModelConfig dtype), 'float32', 'bfloat16' or 'float16'.",
-    )
-    max_model_len: int | None = Field(
-        None, ge=8, description="Longest prompt + completion in tokens; null = the model's max_position_embeddings."
-    )
-    max_num_seqs: int = Field(64, ge=1, description="Most sequences the engine schedules at once.")
-    kv_cache_memory_bytes: int | None = Field(
-        None,
-        ge=2**20,
-        description=(
-            "KV-cache size in bytes. null = 256 MiB on CPU (vLLM-CPU would otherwise take most of host RAM, "
-            "~12 GiB per engine) and vLLM's gpu_memory_utilization sizing on GPU. The env var "
-            "VLLM_CPU_KVCACHE_SPACE (GiB), when set, overrides this on CPU."
-        ),
-    )
-    gpu_memory_utilization: float = Field(
-        0.9, gt=0, le=1, description="GPU only: fraction of GPU memory vLLM may use (weights + KV cache)."
-    )
-    enforce_eager: bool = Field(
-        True, description="Run eagerly (no CUDA graphs / torch.compile): faster start, slower steady state."
-    )
-    enable_prefix_caching: bool = Field(
-        True, description="Reuse KV of shared prompt prefixes (it is reset after every weight push)."
-    )
-    tensor_parallel_size: int = Field(1, ge=1, description="GPUs one engine shards the model over.")
-    seed: int = Field(
-        0,
-        description="Engine seed, and base sampling seed of requests without one (call i uses seed + i). "
-        "The in-process engine also seeds this process' global RNGs with it.",
-    )
-    in_process: bool = Field(
-        True,
-        description=(
-            "Run the engine core in this process (sets VLLM_ENABLE_V1_MULTIPROCESSING=0): ~3 s start instead of "
-            "~25 s and weights pass to the worker by reference. False = vLLM's engine-core subprocess; weights are "
-            "then sent as safetensors bytes."
-        ),
-    )
-    logging_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
-        "WARNING", description="vLLM's log level (VLLM_LOGGING_LEVEL), applied when vllm is first imported."
-    )
-    engine_args: dict[str, Any] = Field(
-        default_factory=dict,
-        description="Further keyword arguments for vllm.LLM(...) (e.g. quantization); they override the above.",
-    )
-
-    @field_validator("engine_args")
-    @classmethod
-    def _no_reserved_args(cls, v: dict[str, Any]) -> dict[str, Any]:
-        reserved = {"model", "tokenizer", "worker_extension_cls", "logprobs_mode"}
-        bad = sorted(reserved & set(v))
-        if bad:
-            raise ValueError(f"engine_args may not set {bad}: the binding sets them itself")
-        return v
 
 
 def prepare_environment(settings: VLLMEngineSettings) -> None:

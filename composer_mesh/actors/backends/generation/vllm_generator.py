@@ -31,11 +31,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-from pydantic import Field
 
-from composer_mesh.actors.backends.generation.vllm_engine import VLLMEngine, VLLMEngineSettings
+from composer_mesh.actors.backends.generation.config import VLLM_GENERATOR_CAPABILITIES, VLLMGeneratorSettings
+from composer_mesh.actors.backends.generation.vllm_engine import VLLMEngine
 from composer_mesh.actors.backends.local_model import (
-    LocalModelSettings,
     as_model_config,
     check_generation_request,
     check_weights,
@@ -51,12 +50,6 @@ if TYPE_CHECKING:
     from composer_mesh.models.config import LoraConfig
 
 log = logging.getLogger(__name__)
-
-
-class VLLMGeneratorSettings(LocalModelSettings, VLLMEngineSettings):
-    """Settings of the `vllm` generator binding (engine settings plus the hf generator's sampling knobs)."""
-
-    name: str = Field("vllm", description="Label written into Rollout.generator (e.g. to tell generators apart).")
 
 
 _PEFT_NAME = re.compile(r"\.(lora_[AB]|lora_embedding_[AB])\.default(?=\.|$)")
@@ -94,7 +87,7 @@ class VLLMGenerator:
     """Generator backend over one in-process vLLM engine (its calls are serialised by the engine's lock)."""
 
     Settings: ClassVar[type[VLLMGeneratorSettings]] = VLLMGeneratorSettings
-    capabilities: ClassVar[frozenset[str]] = frozenset({"adapters"})  # takes LoRA adapters alone (lora.sync)
+    capabilities: ClassVar[frozenset[str]] = VLLM_GENERATOR_CAPABILITIES  # takes LoRA adapters alone (lora.sync)
 
     def __init__(self, settings: VLLMGeneratorSettings | None = None) -> None:
         self.settings = settings or VLLMGeneratorSettings()

@@ -10,99 +10,21 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import threading
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel
 
+from composer_mesh.actors.backends.rewards.config import (
+    PYTHON_REWARDER_CAPABILITIES,
+    PythonRewarderSettings,
+    ShellGrader,
+)
 from composer_mesh.actors.backends.rewards.reward_pool import CallFailed, FunctionPool
 from composer_mesh.actors.messages import Prompt, RewardResult, Rollout
-from composer_mesh.bindings import import_object
-
-
-class FunctionReward(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    path: str = Field(description="Import path 'pkg.mod:fn' of `fn(prompt, completion, answer) -> float`; a function "
-                      "with an `extra` parameter also gets the prompt's extra data columns (`run.data.extra`).")
-    weight: float = Field(1.0, description="Weight of this function in the summed reward.")
-    timeout_s: float = Field(
-        10.0,
-        gt=0,
-        description="Seconds a call may take before its worker process is killed and the call scored as a failure.",
-    )
-
-    @field_validator("path")
-    @classmethod
-    def _importable(cls, v: str) -> str:
-        fn = import_object(v)
-        if not callable(fn):
-            raise ValueError(f"reward function {v!r} is not callable")
-        return v
-
-    @property
-    def name(self) -> str:
-        """Label in metrics and errors: the function's name."""
-        return self.path.rsplit(":", 1)[-1]
-
-
-class ShellGrader(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    command: list[str] = Field(
-        description="argv of the grader. It reads one JSON object {prompt, completion, answer, extra} on stdin and prints "
-        "one number (the score) on stdout."
-    )
-    timeout_s: float = Field(10.0, gt=0, description="Seconds before the grader is killed and scored as a failure.")
-    weight: float = Field(1.0, description="Weight of this grader in the summed reward.")
-    name: str = Field("", description="Label for metrics; defaults to the program name.")
-
-    @field_validator("command")
-    @classmethod
-    def _non_empty(cls, v: list[str]) -> list[str]:
-        if not v or not v[0]:
-            raise ValueError("command must be a non-empty argv list, e.g. ['python', 'grade.py']")
-        return v
-
-    @property
-    def label(self) -> str:
-        """`name`, else the script (for `python grade.py`) or program name."""
-        if self.name:
-            return self.name
-        program = self.command[0].rsplit("/", 1)[-1]
-        if program.startswith(("python", "bash", "sh", "node")) and len(self.command) > 1:
-            return self.command[1].rsplit("/", 1)[-1]
-        return program
-
-
-class PythonRewarderSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    functions: list[FunctionReward] = Field(
-        default_factory=list, description="Python reward callables by import path, summed with their weights."
-    )
-    shell: list[ShellGrader] = Field(default_factory=list, description="External grader programs, summed with weights.")
-    failure_score: float = Field(0.0, description="Score given for a grader that crashed, timed out or printed garbage.")
-    workers: int | None = Field(
-        None,
-        ge=1,
-        description="Worker processes for the reward functions, and the most shell graders run at once "
-        "(null: min(4, CPU count)).",
-    )
-
-    @property
-    def concurrency(self) -> int:
-        return self.workers or min(4, os.cpu_count() or 1)
-
-    @model_validator(mode="after")
-    def _something(self) -> PythonRewarderSettings:
-        if not self.functions and not self.shell:
-            raise ValueError("give at least one reward: `functions` (import paths) or `shell` (grader commands)")
-        return self
 
 
 def run_shell_grader(grader: ShellGrader, prompt: str, completion: str, answer: str | None,
@@ -144,7 +66,7 @@ class PythonRewarder:
     """Binding `python` for the rewarder role. `close()` (or garbage collection) stops its worker processes."""
 
     Settings: ClassVar[type[BaseModel]] = PythonRewarderSettings
-    capabilities: ClassVar[frozenset[str]] = frozenset()
+    capabilities: ClassVar[frozenset[str]] = PYTHON_REWARDER_CAPABILITIES
 
     def __init__(self, settings: PythonRewarderSettings) -> None:
         self.settings = settings

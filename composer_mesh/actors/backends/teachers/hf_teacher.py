@@ -20,32 +20,22 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-from pydantic import BaseModel, Field
+from pydantic import BaseModel
 
-from composer_mesh.actors.backends.local_model import TorchSettings, context_of, stop_ids_for
-from composer_mesh.actors.backends.teachers.local_teacher import LocalTeacher, LocalTeacherSettings
+from composer_mesh.actors.backends.local_model import context_of, stop_ids_for
+from composer_mesh.actors.backends.teachers.config import HF_TEACHER_CAPABILITIES, HFTeacherSettings
+from composer_mesh.actors.backends.teachers.local_teacher import LocalTeacher
 from composer_mesh.actors.messages import Rollout, TokenDistribution
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 
-class HFTeacherSettings(LocalTeacherSettings, TorchSettings):
-    """Settings of the `hf` teacher binding."""
-
-    device: str = Field("cpu", description="torch device: 'cpu', 'cuda', 'cuda:<index>' or 'mps'.")
-    torch_threads: int | None = Field(
-        1, ge=1, description="torch CPU threads for this process (null = leave torch's default)."
-    )
-    max_batch: int = Field(64, ge=1, description="Maximum sequences per teacher forward pass.")
-    seed: int = Field(0, description="Base seed of trace sampling (call i uses seed + i) when trace_temperature > 0.")
-
-
 class HFTeacher(LocalTeacher):
     """A local transformers teacher. Capabilities: "distill" (shared tokenizer only) and "replay"."""
 
     Settings: ClassVar[type[BaseModel]] = HFTeacherSettings
-    capabilities: ClassVar[frozenset[str]] = frozenset({"distill", "replay"})
+    capabilities: ClassVar[frozenset[str]] = HF_TEACHER_CAPABILITIES
     binding: ClassVar[str] = "hf"
     settings: HFTeacherSettings
 

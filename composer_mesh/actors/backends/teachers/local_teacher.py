@@ -20,14 +20,12 @@ from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
 import torch
-from pydantic import Field
 
-from composer_mesh.actors.backends.local_model import LocalModelSettings, as_model_config, prompt_ids
+from composer_mesh.actors.backends.local_model import as_model_config, prompt_ids
 from composer_mesh.actors.messages import Prompt, Rollout, TeacherTrace, TokenDistribution
 from composer_mesh.actors.teacher_errors import TeacherUnavailable
 from composer_mesh.actors.teacher_topk import TopK, resolve_top_k
 from composer_mesh.models.chat import prompt_token_ids
-from composer_mesh.models.config import ModelConfig, WarmStartConfig
 
 log = logging.getLogger(__name__)
 
@@ -37,34 +35,6 @@ _ABSENT_LOGIT = -1e9
 
 class TeacherTokenizerMismatch(ValueError):
     """Channel 2 was asked of a teacher whose tokenizer differs from the student's."""
-
-
-def default_teacher_model() -> ModelConfig:
-    """The default teacher: the tiny model warm-started on its task, so it already solves it."""
-    return ModelConfig(warmstart=WarmStartConfig(steps=150))
-
-
-class LocalTeacherSettings(LocalModelSettings):
-    """What the hf and vllm teachers' settings share: the teacher model, trace sampling, and the local-model
-    settings in the teacher's words."""
-
-    model: ModelConfig = Field(
-        default_factory=default_teacher_model,
-        description="The teacher model (same schema as the topology's model:). Default: the tiny model "
-        "warm-started for 150 SFT steps on the addition task, so it already solves it.",
-    )
-    trace_temperature: float = Field(0.0, ge=0, description="Sampling temperature of channel-3 traces (0 = greedy).")
-    stop_at_task_eos: bool = Field(
-        True, description="Traces also stop at the teacher model task's end marker (e.g. ';'), besides EOS."
-    )
-    cache_dir: str | None = Field(
-        None, description="Where the teacher model is materialized (null = $COMPOSER_MESH_CACHE or ~/.cache/composer_mesh)."
-    )
-    score_batch_tokens: int = Field(
-        8192, ge=1, description="Channel-2 scoring: most padded tokens (rows x longest prompt+completion) per "
-        "teacher forward (hf) or engine call (vllm); a longer rollout is scored alone. Bounds the logits of one "
-        "forward: 8,192 tokens x 151,936 ids is ~2.5 GB in bfloat16.",
-    )
 
 
 class LocalTeacher(ABC):

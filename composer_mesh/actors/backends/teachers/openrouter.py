@@ -14,12 +14,12 @@ from __future__ import annotations
 import logging
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
+from composer_mesh.actors.backends.teachers.config import OPENROUTER_CAPABILITIES, OpenRouterSettings
 from composer_mesh.actors.backends.teachers.openrouter_client import (
     ChatResult,
     OpenRouterClient,
     OpenRouterConfigError,
     OpenRouterError,
-    OpenRouterSettings,
 )
 from composer_mesh.actors.messages import Prompt, Rollout, TeacherTrace, TokenDistribution
 from composer_mesh.actors.teacher_errors import TeacherUnavailable
@@ -76,7 +76,7 @@ class OpenRouterTeacher:
     """Teacher binding over `OpenRouterClient`: async, batched, bounded by `max_concurrency`."""
 
     Settings: ClassVar[type[OpenRouterSettings]] = OpenRouterSettings
-    capabilities: ClassVar[frozenset[str]] = frozenset({"replay"})
+    capabilities: ClassVar[frozenset[str]] = OPENROUTER_CAPABILITIES
 
     def __init__(self, settings: OpenRouterSettings, **client_kwargs: Any) -> None:
         """`client_kwargs` (transport, sleep, rng) are for tests; the key is read in `start`."""

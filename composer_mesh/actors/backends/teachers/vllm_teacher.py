@@ -24,38 +24,24 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import torch
-from pydantic import Field
 
 from composer_mesh.actors.backends.generation.vllm_engine import (
     VLLMEngine,
-    VLLMEngineSettings,
     topk_from_logprob_dicts,
 )
 from composer_mesh.actors.backends.local_model import context_of, stop_ids_for
+from composer_mesh.actors.backends.teachers.config import VLLM_TEACHER_CAPABILITIES, VLLMTeacherSettings
 from composer_mesh.actors.backends.teachers.local_teacher import (
     LocalTeacher,
-    LocalTeacherSettings,
-    default_teacher_model,
 )
 from composer_mesh.actors.messages import Rollout, TokenDistribution
-from composer_mesh.models.config import ModelConfig
-
-
-class VLLMTeacherSettings(LocalTeacherSettings, VLLMEngineSettings):
-    """Settings of the `vllm` teacher binding: the hf teacher's knobs plus the engine's."""
-
-    model: ModelConfig = Field(
-        default_factory=default_teacher_model,
-        description="The teacher model (same schema as the topology's model:). Default: the hf teacher's "
-        "default, the tiny model warm-started on the addition task so that it already solves it.",
-    )
 
 
 class VLLMTeacher(LocalTeacher):
     """A vLLM teacher. Capabilities: "distill" (shared tokenizer only) and "replay"."""
 
     Settings: ClassVar[type[VLLMTeacherSettings]] = VLLMTeacherSettings
-    capabilities: ClassVar[frozenset[str]] = frozenset({"distill", "replay"})
+    capabilities: ClassVar[frozenset[str]] = VLLM_TEACHER_CAPABILITIES
     binding: ClassVar[str] = "vllm"
     settings: VLLMTeacherSettings
 

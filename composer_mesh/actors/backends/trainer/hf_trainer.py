@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
-from pydantic import BaseModel, Field
+from pydantic import BaseModel
 
-from composer_mesh.actors.backends.local_model import TorchSettings
+from composer_mesh.actors.backends.trainer.config import HF_TRAINER_CAPABILITIES, HFTrainerSettings
 from composer_mesh.actors.backends.trainer.train_batch import (
     StudentPass,
     TrainRows,
@@ -38,72 +38,18 @@ from composer_mesh.actors.messages import TrainBatch, TrainMetrics
 from composer_mesh.loss.compose import LossAccumulator, LossResult, new_loss_state
 from composer_mesh.loss.config import LossConfig
 from composer_mesh.loss.grpo import group_advantages
-from composer_mesh.models.config import LoraConfig
 
 if TYPE_CHECKING:
     from composer_mesh.actors.backends.trainer.trainer_state import TrainerSnapshot
 
-Precision = Literal["fp32", "bf16-mixed", "bf16"]
 WeightKind = Literal["full", "adapter"]
-
-
-class HFTrainerSettings(TorchSettings):
-    device: str = Field("cpu", description="torch device of the policy: 'cpu', 'cuda', 'cuda:<index>' or 'mps'.")
-    torch_threads: int = Field(1, ge=1, description="torch intra-op threads in the trainer process.")
-    lr: float = Field(1e-3, gt=0, description="AdamW learning rate of the inner optimizer.")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
-    betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW betas.")
-    grad_clip: float | None = Field(1.0, gt=0, description="Clip the global gradient norm to this (None: off).")
-    reference_model: bool = Field(
-        True,
-        description="Keep a frozen copy of the initial policy for the KL term and DPO reference log-probs (with "
-        "lora: no copy, the base model with the adapters disabled). Without it those terms are off.",
-    )
-    lora: LoraConfig | None = Field(
-        None,
-        description="Train low-rank adapters (peft LoRA) instead of the whole model: the base weights stay frozen, "
-        "AdamW and the trainer state hold only the adapters, and the end-of-run checkpoint holds the merged model "
-        "plus the adapter under adapter/. Needs peft (the 'lora' extra); not with DiLoCo. null = full fine-tuning.",
-    )
-    micro_batch_tokens: int | None = Field(
-        None, ge=1,
-        description="Token budget of one forward/backward: the step is cut into micro-batches of at most this many "
-        "tokens (rows x longest row, or the packed total), gradients accumulate, and every loss normalisation is "
-        "the whole batch's. A single sequence longer than the budget still runs alone. null = one pass.",
-    )
-    packing: bool = Field(
-        False,
-        description="Padding-free: pack a micro-batch's sequences into one row with per-sequence position ids "
-        "(transformers then masks attention per sequence). Saves the padding's compute and memory.",
-    )
-    precision: Precision = Field(
-        "fp32",
-        description="'fp32'; 'bf16-mixed': bf16 autocast compute, float32 master weights and AdamW state; "
-        "'bf16': weights, gradients and AdamW state in bf16 (half the memory, lossy updates). "
-        "Loss math is float32 in every case.",
-    )
-    activation_checkpointing: bool = Field(
-        False, description="Recompute each decoder layer's activations in backward (less memory, ~1/3 more compute)."
-    )
-    attn_implementation: str | None = Field(
-        None,
-        description="transformers attention kernel of the policy ('sdpa', 'eager', 'flash_attention_2', ...; "
-        "null = the model's default). With packing, sdpa and eager build a dense [L, L] block-diagonal mask "
-        "per packed row; flash_attention_2 runs packed rows as variable-length sequences.",
-    )
-    lm_head: Literal["chunked", "full"] = Field(
-        "chunked",
-        description="'chunked': only completion positions' hidden states reach the LM head, and log-probs and "
-        "channel 2 are computed from them chunk by chunk (no [tokens x vocab] tensor). 'full': the model's own "
-        "forward computes logits for every position (needed for heads that transform logits, e.g. soft-capping).",
-    )
 
 
 class HFTrainer:
     """Binding `hf` for the trainer role: a transformers causal LM + AdamW + `compose_loss`."""
 
     Settings: ClassVar[type[BaseModel]] = HFTrainerSettings
-    capabilities: ClassVar[frozenset[str]] = frozenset()
+    capabilities: ClassVar[frozenset[str]] = HF_TRAINER_CAPABILITIES
 
     def __init__(self, settings: HFTrainerSettings) -> None:
         self.settings = settings
@@ -297,11 +243,16 @@ class HFTrainer:
         lora = self.settings.lora
         return None if lora is None else lora.model_dump(mode="json", include={"r", "alpha", "target_modules"})
 
-    def save_state(self, url: str, extra: dict[str, Any] | None = None) -> None:
-        """`snapshot_state` written under `url` (any fsspec URL), on this thread."""
+    def write_state(self, url: str, snapshot: TrainerSnapshot) -> None:
+        """Write `snapshot` (from `snapshot_state`) under `url` (any fsspec URL): `trainer_state.py`'s files. It
+        touches nothing of the live trainer, so the trainer service runs it on its writer thread."""
         from composer_mesh.actors.backends.trainer.trainer_state import write_trainer_state
 
-        write_trainer_state(url, self.snapshot_state(extra))
+        write_trainer_state(url, snapshot)
+
+    def save_state(self, url: str, extra: dict[str, Any] | None = None) -> None:
+        """`snapshot_state` written under `url` (any fsspec URL), on this thread."""
+        self.write_state(url, self.snapshot_state(extra))
 
     def load_state(self, url: str) -> dict[str, Any]:
         """Continue from a state written by `save_state` (after `start` with the same topology); its `extra`.
