@@ -26,13 +26,12 @@ from composer_mesh.actors.backends.teachers.openrouter import (
     TeacherTraceError,
     load_student_tokenizer,
 )
-from composer_mesh.actors.backends.teachers.openrouter_client import (
-    OpenRouterClient,
+from composer_mesh.actors.backends.teachers.openrouter_client import OpenRouterClient, OpenRouterSettings
+from composer_mesh.actors.backends.teachers.openrouter_wire import (
     OpenRouterConfigError,
     OpenRouterHTTPError,
     OpenRouterMissingLogprobs,
     OpenRouterResponseError,
-    OpenRouterSettings,
     OpenRouterTimeout,
     OpenRouterTransportError,
     parse_retry_after,

@@ -15,9 +15,9 @@ import logging
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from composer_mesh.actors.backends.teachers.config import OPENROUTER_CAPABILITIES, OpenRouterSettings
-from composer_mesh.actors.backends.teachers.openrouter_client import (
+from composer_mesh.actors.backends.teachers.openrouter_client import OpenRouterClient
+from composer_mesh.actors.backends.teachers.openrouter_wire import (
     ChatResult,
-    OpenRouterClient,
     OpenRouterConfigError,
     OpenRouterError,
 )

@@ -3,99 +3,48 @@
 Why a hand-written client instead of the `openai`/`openrouter` SDKs: we need exact control over retries
 (429 with `Retry-After`, 5xx, timeouts, an error object inside an HTTP 200), over what counts as a usable
 response (the requested log-probs must be present), and over secrets (the API key must never reach a log
-line, an exception text, a repr or a pickle). Request/response/error shapes follow
-https://openrouter.ai/docs (see `shared/notes/vllm_tiny.md` §3).
+line, an exception text, a repr or a pickle). This module sends, retries, falls back and counts; what is sent
+and how a response reads (errors, completions, log-probs, usage) is `openrouter_wire.py`'s.
 
 The key is read from the environment variable NAMED in the settings (`api_key_env`) when the client is
 built, held only inside a `_BearerAuth` whose repr is masked and which refuses to be pickled, and scrubbed
-from every message this module produces (`OpenRouterClient.redact`).
+from every message the client produces, those built by `openrouter_wire` included (`OpenRouterClient.redact`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import email.utils
 import json
 import logging
 import os
 import random
 import re
-import time
 from collections.abc import Awaitable, Callable, Generator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
 from pydantic import SecretStr
 
 from composer_mesh.actors.backends.teachers.config import OpenRouterSettings
+from composer_mesh.actors.backends.teachers.openrouter_wire import (
+    ChatInput,
+    ChatResult,
+    OpenRouterConfigError,
+    OpenRouterError,
+    OpenRouterMissingLogprobs,
+    OpenRouterResponseError,
+    OpenRouterTimeout,
+    OpenRouterTransportError,
+    chat_payload,
+    http_error,
+    parse_completion,
+    parse_retry_after,
+)
 
 log = logging.getLogger("composer_mesh.openrouter")
 
-# OpenRouter: 408 timeout, 429 rate limit, 502 upstream down/invalid, 503 no provider available; any 5xx.
-_RETRYABLE_STATUS = frozenset({408, 429})
 _REDACTED = "[REDACTED]"
-
-# What one request asks: a text (sent as one user message, after `system_prompt`) or chat messages, sent as given.
-ChatInput = str | list[dict[str, str]]
-
-
-# ---------------------------------------------------------------------------------------------- errors
-class OpenRouterError(RuntimeError):
-    """Any failure of an OpenRouter request. Messages are built here and never contain the key."""
-
-    def __init__(self, message: str, *, status: int | None = None, retryable: bool = False) -> None:
-        super().__init__(message)
-        self.status = status
-        self.retryable = retryable
-
-
-class OpenRouterConfigError(OpenRouterError):
-    """Missing key or unusable settings: fails before any request is made."""
-
-
-class OpenRouterHTTPError(OpenRouterError):
-    """An HTTP error status, or an `{"error": ...}` object (also inside an HTTP 200)."""
-
-
-class OpenRouterTimeout(OpenRouterError):
-    """A transport timeout (no complete response within `request_timeout`)."""
-
-
-class OpenRouterTransportError(OpenRouterError):
-    """A connection-level failure (refused, reset, protocol error)."""
-
-
-class OpenRouterResponseError(OpenRouterError):
-    """A 200 whose body is not a chat completion (bad JSON, no choices, wrong field types)."""
-
-
-class OpenRouterMissingLogprobs(OpenRouterError):
-    """Log-probs were requested but the chosen provider returned none."""
-
-
-# ---------------------------------------------------------------------------------------------- results
-@dataclass
-class TokenLogprob:
-    """One generated teacher token (a string in the TEACHER's tokenizer) with its top alternatives."""
-
-    token: str
-    logprob: float
-    top: list[tuple[str, float]] = field(default_factory=list)
-
-
-@dataclass
-class ChatResult:
-    """One completion. `logprobs` is None when none were requested, or when missing and flagged."""
-
-    text: str
-    model: str
-    provider: str | None
-    finish_reason: str | None
-    logprobs: list[TokenLogprob] | None
-    logprobs_missing: bool = False
-    usage: dict[str, float] = field(default_factory=dict)
-    attempts: int = 1
 
 
 @dataclass
@@ -114,6 +63,13 @@ class UsageCounters:
 
     def as_dict(self) -> dict[str, float]:
         return {k: float(v) for k, v in self.__dict__.items()}
+
+    def add_usage(self, got: dict[str, float]) -> None:
+        """Add one response's `read_usage` (total tokens = prompt + completion when the response has no total)."""
+        self.prompt_tokens += int(got.get("prompt_tokens", 0))
+        self.completion_tokens += int(got.get("completion_tokens", 0))
+        self.total_tokens += int(got.get("total_tokens", got.get("prompt_tokens", 0) + got.get("completion_tokens", 0)))
+        self.cost += got.get("cost", 0.0)
 
 
 # ---------------------------------------------------------------------------------------------- secrets
@@ -152,29 +108,6 @@ def read_api_key(env_name: str) -> str:
             f"(it has {len(key)} characters, some outside that range)"
         )
     return key
-
-
-def parse_retry_after(value: str | None, *, cap: float, now: float | None = None) -> float | None:
-    """Seconds to wait from a `Retry-After` header (delta-seconds or HTTP-date), clamped to [0, cap].
-
-    None when the header is absent or unparseable (the caller then uses its own backoff).
-    """
-    if value is None or not value.strip():
-        return None
-    value = value.strip()
-    try:
-        seconds = float(value)
-    except ValueError:
-        try:
-            when = email.utils.parsedate_to_datetime(value)
-        except (TypeError, ValueError):
-            return None
-        if when is None:
-            return None
-        seconds = when.timestamp() - (time.time() if now is None else now)
-    if seconds != seconds:  # NaN
-        return None
-    return max(0.0, min(seconds, cap))
 
 
 # ---------------------------------------------------------------------------------------------- client
@@ -283,33 +216,6 @@ class OpenRouterClient:
             self._loop = loop
         return self._http, self._sem
 
-    def _payload(self, prompt: ChatInput, model: str, max_tokens: int) -> dict[str, Any]:
-        s = self.settings
-        messages: list[dict[str, str]] = []
-        if not isinstance(prompt, str):  # chat messages: the hosted model applies its own template
-            messages = [dict(m) for m in prompt]
-        else:
-            if s.system_prompt:
-                messages.append({"role": "system", "content": s.system_prompt})
-            messages.append({"role": "user", "content": prompt})
-        body: dict[str, Any] = {
-            "model": model,
-            "messages": messages,
-            "max_tokens": max_tokens,
-            "temperature": s.temperature,
-            "stream": False,
-        }
-        if s.model_fallback == "openrouter" and len(s.models) > 1:
-            body["models"] = list(s.models)
-        if s.logprobs:
-            body["logprobs"] = True
-            body["top_logprobs"] = s.top_logprobs
-        if s.seed is not None:
-            body["seed"] = s.seed
-        if s.require_parameters:
-            body["provider"] = {"require_parameters": True}
-        return body
-
     async def _complete_with_fallback(self, prompt: ChatInput, max_tokens: int) -> ChatResult:
         s = self.settings
         models = s.models if s.model_fallback == "client" else s.models[:1]
@@ -333,7 +239,7 @@ class OpenRouterClient:
 
     async def _complete_one_model(self, prompt: ChatInput, model: str, max_tokens: int) -> ChatResult:
         s = self.settings
-        payload = self._payload(prompt, model, max_tokens)
+        payload = chat_payload(self.settings, prompt, model, max_tokens)
         attempt = 0
         while True:
             attempt += 1
@@ -396,7 +302,7 @@ class OpenRouterClient:
 
         err_obj = body.get("error") if isinstance(body, dict) else None
         if status != 200 or err_obj is not None:
-            return self._http_error(where, status, err_obj, raw), retry_after
+            return http_error(self.settings, self.redact, where, status, err_obj, raw), retry_after
         if parse_error is not None or not isinstance(body, dict):
             snippet = self.redact(raw[:200].decode("utf-8", "replace"))
             return OpenRouterResponseError(
@@ -405,136 +311,18 @@ class OpenRouterClient:
                 retryable=True,
             ), None
         try:
-            return self._parse_completion(where, model, body), None
+            return self._completion(where, model, body), None
         except OpenRouterError as e:
             return e, None
 
-    def _http_error(self, where: str, status: int, err_obj: Any, raw: bytes) -> OpenRouterError:
-        code = status
-        message = ""
-        if isinstance(err_obj, dict):
-            message = str(err_obj.get("message", ""))
-            try:
-                code = int(err_obj.get("code", status))
-            except (TypeError, ValueError):
-                code = status
-            meta = err_obj.get("metadata")
-            if isinstance(meta, dict) and meta.get("provider_name"):
-                message += f" [provider {meta['provider_name']}]"
-        elif err_obj is not None:
-            message = str(err_obj)
-        else:
-            message = raw[:200].decode("utf-8", "replace")
-        if status == 200:
-            # Generation had started: OpenRouter reports provider failures in the body. Treat an error
-            # code that is not itself retryable-looking as an upstream failure (502) so it is retried.
-            if code == 200 or not (400 <= code < 600):
-                code = 502
-            what = f"error object inside an HTTP 200 (code {code})"
-        else:
-            what = f"HTTP {status}"
-        retryable = code in _RETRYABLE_STATUS or code >= 500
-        hint = ""
-        if code == 401:
-            hint = f" (check the key in ${self.settings.api_key_env})"
-        elif code == 402:
-            hint = " (insufficient OpenRouter credits)"
-        elif code == 503:
-            hint = " (no provider meets the routing requirements; require_parameters with logprobs narrows them)"
-        return OpenRouterHTTPError(
-            self.redact(f"{where}: {what}: {message.strip()}{hint}"), status=code, retryable=retryable
-        )
-
-    def _parse_completion(self, where: str, model: str, body: dict[str, Any]) -> ChatResult:
-        def bad(msg: str) -> OpenRouterResponseError:
-            return OpenRouterResponseError(self.redact(f"{where}: malformed completion: {msg}"), status=200, retryable=True)
-
-        choices = body.get("choices")
-        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-            raise bad("`choices` is missing or empty")
-        choice = choices[0]
-        finish = choice.get("finish_reason")
-        if finish == "error":
-            raise OpenRouterHTTPError(
-                self.redact(f"{where}: the provider ended the generation with finish_reason 'error'"),
-                status=502,
-                retryable=True,
-            )
-        message = choice.get("message")
-        if not isinstance(message, dict):
-            raise bad("`choices[0].message` is missing")
-        text = message.get("content")
-        if text is None:
-            text = ""
-        if not isinstance(text, str):
-            raise bad(f"`choices[0].message.content` is {type(text).__name__}, expected a string")
-
-        logprobs: list[TokenLogprob] | None = None
-        missing = False
-        if self.settings.logprobs:
-            logprobs = self._parse_logprobs(choice.get("logprobs"), bad)
-            if logprobs is None or (text and not logprobs):
-                logprobs = None
-                missing = True
-                self._counters.missing_logprobs += 1
-                if self.settings.missing_logprobs == "error":
-                    raise OpenRouterMissingLogprobs(
-                        self.redact(
-                            f"{where}: log-probs were requested but the response has none (provider "
-                            f"{body.get('provider')!r}); keep require_parameters: true and pick a model listed "
-                            f"by /models?supported_parameters=logprobs, or set missing_logprobs: flag"
-                        ),
-                        status=200,
-                        retryable=False,
-                    )
-
-        usage = self._account(body.get("usage"))
+    def _completion(self, where: str, model: str, body: dict[str, Any]) -> ChatResult:
+        """`parse_completion`, counted: a missing log-probs answer (raised or flagged), the usage, the completion."""
+        try:
+            result = parse_completion(self.settings, self.redact, where, model, body)
+        except OpenRouterMissingLogprobs:
+            self._counters.missing_logprobs += 1
+            raise
+        self._counters.missing_logprobs += int(result.logprobs_missing)
+        self._counters.add_usage(result.usage)
         self._counters.completions += 1
-        return ChatResult(
-            text=text,
-            model=str(body.get("model") or model),
-            provider=body.get("provider") if isinstance(body.get("provider"), str) else None,
-            finish_reason=finish if isinstance(finish, str) else None,
-            logprobs=logprobs,
-            logprobs_missing=missing,
-            usage=usage,
-        )
-
-    def _parse_logprobs(self, lp: Any, bad: Callable[[str], OpenRouterResponseError]) -> list[TokenLogprob] | None:
-        if lp is None:
-            return None
-        if not isinstance(lp, dict):
-            raise bad("`choices[0].logprobs` is not an object")
-        content = lp.get("content")
-        if content is None:
-            return None
-        if not isinstance(content, list):
-            raise bad("`choices[0].logprobs.content` is not a list")
-        out: list[TokenLogprob] = []
-        for i, entry in enumerate(content):
-            if not isinstance(entry, dict) or not isinstance(entry.get("token"), str):
-                raise bad(f"`logprobs.content[{i}]` has no string `token`")
-            value = entry.get("logprob")
-            if not isinstance(value, (int, float)) or isinstance(value, bool):
-                raise bad(f"`logprobs.content[{i}].logprob` is not a number")
-            top: list[tuple[str, float]] = []
-            for alt in entry.get("top_logprobs") or []:
-                if isinstance(alt, dict) and isinstance(alt.get("token"), str) and isinstance(alt.get("logprob"), (int, float)):
-                    top.append((alt["token"], float(alt["logprob"])))
-            out.append(TokenLogprob(token=entry["token"], logprob=float(value), top=top))
-        return out
-
-    def _account(self, usage: Any) -> dict[str, float]:
-        if not isinstance(usage, dict):
-            return {}
-        got: dict[str, float] = {}
-        for name in ("prompt_tokens", "completion_tokens", "total_tokens", "cost"):
-            v = usage.get(name)
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0:
-                got[name] = float(v)
-        c = self._counters
-        c.prompt_tokens += int(got.get("prompt_tokens", 0))
-        c.completion_tokens += int(got.get("completion_tokens", 0))
-        c.total_tokens += int(got.get("total_tokens", got.get("prompt_tokens", 0) + got.get("completion_tokens", 0)))
-        c.cost += got.get("cost", 0.0)
-        return got
+        return result
