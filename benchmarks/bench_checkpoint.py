@@ -38,7 +38,7 @@ GIB = 1024**3
 
 
 def service(model_dir: Path, device: str) -> Any:
-    from composer_mesh.actors.backends.hf_trainer import HFTrainer, HFTrainerSettings
+    from composer_mesh.actors.backends.trainer.hf_trainer import HFTrainer, HFTrainerSettings
     from composer_mesh.actors.trainer import TrainerService
     from composer_mesh.loss.config import LossConfig
     from composer_mesh.mesh.weights.config import WeightPlaneConfig
@@ -67,7 +67,7 @@ def run_mode(svc: Any, batch: Any, steps: int, every: int, wait: bool, out: Path
 
 def probe(svc: Any, out: Path) -> dict[str, float]:
     """The copy and the write of one checkpoint, timed apart; the state's size."""
-    from composer_mesh.actors.backends.trainer_state import write_trainer_state
+    from composer_mesh.actors.backends.trainer.trainer_state import write_trainer_state
 
     t0 = time.perf_counter()
     snapshot = svc.backend.snapshot_state(extra={"weight_version": svc.version})

@@ -193,7 +193,7 @@ def vllm_child(spec: dict[str, Any]) -> list[dict[str, Any]]:
     """Inside the child: one engine, then every batch size (warm-up + repeats); rows as JSON."""
     if spec["device"] == "cpu" and hasattr(os, "sched_setaffinity"):  # vLLM's OMP binding follows the affinity
         os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[: spec["threads"]])
-    from composer_mesh.actors.backends.vllm_engine import VLLMEngine, VLLMEngineSettings
+    from composer_mesh.actors.backends.generation.vllm_engine import VLLMEngine, VLLMEngineSettings
 
     settings = VLLMEngineSettings(
         max_num_seqs=max(spec["batches"]), max_model_len=spec["prompt"] + spec["new"] + 8,

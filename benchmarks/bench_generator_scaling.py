@@ -3,7 +3,7 @@
 The loop splits each step's groups into one chunk per generator, and a free generator takes the next chunk of
 the oldest admitted step (admission by `max_policy_lag`), so one step is sampled by all free generators at
 once. A 2-core machine cannot show that with real generators (they would share the same cores), so the
-generators here are the fixed-latency stand-in (`composer_mesh.actors.backends.fixed_latency:
+generators here are the fixed-latency stand-in (`composer_mesh.actors.backends.generation.fixed_latency:
 FixedLatencyGenerator`): real hf sampling of the tiny model (real tokens and log-probs, so training is real),
 padded with a sleep to `--seconds-per-group` x the prompts of each request, like an engine of known
 throughput. `--binding hf` runs the real hf generator instead (every process runs on CPU: it measures core
@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STAND_IN = "composer_mesh.actors.backends.fixed_latency:FixedLatencyGenerator"
+STAND_IN = "composer_mesh.actors.backends.generation.fixed_latency:FixedLatencyGenerator"
 REWARD_PATH = "composer_mesh.tasks.arithmetic:exact_match"
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

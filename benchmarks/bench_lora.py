@@ -35,7 +35,7 @@ MIB = 1024**2
 
 
 def service(model_dir: Path, device: str, lora: dict[str, Any] | None) -> Any:
-    from composer_mesh.actors.backends.hf_trainer import HFTrainer, HFTrainerSettings
+    from composer_mesh.actors.backends.trainer.hf_trainer import HFTrainer, HFTrainerSettings
     from composer_mesh.actors.trainer import TrainerService
     from composer_mesh.loss.config import LossConfig
     from composer_mesh.mesh.weights.config import WeightPlaneConfig

@@ -128,7 +128,7 @@ def _model_config(spec: dict[str, Any]) -> Any:
 
 def _ours(spec: dict[str, Any], batch: Any) -> tuple[Callable[[], dict[str, float]], Any]:
     """`HFTrainer.train_step` on `batch`, GRPO only, no reference model."""
-    from composer_mesh.actors.backends.hf_trainer import HFTrainer, HFTrainerSettings
+    from composer_mesh.actors.backends.trainer.hf_trainer import HFTrainer, HFTrainerSettings
     from composer_mesh.loss.config import LossConfig
 
     settings = HFTrainerSettings(

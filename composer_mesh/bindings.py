@@ -5,8 +5,10 @@ A binding is a plain Python class (no Monarch) with two class attributes:
     Settings: type[pydantic.BaseModel]   # its typed settings, validated with the topology
     capabilities: frozenset[str]         # what it can supply, checked across sections (e.g. teachers)
 
-This module is generic: it knows no role. `composer_mesh.roles` owns the table of built-in names per role.
-Binding modules keep heavy imports (transformers, vllm) inside functions so validation stays cheap.
+This module is generic: it knows no role. `composer_mesh.roles` owns the table of built-in names per role, each a
+`BuiltinBinding`: the class by import path, its `Settings` and capabilities from an import-cheap config module,
+so that validating a topology that names only built-ins imports no binding module (nor torch). A binding named
+by import path is imported when the topology is validated, to read its `Settings` and `capabilities`.
 """
 
 from __future__ import annotations
@@ -42,21 +44,31 @@ def import_object(path: str) -> Any:
 
 
 @dataclass(frozen=True)
+class BuiltinBinding:
+    """A built-in binding as its role's table names it: the class by import path (imported only where it is
+    built), its `Settings` model and its capabilities (both from the binding's config module, which the class
+    uses too)."""
+
+    import_path: str  # "package.module:Class"
+    settings: type[BaseModel]
+    capabilities: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
 class Binding:
-    """A resolved binding class. `kind` says what it is for (a role name) in error messages."""
+    """A resolved binding: what validation needs (its settings model and capabilities) and where its class is.
+    `kind` says what it is for (a role name) in error messages."""
 
     kind: str
     name: str  # as written in the topology
     import_path: str
-    cls: type
+    settings_model: type[BaseModel]
+    capabilities: frozenset[str]
 
     @property
-    def settings_model(self) -> type[BaseModel]:
-        return self.cls.Settings  # type: ignore[attr-defined, no-any-return]
-
-    @property
-    def capabilities(self) -> frozenset[str]:
-        return frozenset(getattr(self.cls, "capabilities", frozenset()))
+    def cls(self) -> type:
+        """The binding class, imported on use (validation never needs it)."""
+        return import_object(self.import_path)  # type: ignore[no-any-return]
 
     def parse_settings(self, raw: dict[str, Any] | None) -> BaseModel:
         return self.settings_model.model_validate(raw or {})
@@ -83,21 +95,21 @@ class BoundBinding:
         return import_object(self.import_path)(self.settings)
 
 
-def resolve_binding(kind: str, name: str, builtins: Mapping[str, str]) -> Binding:
-    """Resolve a built-in name (a key of `builtins`) or an import path to a class that has `Settings`."""
+def resolve_binding(kind: str, name: str, builtins: Mapping[str, BuiltinBinding]) -> Binding:
+    """Resolve a built-in name (a key of `builtins`: nothing is imported) or an import path (its module is
+    imported) to a binding with a `Settings` model."""
     if name in builtins:
-        path = builtins[name]
-    elif ":" in name or "." in name:
-        path = name
-    else:
+        b = builtins[name]
+        return Binding(kind, name, b.import_path, b.settings, frozenset(b.capabilities))
+    if ":" not in name and "." not in name:
         raise BindingError(
             f"unknown {kind} binding {name!r}; built-ins are {', '.join(sorted(builtins))}, "
             "or give an import path 'package.module:Class'"
         )
-    cls = import_object(path)
+    cls = import_object(name)
     if not isinstance(cls, type):
-        raise BindingError(f"{kind} binding {path!r} is not a class")
+        raise BindingError(f"{kind} binding {name!r} is not a class")
     settings = getattr(cls, "Settings", None)
     if not (isinstance(settings, type) and issubclass(settings, BaseModel)):
-        raise BindingError(f"{kind} binding {path!r} has no `Settings` pydantic model class attribute")
-    return Binding(kind=kind, name=name, import_path=path, cls=cls)
+        raise BindingError(f"{kind} binding {name!r} has no `Settings` pydantic model class attribute")
+    return Binding(kind, name, name, settings, frozenset(getattr(cls, "capabilities", frozenset())))

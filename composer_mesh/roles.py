@@ -1,9 +1,11 @@
 """The four roles of a run, in one place: their names, the actor each spawns and the built-in bindings it
 can be bound to; and `RoleMesh`, the typed handles a launched topology yields.
 
-Adding a built-in binding is one line in `ROLE_TABLE`; a binding outside the package is named in the topology
-by import path and needs no line here. Actor classes are named by import path so that validating a topology
-imports neither Monarch nor torch; they are imported when a topology is launched.
+Adding a built-in binding is one entry in `ROLE_TABLE` (its class by import path, its settings and capabilities
+from its room's `config.py`); a binding outside the package is named in the topology by import path and needs no
+line here. Actor and built-in binding classes are named by import path, and their settings come from import-cheap
+config modules, so that validating a topology imports neither Monarch nor torch; the classes are imported where
+they run, when a topology is launched.
 """
 
 from __future__ import annotations
@@ -12,7 +14,23 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from composer_mesh.bindings import Binding
+from composer_mesh.actors.backends.generation.config import (
+    HF_GENERATOR_CAPABILITIES,
+    VLLM_GENERATOR_CAPABILITIES,
+    HFGeneratorSettings,
+    VLLMGeneratorSettings,
+)
+from composer_mesh.actors.backends.rewards.config import PYTHON_REWARDER_CAPABILITIES, PythonRewarderSettings
+from composer_mesh.actors.backends.teachers.config import (
+    HF_TEACHER_CAPABILITIES,
+    OPENROUTER_CAPABILITIES,
+    VLLM_TEACHER_CAPABILITIES,
+    HFTeacherSettings,
+    OpenRouterSettings,
+    VLLMTeacherSettings,
+)
+from composer_mesh.actors.backends.trainer.config import HF_TRAINER_CAPABILITIES, HFTrainerSettings
+from composer_mesh.bindings import Binding, BuiltinBinding
 from composer_mesh.bindings import resolve_binding as _resolve
 
 if TYPE_CHECKING:
@@ -33,7 +51,7 @@ class RoleEntry:
     the classes they stand for."""
 
     actor: str  # "module:Class"
-    bindings: Mapping[str, str]
+    bindings: Mapping[str, BuiltinBinding]
 
 
 # Teacher capabilities: "distill" = per-token distributions over the student's tokens (channel 2, needs the
@@ -41,25 +59,50 @@ class RoleEntry:
 ROLE_TABLE: dict[Role, RoleEntry] = {
     "trainer": RoleEntry(
         actor="composer_mesh.actors.trainer:TrainerActor",
-        bindings={"hf": "composer_mesh.actors.backends.hf_trainer:HFTrainer"},
+        bindings={
+            "hf": BuiltinBinding(
+                "composer_mesh.actors.backends.trainer.hf_trainer:HFTrainer",
+                HFTrainerSettings, HF_TRAINER_CAPABILITIES,
+            ),
+        },
     ),
     "generators": RoleEntry(
         actor="composer_mesh.actors.generator:GeneratorActor",
         bindings={
-            "hf": "composer_mesh.actors.backends.hf_generator:HFGenerator",
-            "vllm": "composer_mesh.actors.backends.vllm_generator:VLLMGenerator",
+            "hf": BuiltinBinding(
+                "composer_mesh.actors.backends.generation.hf_generator:HFGenerator",
+                HFGeneratorSettings, HF_GENERATOR_CAPABILITIES,
+            ),
+            "vllm": BuiltinBinding(
+                "composer_mesh.actors.backends.generation.vllm_generator:VLLMGenerator",
+                VLLMGeneratorSettings, VLLM_GENERATOR_CAPABILITIES,
+            ),
         },
     ),
     "rewarder": RoleEntry(
         actor="composer_mesh.actors.rewarder:RewarderActor",
-        bindings={"python": "composer_mesh.actors.backends.rewards:PythonRewarder"},
+        bindings={
+            "python": BuiltinBinding(
+                "composer_mesh.actors.backends.rewards.rewards:PythonRewarder",
+                PythonRewarderSettings, PYTHON_REWARDER_CAPABILITIES,
+            ),
+        },
     ),
     "teachers": RoleEntry(
         actor="composer_mesh.actors.teachers:TeacherPoolActor",
         bindings={
-            "hf": "composer_mesh.actors.backends.hf_teacher:HFTeacher",
-            "vllm": "composer_mesh.actors.backends.vllm_teacher:VLLMTeacher",
-            "openrouter": "composer_mesh.actors.backends.openrouter:OpenRouterTeacher",
+            "hf": BuiltinBinding(
+                "composer_mesh.actors.backends.teachers.hf_teacher:HFTeacher",
+                HFTeacherSettings, HF_TEACHER_CAPABILITIES,
+            ),
+            "vllm": BuiltinBinding(
+                "composer_mesh.actors.backends.teachers.vllm_teacher:VLLMTeacher",
+                VLLMTeacherSettings, VLLM_TEACHER_CAPABILITIES,
+            ),
+            "openrouter": BuiltinBinding(
+                "composer_mesh.actors.backends.teachers.openrouter:OpenRouterTeacher",
+                OpenRouterSettings, OPENROUTER_CAPABILITIES,
+            ),
         },
     ),
 }

@@ -149,14 +149,10 @@ def binding_reference(seen: set[type[BaseModel]]) -> tuple[str, str]:
     rows = ["| role | name | class | capabilities |", "|---|---|---|---|"]
     tables = []
     for role, entry in ROLE_TABLE.items():
-        for name, path in entry.bindings.items():
-            try:
-                b = resolve_binding(role, name)
-            except Exception as e:
-                rows.append(f"| {role} | `{name}` | `{path}` (not importable: {type(e).__name__}) | |")
-                continue
+        for name in entry.bindings:
+            b = resolve_binding(role, name)
             caps = ", ".join(f"`{c}`" for c in sorted(b.capabilities)) or "—"
-            rows.append(f"| {role} | `{name}` | `{path}` | {caps} |")
+            rows.append(f"| {role} | `{name}` | `{b.import_path}` | {caps} |")
             tables.append(field_table(b.settings_model, seen, f"{role} `{name}`: settings"))
     return "\n".join(rows), "\n".join(tables)
 
@@ -332,7 +328,10 @@ per node (a Slurm `gpus_per_node` larger than the procs use is paid for too).
 
 A role's `binding` is one of these names (the role's built-ins in `composer_mesh/roles.py`, `ROLE_TABLE`)
 or an import path `package.module:Class` to a class with a `Settings` pydantic model and a `capabilities`
-set (see `composer_mesh/bindings.py`). Teachers are the members of the pool.
+set (see `composer_mesh/bindings.py`). Teachers are the members of the pool. Validating a file that names
+only built-ins imports no binding module (their settings are in import-cheap `config.py` modules of
+`composer_mesh/actors/backends/<role>/`, so neither torch nor Monarch is imported); a binding named by import
+path is imported when the file is validated, to read its `Settings` and `capabilities`.
 
 {bindings}
 

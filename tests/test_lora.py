@@ -14,10 +14,10 @@ from pydantic import ValidationError
 
 pytest.importorskip("peft")
 
-from composer_mesh.actors.backends import hf_trainer as hf_trainer_module
-from composer_mesh.actors.backends.hf_trainer import HFTrainer, HFTrainerSettings
-from composer_mesh.actors.backends.train_batch import StudentPass, completion_logprobs
-from composer_mesh.actors.backends.trainer_state import (
+from composer_mesh.actors.backends.trainer import hf_trainer as hf_trainer_module
+from composer_mesh.actors.backends.trainer.hf_trainer import HFTrainer, HFTrainerSettings
+from composer_mesh.actors.backends.trainer.train_batch import StudentPass, completion_logprobs
+from composer_mesh.actors.backends.trainer.trainer_state import (
     TrainerStateError,
     read_trainer_state,
     restore_trainer_state,
@@ -32,7 +32,7 @@ from composer_mesh.models.lora import (
     load_adapter_weights,
     merged_weights,
 )
-from tests.backends.test_hf_trainer import make_batch
+from tests.actors.backends.trainer.test_hf_trainer import make_batch
 
 MODEL = ModelConfig(source="tiny", seed=3)
 LORA = LoraConfig(r=4, alpha=8)
@@ -345,7 +345,7 @@ def test_bf16_precisions_keep_float32_adapters(precision, base):
 
 
 def test_a_plain_generator_takes_the_published_merged_weights():
-    from composer_mesh.actors.backends.hf_generator import HFGenerator, HFGeneratorSettings
+    from composer_mesh.actors.backends.generation.hf_generator import HFGenerator, HFGeneratorSettings
     from composer_mesh.actors.trainer import TrainerService
     from composer_mesh.mesh.weights.config import WeightPlaneConfig
 

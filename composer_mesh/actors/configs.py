@@ -36,6 +36,7 @@ class TrainerConfig(RoleConfig):
     temperature: float  # the sampling temperature the generators' log-probs are taken at
     diloco: DiLoCoConfig | None = None
     seed: int = 0  # the run's seed: each replica's RNGs start from it once the model is built
+    procs_per_replica: int = 1  # procs that train one replica together (the mesh has replicas x this many)
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from monarch.actor import concurrent_endpoint, endpoint
 
-from composer_mesh.actors.backends.base import GeneratorBackend
+from composer_mesh.actors.backends.generation.base import GeneratorBackend
 from composer_mesh.actors.configs import GeneratorConfig
 from composer_mesh.actors.digest import weights_digest
 from composer_mesh.actors.messages import GenerationRequest, RolloutGroup, WeightVersion

@@ -6,7 +6,7 @@ import asyncio
 
 from monarch.actor import endpoint
 
-from composer_mesh.actors.backends.base import RewardBackend
+from composer_mesh.actors.backends.rewards.base import RewardBackend
 from composer_mesh.actors.configs import RewarderConfig
 from composer_mesh.actors.messages import RolloutGroup, ScoredGroup
 from composer_mesh.actors.role_actor import RoleActor

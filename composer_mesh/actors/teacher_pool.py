@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from composer_mesh.actors.backends.base import TeacherBackend
+from composer_mesh.actors.backends.teachers.base import TeacherBackend
 from composer_mesh.actors.configs import OnFailure
 from composer_mesh.actors.messages import TeacherRequest, TeacherSignals, TeacherTrace, TokenDistribution
 from composer_mesh.actors.teacher_errors import TeacherFailed, TeacherUnavailable

@@ -1,8 +1,8 @@
 """TrainerActor: hosts `compose_loss` through its binding and publishes weights on the weight plane.
 
-`TrainerService` (plain Python) does the work: binding (e.g. `HFTrainer`) + `WeightPublisher` + version.
-The weight version is the publisher's and nobody else's: version 1 is the initial policy, each `train_step`
-publishes the next, and metrics and checkpoints are stamped with it.
+`TrainerService` (plain Python) does the work: binding (a `TrainerBackend`, e.g. `HFTrainer`) + `WeightPublisher`
++ version. The weight version is the publisher's and nobody else's: version 1 is the initial policy, each
+`train_step` publishes the next, and metrics and checkpoints are stamped with it.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any
 
 from monarch.actor import endpoint
 
+from composer_mesh.actors.backends.trainer.base import TrainerBackend
 from composer_mesh.actors.configs import TrainerConfig
 from composer_mesh.actors.digest import weights_digest
 from composer_mesh.actors.messages import TrainBatch, TrainMetrics
@@ -27,7 +28,7 @@ from composer_mesh.mesh.weights.plane import WeightManifest, WeightPublisher
 class TrainerService:
     """A trainer binding plus its weight publisher."""
 
-    def __init__(self, backend: Any, weights: WeightPlaneConfig) -> None:
+    def __init__(self, backend: TrainerBackend, weights: WeightPlaneConfig) -> None:
         self.backend = backend
         self.weights_config = weights
         self.publisher: WeightPublisher | None = None
@@ -91,12 +92,10 @@ class TrainerService:
         `wait=False` keeps writing off the training path: the state is copied now and written by a background
         thread; the next `train_step` reports it in `TrainMetrics.states_written` (or raises its failure), and
         `flush_states` waits for it. One write at a time: a new save first waits for the previous write."""
-        from composer_mesh.actors.backends.trainer_state import write_trainer_state
-
         if self._writes:
             self._writes[-1][1].exception()  # wait; its error is raised when collected
         snapshot = self.backend.snapshot_state(extra={"weight_version": self.version})
-        self._writes.append((url, self._writer.submit(write_trainer_state, url, snapshot)))
+        self._writes.append((url, self._writer.submit(self.backend.write_state, url, snapshot)))
         if wait:
             self.flush_states()
         return url
@@ -130,9 +129,7 @@ class TrainerService:
             self.flush_states()
         finally:
             self._writer.shutdown(wait=True)
-        close = getattr(self.backend, "close", None)
-        if close is not None:
-            close()
+        self.backend.close()
         if self.publisher is not None:
             self.publisher.close()
 
@@ -167,16 +164,17 @@ class TrainerActor(RoleActor[TrainerService]):
         return step, manifest
 
     def replica_id(self) -> int:
-        """This proc's DiLoCo replica: one trainer proc per replica (the binding trains on one proc)."""
+        """This proc's DiLoCo replica: a replica is `procs_per_replica` consecutive procs of the mesh (one today:
+        validation refuses more until a sharded binding lands, so every proc is a replica of its own)."""
         rank, procs = actor_position()
         cfg = self.config
-        if procs != cfg.replicas:
+        if procs != cfg.replicas * cfg.procs_per_replica:
             raise ValueError(
-                f"trainer mesh {cfg.mesh!r} has {procs} procs for {cfg.replicas} replica(s); "
-                f"binding {cfg.binding.name!r} trains one replica per proc: set the mesh's "
-                f"hosts x procs_per_host to roles.trainer.replicas"
+                f"trainer mesh {cfg.mesh!r} has {procs} procs for {cfg.replicas} replica(s) of "
+                f"{cfg.procs_per_replica} proc(s) each (binding {cfg.binding.name!r}): set the mesh's "
+                f"hosts x procs_per_host to roles.trainer.replicas x roles.trainer.procs_per_replica"
             )
-        return rank
+        return rank // cfg.procs_per_replica
 
     @endpoint
     async def train_step(self, batch: TrainBatch) -> tuple[TrainMetrics, WeightManifest]:

@@ -135,7 +135,7 @@ def _settings_field() -> Any:
 
 
 class TrainerSpec(BoundSpec):
-    """The trainer: `replicas` DiLoCo replicas, each on `procs / replicas` procs of its mesh."""
+    """The trainer: `replicas` DiLoCo replicas, each on `procs_per_replica` procs of its mesh."""
 
     binding_role: ClassVar[Role] = "trainer"
     mesh: Identifier = Field(description="Mesh the trainer runs on (a key of `meshes`).")
@@ -146,7 +146,24 @@ class TrainerSpec(BoundSpec):
         description="Trainer replicas. More than 1 needs a `diloco:` section (they synchronise through the "
         "object store); the mesh's procs are split evenly between replicas.",
     )
+    procs_per_replica: int = Field(
+        1,
+        ge=1,
+        description="Procs that train one replica together: the trainer's mesh has `replicas` × this many procs "
+        "(checked when the trainer starts). Only 1 for now (every trainer binding trains a replica on one proc); "
+        "a replica sharded over several procs needs the sharded trainer, which has not landed yet (issue 27).",
+    )
     settings: Settings = _settings_field()
+
+    @field_validator("procs_per_replica")
+    @classmethod
+    def _one_proc_per_replica(cls, v: int) -> int:
+        if v > 1:
+            raise ValueError(
+                f"procs_per_replica = {v}: a replica sharded over several procs needs the sharded trainer, which "
+                "has not landed yet (issue 27); use 1 (one proc per replica, more replicas for more procs)"
+            )
+        return v
 
 
 class GeneratorsSpec(BoundSpec):
@@ -383,6 +400,7 @@ class Topology(StrictModel):
             mesh=spec.mesh,
             binding=spec.bound(),
             replicas=spec.replicas,
+            procs_per_replica=spec.procs_per_replica,
             model=self.model,
             loss=self.loss,
             weights=self.weights,

@@ -7,7 +7,7 @@ import fsspec
 import pytest
 import torch
 
-from composer_mesh.actors.backends.hf_trainer import HFTrainer, HFTrainerSettings
+from composer_mesh.actors.backends.trainer.hf_trainer import HFTrainer, HFTrainerSettings
 from composer_mesh.loss.config import LossConfig
 from composer_mesh.models.config import ModelConfig
 from composer_mesh.orchestration.checkpoint import CheckpointStore, find_checkpoint, read_checkpoint

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from composer_mesh.actors.backends.hf_trainer import HFTrainer, HFTrainerSettings
-from composer_mesh.actors.backends.trainer_state import TrainerStateError
+from composer_mesh.actors.backends.trainer.hf_trainer import HFTrainer, HFTrainerSettings
+from composer_mesh.actors.backends.trainer.trainer_state import TrainerStateError
 from composer_mesh.actors.messages import Prompt, RewardResult, Rollout, RolloutGroup, ScoredGroup, TrainBatch
 from composer_mesh.loss.config import LossConfig
 from composer_mesh.mesh.objectstore import DiLoCoConfig

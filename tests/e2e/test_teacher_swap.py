@@ -121,8 +121,8 @@ def test_run_vllm_teacher(tmp_path, model_cache) -> None:
 
 def test_pool_start_rejects_distill_from_a_teacher_with_another_tokenizer(tmp_path) -> None:
     """The channel-2 rule at runtime: the hf teacher's tokenizer check runs when the pool starts."""
-    from composer_mesh.actors.backends.hf_teacher import HFTeacher
-    from composer_mesh.actors.backends.local_teacher import TeacherTokenizerMismatch
+    from composer_mesh.actors.backends.teachers.hf_teacher import HFTeacher
+    from composer_mesh.actors.backends.teachers.local_teacher import TeacherTokenizerMismatch
     from composer_mesh.actors.teacher_pool import PoolMember, TeacherPool
     from composer_mesh.models.config import ModelConfig
     from composer_mesh.models.tiny import build_tiny_model

@@ -50,7 +50,7 @@ async def run_every_channel(data: dict[str, Any], where: Path) -> list[dict[str,
 def scores_in_workers(prompt: Any, texts: tuple[str, ...], path: str, workers: int = 1) -> list[float]:
     """The scores of completions `texts` of `prompt` by the reward function `path`, run the way a run runs it:
     in the `python` rewarder's worker processes (each imports the library). Every one must have been scored."""
-    from composer_mesh.actors.backends.rewards import PythonRewarder, PythonRewarderSettings
+    from composer_mesh.actors.backends.rewards.rewards import PythonRewarder, PythonRewarderSettings
     from composer_mesh.actors.messages import Rollout
 
     rollouts = [Rollout(prompt.prompt_id, [1], [2], [-0.1], 1, text=t) for t in texts]

@@ -11,8 +11,11 @@ import time
 import pytest
 from pydantic import ValidationError
 
-from composer_mesh.actors.backends.fixed_latency import FixedLatencyGenerator, FixedLatencyGeneratorSettings
-from composer_mesh.actors.backends.hf_generator import HFGenerator, HFGeneratorSettings
+from composer_mesh.actors.backends.generation.fixed_latency import (
+    FixedLatencyGenerator,
+    FixedLatencyGeneratorSettings,
+)
+from composer_mesh.actors.backends.generation.hf_generator import HFGenerator, HFGeneratorSettings
 from composer_mesh.actors.messages import GenerationRequest, Prompt
 from composer_mesh.app.launch import launch
 from composer_mesh.models.config import ModelConfig
@@ -20,7 +23,7 @@ from composer_mesh.orchestration.loop import RLLoop
 from composer_mesh.roles import resolve_binding
 from composer_mesh.topology import parse_topology
 
-STAND_IN = "composer_mesh.actors.backends.fixed_latency:FixedLatencyGenerator"
+STAND_IN = "composer_mesh.actors.backends.generation.fixed_latency:FixedLatencyGenerator"
 SECONDS_PER_GROUP = 0.2
 PROMPTS, SAMPLES, STEPS = 4, 2, 3
 

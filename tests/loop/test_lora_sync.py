@@ -12,7 +12,7 @@ import yaml
 
 pytest.importorskip("peft")
 
-from composer_mesh.actors.backends.hf_generator import HFGenerator, HFGeneratorSettings
+from composer_mesh.actors.backends.generation.hf_generator import HFGenerator, HFGeneratorSettings
 from composer_mesh.actors.messages import GenerationRequest, Prompt
 from composer_mesh.app.launch import launch
 from composer_mesh.models.config import ModelConfig

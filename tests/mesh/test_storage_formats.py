@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from composer_mesh.actors.backends.trainer_state import (
+from composer_mesh.actors.backends.trainer.trainer_state import (
     TrainerStateError,
     capture_trainer_state,
     read_trainer_state,

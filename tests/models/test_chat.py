@@ -146,7 +146,7 @@ def test_generation_config_is_read_from_the_saved_model(chat_dir):
 # -- the hf bindings --------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def hf_generator(chat_dir):
-    from composer_mesh.actors.backends.hf_generator import HFGenerator, HFGeneratorSettings
+    from composer_mesh.actors.backends.generation.hf_generator import HFGenerator, HFGeneratorSettings
 
     g = HFGenerator(HFGeneratorSettings(stop_at_task_eos=False))
     g.start(ModelConfig(source=chat_dir))
@@ -171,7 +171,7 @@ def _teacher_prompt_ids(teacher, prompt: Prompt) -> list[int]:
 
 
 def test_hf_generator_and_teacher_feed_the_same_chat_ids(chat_dir, hf_generator):
-    from composer_mesh.actors.backends.hf_teacher import HFTeacher, HFTeacherSettings
+    from composer_mesh.actors.backends.teachers.hf_teacher import HFTeacher, HFTeacherSettings
 
     expected = prompt_token_ids(chat_tokenizer(), chat_prompt())
     [group] = hf_generator.generate(GenerationRequest([chat_prompt()], samples_per_prompt=1, max_new_tokens=4), 0)
@@ -200,8 +200,8 @@ def test_vllm_generator_and_teacher_match_hf(chat_dir, hf_generator):
     from services import require_module
 
     require_module("vllm")
-    from composer_mesh.actors.backends.vllm_generator import VLLMGenerator
-    from composer_mesh.actors.backends.vllm_teacher import VLLMTeacher
+    from composer_mesh.actors.backends.generation.vllm_generator import VLLMGenerator
+    from composer_mesh.actors.backends.teachers.vllm_teacher import VLLMTeacher
 
     engine = dict(max_model_len=128, max_num_seqs=4, kv_cache_memory_bytes=32 * 2**20, stop_at_task_eos=False)
     req = GenerationRequest([chat_prompt(), Prompt("b", "ab", [])], samples_per_prompt=2, max_new_tokens=6, seed=1)
@@ -231,8 +231,8 @@ def test_openrouter_sends_chat_messages_as_given_and_text_as_before():
 
     import httpx
 
-    from composer_mesh.actors.backends.openrouter import OpenRouterTeacher
-    from composer_mesh.actors.backends.openrouter_client import OpenRouterSettings
+    from composer_mesh.actors.backends.teachers.openrouter import OpenRouterTeacher
+    from composer_mesh.actors.backends.teachers.openrouter_client import OpenRouterSettings
 
     sent: list[list[dict[str, str]]] = []
 

@@ -20,19 +20,18 @@ import pytest
 from fake_openrouter import FakeOpenRouter, Reply, addition_answer, completion_body, error_body, teacher_text
 from pydantic import ValidationError
 
-from composer_mesh.actors.backends.openrouter import (
+from composer_mesh.actors.backends.teachers.openrouter import (
     OpenRouterTeacher,
     TeacherCapabilityError,
     TeacherTraceError,
     load_student_tokenizer,
 )
-from composer_mesh.actors.backends.openrouter_client import (
-    OpenRouterClient,
+from composer_mesh.actors.backends.teachers.openrouter_client import OpenRouterClient, OpenRouterSettings
+from composer_mesh.actors.backends.teachers.openrouter_wire import (
     OpenRouterConfigError,
     OpenRouterHTTPError,
     OpenRouterMissingLogprobs,
     OpenRouterResponseError,
-    OpenRouterSettings,
     OpenRouterTimeout,
     OpenRouterTransportError,
     parse_retry_after,

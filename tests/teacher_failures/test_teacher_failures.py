@@ -125,9 +125,9 @@ def test_on_failure_is_checked_by_the_plain_pool_too() -> None:
 def _local_teacher(error: Exception, binding: str = "hf") -> Any:
     """An hf (or vllm) teacher whose model computation raises `error`; no model is loaded."""
     if binding == "hf":
-        from composer_mesh.actors.backends.hf_teacher import HFTeacher as Base
+        from composer_mesh.actors.backends.teachers.hf_teacher import HFTeacher as Base
     else:
-        from composer_mesh.actors.backends.vllm_teacher import VLLMTeacher as Base
+        from composer_mesh.actors.backends.teachers.vllm_teacher import VLLMTeacher as Base
 
     class Broken(Base):  # type: ignore[misc, valid-type]
         def _require_started(self) -> Any:

@@ -93,7 +93,7 @@ def test_builtin_binding_names_are_bound_by_import_path() -> None:
     rewarder = parse_topology(text).role_configs()["rewarder"]
     assert isinstance(rewarder, RewarderConfig)
     assert rewarder.binding.name == "python"
-    assert rewarder.binding.import_path == "composer_mesh.actors.backends.rewards:PythonRewarder"
+    assert rewarder.binding.import_path == "composer_mesh.actors.backends.rewards.rewards:PythonRewarder"
 
 
 def test_slurm_job_names() -> None:

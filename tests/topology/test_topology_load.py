@@ -197,7 +197,7 @@ roles:
 loss: {alpha_sdpo: 0, beta_replay: 0.1}
 """
     t = parse_topology(text)
-    assert t.trainer.resolved.import_path == "composer_mesh.actors.backends.hf_trainer:HFTrainer"
+    assert t.trainer.resolved.import_path == "composer_mesh.actors.backends.trainer.hf_trainer:HFTrainer"
     assert t.trainer.settings.lr == 0.01  # type: ignore[attr-defined]
     assert t.rewarder.resolved.import_path.endswith(":PythonRewarder")
     assert t.teachers is not None and "distill" not in t.teachers.members[0].resolved.capabilities

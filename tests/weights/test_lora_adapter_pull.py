@@ -69,7 +69,7 @@ def topology(sync: str, transport: str = "auto") -> Any:
 @pytest.fixture(scope="module")
 def trainers() -> dict[str, Any]:
     """sync -> a started `hf` trainer (the topology's binding and settings) after two identical steps."""
-    from tests.backends.test_hf_trainer import make_batch
+    from tests.actors.backends.trainer.test_hf_trainer import make_batch
 
     out = {}
     for sync in ("adapter", "merged"):
@@ -185,7 +185,7 @@ async def test_the_plane_carries_only_the_adapters_and_generators_sample_the_mer
 def test_an_adapter_generator_starts_with_the_trainers_adapters_and_gives_the_merged_logits(
     trainers: dict[str, Any],
 ) -> None:
-    from composer_mesh.actors.backends.hf_generator import HFGenerator, HFGeneratorSettings
+    from composer_mesh.actors.backends.generation.hf_generator import HFGenerator, HFGeneratorSettings
     from composer_mesh.models.lora import adapter_specs, adapter_weights
 
     cfg = topology("adapter").role_configs()["generators"]

@@ -1,0 +1,65 @@
+"""What the trainer actor needs of its binding (a plain class, no Monarch): `TrainerBackend`.
+
+`TrainerService` (`actors/trainer.py`) owns one backend per trainer proc and calls nothing else on it, so a new
+trainer (e.g. one replica sharded over several procs with FSDP2) is a new binding of this protocol, not a change
+to the actor. The weight version is not the binding's: the service's weight publisher counts versions and hands
+the published one to `save_checkpoint`.
+
+Where a binding runs: a trainer replica is `procs_per_replica` procs of the trainer mesh (`TrainerConfig`), and
+the mesh holds `replicas x procs_per_replica` procs; the actor gives `start` the proc's replica. Today every
+binding trains one replica on one proc (`procs_per_replica` is 1; validation refuses more until a sharded binding
+lands, issue 27): such a binding's `named_weights` are the full tensors of that replica and its state is one
+snapshot per replica.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+import torch
+from pydantic import BaseModel
+
+from composer_mesh.actors.messages import TrainBatch, TrainMetrics
+
+
+@runtime_checkable
+class TrainerBackend(Protocol):
+    """Takes optimizer steps on `TrainBatch`es and hands out its weights, its full state and checkpoints."""
+
+    Settings: ClassVar[type[BaseModel]]
+    capabilities: ClassVar[frozenset[str]]
+
+    def start(self, model_config: Any, loss: Any, temperature: float = 1.0, diloco: Any = None,
+              replica_id: int = 0) -> None:
+        """Build the policy (`model_config`: a `ModelConfig`), optimizer and loss state (`loss`: a `LossConfig`);
+        with `diloco` (a `DiLoCoConfig`), as DiLoCo replica `replica_id`. Called once, on the proc's thread that
+        then runs every other call."""
+
+    def rejoin(self, round_id: int) -> int:
+        """Right after `start`, in place of a dead DiLoCo replica: heal from the store at round `round_id`; the
+        optimizer steps behind the healed weights."""
+
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        """The tensors generators load, by the names their `weight_specs` give (published on the weight plane
+        after every step; also digested to compare with the generators')."""
+
+    def train_step(self, batch: TrainBatch) -> TrainMetrics:
+        """One optimizer step on `batch`; the metrics' `weight_version` is left for the service to stamp."""
+
+    def snapshot_state(self, extra: dict[str, Any] | None = None) -> Any:
+        """A copy of everything needed to continue training bitwise, with `extra` (JSON) stored beside it; taken
+        between steps and cheap (no I/O): `write_state` writes it, off the training thread."""
+
+    def write_state(self, url: str, snapshot: Any) -> None:
+        """Write a `snapshot_state` copy under `url` (any fsspec URL). Runs on the service's writer thread while
+        training goes on, so it touches only `snapshot`."""
+
+    def load_state(self, url: str) -> dict[str, Any]:
+        """Continue from a state `write_state` wrote (after `start` with the same topology); its `extra`."""
+
+    def save_checkpoint(self, directory: Path, weight_version: int) -> Path:
+        """The policy as a checkpoint others can load, stamped with the published `weight_version`."""
+
+    def close(self) -> None:
+        """Finish pending writes and release what `start` took (the service calls it once, last)."""

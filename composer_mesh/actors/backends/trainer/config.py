@@ -1,0 +1,69 @@
+"""The trainer bindings' settings (`HFTrainerSettings`) and capabilities: import-cheap, so that validating a
+topology imports neither torch nor the binding (`roles.ROLE_TABLE` names the binding by import path and its
+settings from here)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from composer_mesh.actors.backends.config import TorchSettings
+from composer_mesh.models.config import LoraConfig
+
+HF_TRAINER_CAPABILITIES: frozenset[str] = frozenset()
+
+
+Precision = Literal["fp32", "bf16-mixed", "bf16"]
+
+
+class HFTrainerSettings(TorchSettings):
+    device: str = Field("cpu", description="torch device of the policy: 'cpu', 'cuda', 'cuda:<index>' or 'mps'.")
+    torch_threads: int = Field(1, ge=1, description="torch intra-op threads in the trainer process.")
+    lr: float = Field(1e-3, gt=0, description="AdamW learning rate of the inner optimizer.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW betas.")
+    grad_clip: float | None = Field(1.0, gt=0, description="Clip the global gradient norm to this (None: off).")
+    reference_model: bool = Field(
+        True,
+        description="Keep a frozen copy of the initial policy for the KL term and DPO reference log-probs (with "
+        "lora: no copy, the base model with the adapters disabled). Without it those terms are off.",
+    )
+    lora: LoraConfig | None = Field(
+        None,
+        description="Train low-rank adapters (peft LoRA) instead of the whole model: the base weights stay frozen, "
+        "AdamW and the trainer state hold only the adapters, and the end-of-run checkpoint holds the merged model "
+        "plus the adapter under adapter/. Needs peft (the 'lora' extra); not with DiLoCo. null = full fine-tuning.",
+    )
+    micro_batch_tokens: int | None = Field(
+        None, ge=1,
+        description="Token budget of one forward/backward: the step is cut into micro-batches of at most this many "
+        "tokens (rows x longest row, or the packed total), gradients accumulate, and every loss normalisation is "
+        "the whole batch's. A single sequence longer than the budget still runs alone. null = one pass.",
+    )
+    packing: bool = Field(
+        False,
+        description="Padding-free: pack a micro-batch's sequences into one row with per-sequence position ids "
+        "(transformers then masks attention per sequence). Saves the padding's compute and memory.",
+    )
+    precision: Precision = Field(
+        "fp32",
+        description="'fp32'; 'bf16-mixed': bf16 autocast compute, float32 master weights and AdamW state; "
+        "'bf16': weights, gradients and AdamW state in bf16 (half the memory, lossy updates). "
+        "Loss math is float32 in every case.",
+    )
+    activation_checkpointing: bool = Field(
+        False, description="Recompute each decoder layer's activations in backward (less memory, ~1/3 more compute)."
+    )
+    attn_implementation: str | None = Field(
+        None,
+        description="transformers attention kernel of the policy ('sdpa', 'eager', 'flash_attention_2', ...; "
+        "null = the model's default). With packing, sdpa and eager build a dense [L, L] block-diagonal mask "
+        "per packed row; flash_attention_2 runs packed rows as variable-length sequences.",
+    )
+    lm_head: Literal["chunked", "full"] = Field(
+        "chunked",
+        description="'chunked': only completion positions' hidden states reach the LM head, and log-probs and "
+        "channel 2 are computed from them chunk by chunk (no [tokens x vocab] tensor). 'full': the model's own "
+        "forward computes logits for every position (needed for heads that transform logits, e.g. soft-capping).",
+    )

@@ -1,0 +1,322 @@
+"""The transformers trainer: a causal LM + AdamW (optionally wrapped in DiLoCo) taking one optimizer step per
+`TrainBatch`, over micro-batches of at most `micro_batch_tokens` tokens with gradient accumulation.
+
+Each micro-batch becomes `compose_loss` inputs in `train_batch.build_piece` and is one piece of a
+`LossAccumulator`, whose channel losses divide by the whole batch's counts: the accumulated gradient is the
+gradient of the whole batch's loss, however it is cut. Precision: `fp32`; `bf16-mixed` (forward under bf16
+autocast, float32 master weights and AdamW state); `bf16` (weights and AdamW state in bf16).
+
+With `lora` (a `LoraConfig`), peft adapters are injected into the loaded model (`models/lora.py`): only they
+train and only they are in AdamW and the trainer state (the frozen base is rebuilt from `model.source`); the KL /
+DPO reference is the same model with its adapters disabled, not a copy; generators get the merged weights, or
+the adapter tensors alone with `lora.sync: adapter` (`weight_kind`).
+
+Weight versions are not counted here: the trainer service's weight publisher is the one counter, and it
+stamps `TrainMetrics.weight_version` and hands the version to `save_checkpoint`.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+import torch
+from pydantic import BaseModel
+
+from composer_mesh.actors.backends.trainer.config import HF_TRAINER_CAPABILITIES, HFTrainerSettings
+from composer_mesh.actors.backends.trainer.train_batch import (
+    StudentPass,
+    TrainRows,
+    build_piece,
+    check_chunked_head,
+)
+from composer_mesh.actors.messages import TrainBatch, TrainMetrics
+from composer_mesh.loss.compose import LossAccumulator, LossResult, new_loss_state
+from composer_mesh.loss.config import LossConfig
+from composer_mesh.loss.grpo import group_advantages
+
+if TYPE_CHECKING:
+    from composer_mesh.actors.backends.trainer.trainer_state import TrainerSnapshot
+
+WeightKind = Literal["full", "adapter"]
+
+
+class HFTrainer:
+    """Binding `hf` for the trainer role: a transformers causal LM + AdamW + `compose_loss`."""
+
+    Settings: ClassVar[type[BaseModel]] = HFTrainerSettings
+    capabilities: ClassVar[frozenset[str]] = HF_TRAINER_CAPABILITIES
+
+    def __init__(self, settings: HFTrainerSettings) -> None:
+        self.settings = settings
+        self.model: torch.nn.Module | None = None
+        self.step = 0  # optimizer steps taken
+        self.loss_state: Any = None
+        # What `named_weights` holds: the full weights ('full'), or the LoRA adapter tensors ('adapter', with
+        # lora.sync: adapter), for generators that apply the same LoRA config (`models.lora.load_adapter_weights`).
+        self.weight_kind: WeightKind = "adapter" if settings.lora is not None and settings.lora.sync == "adapter" else "full"
+
+    # ---- setup -----------------------------------------------------------------------------------
+    def start(
+        self, model_config: Any, loss: LossConfig, temperature: float = 1.0,
+        diloco: Any = None, replica_id: int = 0,
+    ) -> None:
+        """Build model (with LoRA adapters if set), reference, AdamW and the loss state; with `diloco` (a
+        `DiLoCoConfig`), wrap the optimizer in DiLoCo so every `sync_every` inner steps this replica syncs
+        through the object store."""
+        from composer_mesh.models.loading import load_pretrained, torch_dtype
+
+        if self.settings.lora is not None and diloco is not None:
+            raise ValueError("trainer.settings.lora and diloco (roles.trainer.replicas > 1) cannot be combined: "
+                             "DiLoCo would synchronise and checkpoint the whole frozen model, not the adapters; "
+                             "drop one of them")
+        torch.set_num_threads(self.settings.torch_threads)
+        self.model, self.tokenizer = load_pretrained(model_config, device=self.settings.device)
+        # Training keeps its own dtype (float32 master weights unless precision is 'bf16'); generators load
+        # `model.dtype`, so that is the dtype the weights are published in.
+        self.publish_dtype = torch_dtype(model_config.dtype)
+        self.model.to(torch.bfloat16 if self.settings.precision == "bf16" else torch.float32)
+        if self.settings.attn_implementation is not None:
+            self.model.set_attn_implementation(self.settings.attn_implementation)
+        if self.settings.lora is not None:
+            from composer_mesh.models.lora import apply_lora
+
+            self.model = apply_lora(self.model, self.settings.lora)
+        if self.settings.lm_head == "chunked":
+            check_chunked_head(self.model)
+        if self.settings.activation_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.model.train()
+        self.loss = loss
+        self.temperature = temperature
+        self._build_reference(loss)
+        self.optimizer = torch.optim.AdamW(
+            [p for p in self.model.parameters() if p.requires_grad],  # with LoRA: the adapters only
+            lr=self.settings.lr, weight_decay=self.settings.weight_decay,
+            betas=self.settings.betas, foreach=True,  # one multi-tensor update (torch picks it on GPUs, not on CPU)
+        )
+        self.loss_state = new_loss_state(loss)
+        self.diloco = None
+        if diloco is not None:
+            from composer_mesh.mesh.objectstore.diloco import ObjectStoreDiLoCo
+
+            self.diloco = ObjectStoreDiLoCo(self.model, self.optimizer, diloco, replica_id)
+            self.diloco.__enter__()
+
+    def _build_reference(self, loss: LossConfig) -> None:
+        """The KL / DPO reference, when a term needs it: a frozen copy of the initial policy, or with LoRA the
+        policy itself run under `_base_policy` (adapters off: the initial policy, since the base never trains)."""
+        assert self.model is not None
+        self.reference: torch.nn.Module | None = None
+        self.reference_scope: Callable[[], AbstractContextManager[Any]] = nullcontext  # a reference forward's context
+        if not (self.settings.reference_model and (loss.kl_beta > 0 or (loss.beta_replay > 0 and loss.dpo_variant == "dpo"))):
+            return
+        if self.settings.lora is not None:
+            self.reference, self.reference_scope = self.model, self._base_policy
+            return
+        self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+        if self.settings.precision == "bf16-mixed":  # it only ever runs under bf16 autocast: half the memory
+            self.reference.to(torch.bfloat16)
+
+    @contextmanager
+    def _base_policy(self) -> Iterator[None]:
+        """The LoRA policy as its frozen base, in eval mode (as the copied reference is), for a reference forward."""
+        from composer_mesh.models.lora import adapter_disabled
+
+        assert self.model is not None
+        training = self.model.training
+        self.model.eval()
+        try:
+            with adapter_disabled(self.model):
+                yield
+        finally:
+            self.model.train(training)
+
+    def rejoin(self, round_id: int) -> int:
+        """Right after `start`, in place of a dead DiLoCo replica: heal from the store at round `round_id`
+        (`ObjectStoreDiLoCo.rejoin`, waiting up to half the quorum deadline for its checkpoint). Returns the
+        optimizer steps behind the healed weights, which become this trainer's step count."""
+        if self.diloco is None:
+            raise RuntimeError("only a DiLoCo replica can rejoin: a lone trainer's state dies with its proc")
+        self.step = self.diloco.rejoin(round_id, wait_s=self.diloco.config.quorum_deadline_s / 2)
+        return self.step
+
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        """What generators get (`weight_kind`). 'full': the tensors generators need (parameters, tied ones once,
+        and persistent buffers), by HF name, in the model config's dtype (a copy only where the training dtype
+        differs); with LoRA the adapters merged in, under the plain model's names. 'adapter': the LoRA adapter
+        tensors by the injected model's names (`models.lora.adapter_weights`), in their training dtype (float32)."""
+        from composer_mesh.models.loading import named_weights
+
+        assert self.model is not None, "call start() first"
+        if self.settings.lora is not None:
+            from composer_mesh.models.lora import adapter_weights, merged_weights
+
+            if self.weight_kind == "adapter":
+                return adapter_weights(self.model)
+            return merged_weights(self.model, self.publish_dtype)
+        return {
+            name: t.to(self.publish_dtype) if t.is_floating_point() else t
+            for name, t in named_weights(self.model).items()
+        }
+
+    # ---- one step ----------------------------------------------------------------------------------
+    def _autocast(self) -> Any:
+        if self.settings.precision != "bf16-mixed":
+            return nullcontext()
+        return torch.autocast(torch.device(self.settings.device).type, dtype=torch.bfloat16)
+
+    def train_step(self, batch: TrainBatch) -> TrainMetrics:
+        """Micro-batched forward + `compose_loss` + backward, then clip and one AdamW step."""
+        assert self.model is not None, "call start() first"
+        s = self.settings
+        self.optimizer.zero_grad(set_to_none=True)
+        data = TrainRows.of(batch, self.loss)
+        run = StudentPass(self.model, self.loss, self.temperature, self.reference, s.lm_head, s.packing,
+                          self.reference_scope)
+        advantages = group_advantages(data.rewards, data.group_ids, self.loss.scale_std, self.loss.advantage_eps)
+        accumulator = LossAccumulator(self.loss, data.totals(), step=self.step, state=self.loss_state)
+        pieces = data.micro_batches(s.micro_batch_tokens, s.packing)
+        for piece in pieces:
+            with self._autocast():
+                loss_batch = build_piece(data, piece, run, advantages)
+            accumulator.add(loss_batch).total.backward()
+            del loss_batch
+        result: LossResult = accumulator.finish()  # one host sync for the whole step, not one per micro-batch
+        if not torch.isfinite(result.total):  # before the optimizer: the weights stay as they were
+            raise FloatingPointError(f"non-finite loss at step {self.step}: {float(result.total)}")
+        metrics = dict(result.metrics)
+        metrics["micro_batches"] = float(len(pieces))
+        if self.loss.beta_replay > 0 and batch.traces:  # next to replay/pairs (also when no trace was paired)
+            metrics.setdefault("replay/pairs", float(len(data.pairs)))
+            metrics["replay/traces_not_better"] = float(data.traces_not_better)
+        if s.grad_clip is not None:
+            params = [p for group in self.optimizer.param_groups for p in group["params"]]
+            metrics["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, s.grad_clip))
+        self.optimizer.step()  # with DiLoCo: every sync_every steps, the outer step happens inside this call
+        if self.diloco is not None:
+            metrics["diloco/outer_step"] = float(self.diloco.outer_step)
+            metrics["diloco/round"] = float(self.diloco.round_id)
+        self.step += 1
+        metrics["reward_mean"] = float(data.rewards.mean())
+        metrics["reward_failures"] = float(sum(not rw.ok for g in batch.groups for rw in g.rewards))
+        # weight_version=0: the trainer service publishes these weights and stamps the version it published.
+        return TrainMetrics(
+            step=self.step, weight_version=0, loss=float(result.total),
+            channels={k: float(v) for k, v in result.parts.items()}, metrics=metrics,
+        )
+
+    def close(self) -> None:
+        """Finish DiLoCo's pending store writes (no-op without DiLoCo)."""
+        if self.diloco is not None:
+            self.diloco.close()
+            self.diloco = None
+
+    def snapshot_state(self, extra: dict[str, Any] | None = None) -> TrainerSnapshot:
+        """A copy of everything needed to continue training bitwise (`trainer_state.py`): weights, AdamW state,
+        the step, the RNGs, the loss state and, on a DiLoCo replica, its DiLoCo state. Taken on the training
+        thread between steps, and cheap (CPU copies, no serialisation, no I/O): write it with
+        `write_trainer_state`, also from another thread while training goes on. The reference model is not
+        saved: `start` rebuilds it from the model source. With LoRA only the adapters (the trainable parameters)
+        and their AdamW state are saved, and the adapter's shape (`lora` in `extra_json`): the frozen base is
+        rebuilt from the model source too. A DiLoCo replica refuses while a fragment's sync is in flight
+        (`DiLoCoConfig.checkpointable`)."""
+        from composer_mesh.actors.backends.trainer.trainer_state import capture_trainer_state
+
+        assert self.model is not None, "call start() first"
+        extra_tensors, extra_json = None, {}
+        if self.diloco is not None:
+            tensors, meta = self._diloco_call(self.diloco.replica_state)
+            extra_tensors, extra_json = {"diloco": tensors}, {"diloco": meta}
+        if self.settings.lora is not None:
+            extra_json["lora"] = self._lora_shape()
+        loss_state = self.loss_state.state_dict() if self.loss_state is not None else None
+        return capture_trainer_state(self.model, self.optimizer, self.step, loss_state, extra, extra_tensors,
+                                     extra_json or None, trainable_only=self.settings.lora is not None)
+
+    def _lora_shape(self) -> dict[str, Any] | None:
+        """What a saved adapter must share with this trainer's to be loaded (dropout and sync may differ)."""
+        lora = self.settings.lora
+        return None if lora is None else lora.model_dump(mode="json", include={"r", "alpha", "target_modules"})
+
+    def write_state(self, url: str, snapshot: TrainerSnapshot) -> None:
+        """Write `snapshot` (from `snapshot_state`) under `url` (any fsspec URL): `trainer_state.py`'s files. It
+        touches nothing of the live trainer, so the trainer service runs it on its writer thread."""
+        from composer_mesh.actors.backends.trainer.trainer_state import write_trainer_state
+
+        write_trainer_state(url, snapshot)
+
+    def save_state(self, url: str, extra: dict[str, Any] | None = None) -> None:
+        """`snapshot_state` written under `url` (any fsspec URL), on this thread."""
+        self.write_state(url, self.snapshot_state(extra))
+
+    def load_state(self, url: str) -> dict[str, Any]:
+        """Continue from a state written by `save_state` (after `start` with the same topology); its `extra`.
+
+        Everything is checked before anything is loaded. A DiLoCo replica also rewinds the object store to the
+        saved round (`ObjectStoreDiLoCo.load_replica_state`): the controller loads every replica and waits for
+        all of them before any replica trains again."""
+        from composer_mesh.actors.backends.trainer.trainer_state import (
+            TrainerStateError,
+            read_trainer_state,
+            restore_trainer_state,
+        )
+
+        assert self.model is not None, "call start() first"
+        snapshot = read_trainer_state(url)
+        if (snapshot.meta["loss_state"] is None) != (self.loss_state is None):
+            raise TrainerStateError(f"{url}: the loss state does not match this loss config (adaptive TAID on/off)")
+        saved = snapshot.meta["extra_json"].get("diloco")
+        if (saved is None) != (self.diloco is None):
+            live = ("no DiLoCo" if self.diloco is None else
+                    f"DiLoCo replica {self.diloco.manager.replica_id} of {self.diloco.config.replicas}")
+            was = "no DiLoCo" if saved is None else f"DiLoCo replica {saved['replica_id']} of {saved['replicas']}"
+            raise TrainerStateError(f"{url}: saved by a trainer with {was}, this trainer has {live}")
+        saved_lora = snapshot.meta["extra_json"].get("lora")
+        if saved_lora != self._lora_shape():
+            raise TrainerStateError(f"{url}: saved by a trainer with lora {saved_lora or 'off'}, this trainer has "
+                                    f"lora {self._lora_shape() or 'off'}")
+        if self.diloco is not None:
+            self._diloco_call(self.diloco.check_replica_state, snapshot.group("diloco"), saved, url=url)
+        restore_trainer_state(url, snapshot, self.model, self.optimizer, trainable_only=self.settings.lora is not None)
+        if self.loss_state is not None:
+            self.loss_state.load_state_dict(snapshot.meta["loss_state"])
+        if self.diloco is not None:
+            self._diloco_call(self.diloco.load_replica_state, snapshot.group("diloco"), saved, url=url)
+        self.step = snapshot.step
+        return snapshot.extra
+
+    @staticmethod
+    def _diloco_call(fn: Any, *args: Any, url: str | None = None) -> Any:
+        """`fn(*args)` with a DiLoCo state refusal raised as the TrainerStateError callers of the state expect."""
+        from composer_mesh.actors.backends.trainer.trainer_state import TrainerStateError
+        from composer_mesh.mesh.objectstore.diloco import DiLoCoStateError
+
+        try:
+            return fn(*args)
+        except DiLoCoStateError as e:
+            raise TrainerStateError(f"{url}: {e}" if url else str(e)) from e
+
+    def save_checkpoint(self, directory: Path, weight_version: int) -> Path:
+        """Weights as safetensors + the tokenizer, loadable with `from_pretrained` (no pickles), and
+        `trainer_state.json` with the optimizer step and `weight_version` (the published version, given by the
+        trainer service: the one weight-version counter). With LoRA the weights are the merged model (a plain
+        transformers model), and the adapter alone is under `adapter/` in peft's format."""
+        assert self.model is not None
+        directory.mkdir(parents=True, exist_ok=True)
+        if self.settings.lora is None:
+            self.model.save_pretrained(directory, safe_serialization=True)
+        else:
+            from composer_mesh.models.lora import merged_weights, save_adapter
+
+            self.model.save_pretrained(directory, state_dict=merged_weights(self.model), safe_serialization=True)
+            save_adapter(self.model, directory / "adapter")
+        self.tokenizer.save_pretrained(directory)
+        state = {"step": self.step, "weight_version": weight_version}
+        (directory / "trainer_state.json").write_text(json.dumps(state) + "\n")
+        return directory
+
