@@ -176,6 +176,10 @@ class StepScheduler:
             self._changed.notify_all()
 
     # ---- generators ---------------------------------------------------------------------------------
+    def times(self, step: int) -> StepTimes:
+        """Where step `step`'s work time goes (its chunks' generate/score/teacher seconds add up here)."""
+        return self.plans[step].times
+
     def _next_pending(self) -> Chunk | None:
         for step in sorted(self.plans):
             plan = self.plans[step]
