@@ -1,13 +1,10 @@
 """The ready-made async RL loop (`composer-mesh run`): generation, scoring, teacher signals and training
-overlap over the launched role actors, paced by the policy-lag bound (see `schedule.py` for which prompts are
-generated when).
+overlap over the launched role actors, paced by the policy-lag bound (`schedule.py`).
 
-`RLLoop` only wires components, each in a file of its own with its own small config: the rollout driver
-(`rollout/`), scoring and teacher signals (`scoring.py`), the train pipeline (`pipeline.py`), checkpoint
-commits (`commits.py`), evaluation (`evaluation.py`), the step recorder (`recorder.py`), warm spares
-(`spares.py`) and resume (`resume.py`). They reach the roles through the protocols of `ports.py`, implemented
-over the launched meshes in `mesh_ports.py`. Everything here moves small typed messages; model-sized tensors
-never pass through the controller.
+`RLLoop` only wires components, each in a file with its own small config: the rollout driver (`rollout/`),
+scoring and teacher signals (`scoring.py`), the train pipeline (`pipeline.py`), checkpoint commits
+(`commits.py`), evaluation (`evaluation.py`), the step recorder (`recorder.py`), warm spares (`spares.py`) and
+resume (`resume.py`); they reach the roles through `ports.py`'s protocols (over the meshes: `mesh_ports.py`).
 """
 
 from __future__ import annotations
@@ -19,6 +16,7 @@ from collections.abc import Callable
 from composer_mesh.actors.messages import GenerationRequest, Prompt, RolloutGroup, TrainBatch
 from composer_mesh.loss.config import LossConfig
 from composer_mesh.mesh.objectstore.config import DiLoCoConfig
+from composer_mesh.orchestration import recorder as records
 from composer_mesh.orchestration.background import Background, StopRequest
 from composer_mesh.orchestration.checkpoint import CheckpointPolicy, CheckpointStore
 from composer_mesh.orchestration.commits import CheckpointCommits
@@ -35,37 +33,24 @@ from composer_mesh.orchestration.pipeline import (
 )
 from composer_mesh.orchestration.plotting import plot_run
 from composer_mesh.orchestration.prompts import PromptSource, prompt_source
-from composer_mesh.orchestration.recorder import RecordSources, SessionEnd, StepRecorder, summarize
 from composer_mesh.orchestration.replicas import TrainerReplicas
 from composer_mesh.orchestration.resume import ResumePoint, RunState
+from composer_mesh.orchestration.rollout import single_turn
 from composer_mesh.orchestration.rollout.base import RolloutFactory, RolloutServices
-from composer_mesh.orchestration.rollout.single_turn import (
-    SingleTurnConfig,
-    SingleTurnRollout,
-    generation_request,
-)
 from composer_mesh.orchestration.schedule import StepScheduler, StepTimes
 from composer_mesh.orchestration.scoring import Scoring, ScoringConfig
 from composer_mesh.orchestration.spares import WarmSpares
-from composer_mesh.orchestration.trackers import Trackers
 from composer_mesh.roles import RoleMesh
-
-__all__ = ["LagGate", "RLLoop", "ResumePoint"]
 
 
 class RLLoop:
-    """The built-in loop over launched role actors: each generator takes chunks of admitted steps (through the
-    rollout driver), each chunk is scored and sent to the teachers in its own task, and the trainer takes the
-    steps in order.
-
-    `mesh` is what `launch(topology)` yields; `run` and `loss` are the topology's `run:` and `loss:`
-    sections (the loss only decides which teacher signals to ask for: none for a channel weighted 0).
-    `checkpoints`: where and when full checkpoints go (default: the run config's); `resume`: a checkpoint to
-    continue from (`ResumePoint`, read and checked before launching). `request_stop` ends the run at the next
-    step that can be checkpointed, with a checkpoint. `prompts`: the prompt source (default: `prompt_source(run)`,
-    `run.data` or `run.task`; build it before launching to catch bad data early). `rollout`: the rollout
-    driver's factory (default: `SingleTurnRollout`, one completion per sample).
-    """
+    """The built-in loop: each generator's rollout driver finishes chunks of admitted steps, the trainer takes
+    the steps in order. `mesh`: what `launch(topology)` yields; `run`, `loss`: the topology's sections (the
+    loss only decides which teacher signals to ask for). `checkpoints`: where and when full checkpoints go
+    (default: the run config's); `resume`: a checkpoint to continue from (`ResumePoint`, read and checked
+    before launching). `request_stop` ends the run at the next checkpointable step, with a checkpoint.
+    `prompts`: the prompt source (default: `prompt_source(run)`; build it before launching to catch bad data
+    early). `rollout`: the rollout driver's factory (default: `single_turn.factory`)."""
 
     def __init__(self, mesh: RoleMesh, run: RunConfig, loss: LossConfig,
                  progress: Callable[[StepRecord], None] | None = None, checkpoints: CheckpointPolicy | None = None,
@@ -85,7 +70,7 @@ class RLLoop:
         self.trainers = TrainerReplicas(mesh, self.recovery, diloco, lambda: self.versions.first)
         self.scoring = Scoring(ScoringConfig.of(run, loss), self.roles.rewarder, self.roles.teachers)
         services = RolloutServices(self.roles.generators, self.scoring, self.background.spawn, self.request_stop)
-        self.rollout = (rollout or (lambda s: SingleTurnRollout(SingleTurnConfig.of(run), s)))(services)
+        self.rollout = (rollout or single_turn.factory(run))(services)
         self.evaluator = Evaluator(EvalConfig.of(run), self.roles.generators, self.scoring.score,
                                    self.prompts.eval_prompts, lambda: self.versions.current, self.background.spawn)
         self.commits = CheckpointCommits(self.store, self.checkpoints.keep, self.trainers, self.background)
@@ -94,7 +79,6 @@ class RLLoop:
         self.pipeline = TrainPipeline(PipelineConfig.of(run), self.trainers, self.roles.generators, self.versions,
                                       self.gate, self.checkpoints, self.background, self.stop)
 
-    # ---- the public surface scripts and tests use ---------------------------------------------------------
     def request_stop(self, reason: str) -> None:
         """Stop at the next step that can be checkpointed: checkpoint it, finish, return (`stop_reason` set)."""
         self.stop.request(reason)
@@ -105,7 +89,7 @@ class RLLoop:
 
     @property
     def last_checkpoint(self) -> str | None:
-        """The newest committed checkpoint of this run (the one it resumed from until it commits one)."""
+        """The newest committed checkpoint's URL (the one resumed from until this session commits one)."""
         return self.commits.last
 
     @property
@@ -133,7 +117,7 @@ class RLLoop:
 
     def request(self, prompts: list[Prompt], first: int) -> GenerationRequest:
         """Sampling request for `prompts`, the first of which is prompt `first` of the stream."""
-        return generation_request(SingleTurnConfig.of(self.cfg), prompts, first)
+        return single_turn.generation_request(single_turn.SingleTurnConfig.of(self.cfg), prompts, first)
 
     async def complete(self, groups: list[RolloutGroup], first: int, times: StepTimes | None = None) -> TrainBatch:
         """Score `groups` (prompts from stream index `first` on) and ask the teachers; then score their traces."""
@@ -150,20 +134,12 @@ class RLLoop:
         """Greedy mean reward and pass@k on `n` held-out prompts (`Evaluator.evaluate`)."""
         return await self.evaluator.evaluate(n, seed)
 
-    # ---- the run --------------------------------------------------------------------------------------------
     async def run(self) -> RunSummary:
-        t_start, cfg = time.perf_counter(), self.cfg
-        resumed = self.resume.state.step if self.resume is not None else 0
-        trackers = Trackers.open(cfg, {"run": cfg.model_dump(mode="json"), "loss": self.loss.model_dump(mode="json")},
-                                 self.resume.state.trackers if self.resume is not None else None,
-                                 resumed if self.resume is not None else None)
-        writer = MetricsWriter(cfg.run_dir, resume_step=resumed if self.resume is not None else None, trackers=trackers)
+        t_start, cfg, point = time.perf_counter(), self.cfg, self.resume
+        resumed = point.state.step if point is not None else 0
+        writer = records.open_writer(cfg, self.loss, (resumed, point.state.trackers) if point is not None else None)
         self.background.open()
-        schedule = StepScheduler(
-            self.prompts.take, steps=cfg.steps, groups_per_step=cfg.prompts_per_step * len(self.trainers),
-            generators=len(self.roles.generators), max_policy_lag=cfg.max_policy_lag,
-            dynamic_sampling=cfg.dynamic_sampling, max_draws=cfg.dynamic_sampling_max_draws,
-        )
+        schedule = StepScheduler.of(cfg, self.prompts.take, len(self.trainers), len(self.roles.generators))
         try:
             self.spares.prepare_all()  # spares get ready while the actors are set up (they need no weights yet)
             await self.setup()
@@ -186,9 +162,8 @@ class RLLoop:
                 self.prompts.close()  # e.g. stops run.environment's server: the rewarder is done with it
         if writer.records:
             plot_run(writer.records, cfg.run_dir / "plot.png")
-        end = SessionEnd(resumed, last, train_start, eval_before, eval_after, self.stop.reason, self.commits.last)
-        return summarize(writer, schedule, cfg.steps, t_start, end, (self.gate.dropped_batches,
-                         self.gate.dropped_rollouts), self.scoring.teacher_usage)
+        end = records.SessionEnd(resumed, last, train_start, eval_before, eval_after, self.stop.reason, self.commits.last)
+        return records.summarize(cfg, writer, schedule, t_start, end, self.gate, self.scoring.teacher_usage)
 
     async def _begin(self, schedule: StepScheduler, writer: MetricsWriter) -> float:
         """Restore the checkpoint to resume from, or evaluate the initial policy; the greedy reward before."""
@@ -202,9 +177,9 @@ class RLLoop:
         return before
 
     def _hooks(self, schedule: StepScheduler, writer: MetricsWriter, t_start: float) -> PipelineHooks:
-        sources = RecordSources(lambda: self.scoring.traces_scored, lambda: self.scoring.teacher_usage,
-                                self.recovery.metrics, lambda: self.gate.dropped_batches)
-        recorder = StepRecorder(writer, schedule, sources, t_start, self.commits.recorded, self.progress)
+        sources = records.RecordSources(lambda: self.scoring.traces_scored, lambda: self.scoring.teacher_usage,
+                                        self.recovery.metrics, lambda: self.gate.dropped_batches)
+        recorder = records.StepRecorder(writer, schedule, sources, t_start, self.commits.recorded, self.progress)
         return PipelineHooks(
             record=recorder.write, wrote=self.commits.wrote, finish=self.commits.finish,
             checkpoint=lambda step: self.commits.take(self.state.capture(step, schedule, writer.tracker_ids), writer),

@@ -8,9 +8,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from composer_mesh.actors.messages import TrainMetrics
+from composer_mesh.loss.config import LossConfig
+from composer_mesh.orchestration.config import RunConfig
 from composer_mesh.orchestration.metrics import MetricsWriter, RunSummary, StepRecord, window_mean
-from composer_mesh.orchestration.pipeline import StepDone
+from composer_mesh.orchestration.pipeline import LagGate, StepDone
 from composer_mesh.orchestration.schedule import StepScheduler
+from composer_mesh.orchestration.trackers import Trackers
+
+
+def open_writer(run: RunConfig, loss: LossConfig, resumed: tuple[int, dict[str, str]] | None) -> MetricsWriter:
+    """The run's metrics.jsonl and trackers; `resumed`: the checkpoint's step and tracker run ids, continued."""
+    step, ids = resumed if resumed is not None else (None, None)
+    trackers = Trackers.open(run, {"run": run.model_dump(mode="json"), "loss": loss.model_dump(mode="json")}, ids, step)
+    return MetricsWriter(run.run_dir, resume_step=step, trackers=trackers)
 
 
 @dataclass(frozen=True)
@@ -93,19 +103,18 @@ class SessionEnd:
     checkpoint: str | None
 
 
-def summarize(writer: MetricsWriter, schedule: StepScheduler, steps: int, t_start: float, end: SessionEnd,
-              dropped: tuple[int, int], teacher_usage: dict[str, float]) -> RunSummary:
-    """The whole run's rewards (earlier sessions' records included); this session's throughput. `dropped`:
-    stale batches and their rollouts."""
+def summarize(run: RunConfig, writer: MetricsWriter, schedule: StepScheduler, t_start: float, end: SessionEnd,
+              gate: LagGate, teacher_usage: dict[str, float]) -> RunSummary:
+    """The whole run's rewards (earlier sessions' records included); this session's throughput."""
     rewards = [r.reward for r in writer.records]
     session = [r for r in writer.records if r.step > end.resumed]
     return RunSummary(
-        steps=len(writer.records), run_dir=writer.path.parent, reward_first=window_mean(rewards, True),
+        steps=len(writer.records), run_dir=run.run_dir, reward_first=window_mean(rewards, True),
         reward_last=window_mean(rewards, False), eval_before=end.eval_before, eval_after=end.eval_after,
-        dropped_batches=dropped[0], dropped_rollouts=dropped[1],
+        dropped_batches=gate.dropped_batches, dropped_rollouts=gate.dropped_rollouts,
         seconds=time.perf_counter() - t_start, teacher_usage=teacher_usage,
         rollouts_trained=sum(r.rollouts for r in session),
         train_seconds=session[-1].elapsed_s - end.train_start if session else 0.0,
         zero_variance_groups=schedule.zero_variance_groups, resumed_from=end.resumed or None,
-        stopped=end.stopped if end.last < steps else None, checkpoint=end.checkpoint,
+        stopped=end.stopped if end.last < run.steps else None, checkpoint=end.checkpoint,
     )

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from composer_mesh.actors.messages import Prompt, ScoredGroup, TeacherTrace, TokenDistribution
+from composer_mesh.orchestration.config import RunConfig
 
 
 @dataclass
@@ -142,6 +143,13 @@ class StepScheduler:
         self.idle_s = 0.0  # generator-seconds spent waiting for admitted work
         self._changed = asyncio.Condition()
         self._admit()
+
+    @classmethod
+    def of(cls, run: RunConfig, draw: Callable[[int], list[Prompt]], replicas: int, generators: int) -> StepScheduler:
+        """The scheduler of `run` (`run:`): each step has `prompts_per_step` groups per trainer replica."""
+        return cls(draw, steps=run.steps, groups_per_step=run.prompts_per_step * replicas, generators=generators,
+                   max_policy_lag=run.max_policy_lag, dynamic_sampling=run.dynamic_sampling,
+                   max_draws=run.dynamic_sampling_max_draws)
 
     # ---- admission ---------------------------------------------------------------------------------
     def admitted_through(self) -> int:

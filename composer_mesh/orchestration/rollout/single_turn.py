@@ -22,7 +22,7 @@ from composer_mesh.actors.messages import (
 )
 from composer_mesh.orchestration.config import RunConfig
 from composer_mesh.orchestration.recovery import RestartsExhausted
-from composer_mesh.orchestration.rollout.base import ChunkSource, RolloutServices
+from composer_mesh.orchestration.rollout.base import ChunkSource, RolloutFactory, RolloutServices
 from composer_mesh.orchestration.schedule import Chunk, GroupResult, row_seed
 
 
@@ -111,3 +111,8 @@ def group_results(chunk: Chunk, batch: TrainBatch) -> list[GroupResult]:
         out.append(GroupResult(chunk.first + i, g, list(dists), [t for t in batch.traces if t.prompt_id == pid]))
         offset += n
     return out
+
+
+def factory(run: RunConfig) -> RolloutFactory:
+    """The built-in driver for `run` (`RLLoop`'s default `rollout`)."""
+    return lambda services: SingleTurnRollout(SingleTurnConfig.of(run), services)
