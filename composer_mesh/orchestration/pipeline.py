@@ -21,8 +21,7 @@ from composer_mesh.orchestration.background import Background, StopRequest
 from composer_mesh.orchestration.checkpoint import CheckpointPolicy
 from composer_mesh.orchestration.config import RunConfig
 from composer_mesh.orchestration.metrics import MetricsWriter
-from composer_mesh.orchestration.ports import Generators, Trainers
-from composer_mesh.orchestration.recovery import RestartsExhausted
+from composer_mesh.orchestration.ports import Generators, RestartsExhausted, Trainers
 from composer_mesh.orchestration.schedule import GroupResult, StepPlan, StepScheduler
 
 

@@ -23,6 +23,11 @@ from composer_mesh.actors.messages import (
 from composer_mesh.mesh.weights.manifest import WeightManifest
 
 
+class RestartsExhausted(RuntimeError):
+    """A role's procs died more often than `run.max_restarts` allows (or hold the trainer): the run stops.
+    Raised by the role adapters' calls (`Recovery`); a component that gets it asks the run to stop."""
+
+
 class Generators(Protocol):
     """The generator actors, addressed one by one (`index` in 0..len-1); calls survive a proc's replacement."""
 

@@ -11,14 +11,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from composer_mesh.orchestration.checkpoint import CheckpointPolicy, ControllerState, RunCheckpointError
 from composer_mesh.orchestration.metrics import MetricsWriter
 from composer_mesh.orchestration.pipeline import LagGate, Versions
 from composer_mesh.orchestration.ports import Generators
 from composer_mesh.orchestration.prompts import PromptSource, PromptSourceError
-from composer_mesh.orchestration.recovery import Recovery
 from composer_mesh.orchestration.schedule import StepScheduler
 from composer_mesh.orchestration.scoring import Scoring
 
@@ -31,12 +30,20 @@ class ResumePoint:
     state: ControllerState
 
 
+class Counters(Protocol):
+    """Run-wide counters a component keeps across sessions (e.g. `Recovery`'s restarts)."""
+
+    def state(self) -> dict[str, Any]: ...
+
+    def restore(self, state: dict[str, Any]) -> None: ...
+
+
 class RunState:
     """Captures the controller's state for a checkpoint and restores it from one. `eval_before()`: the greedy
     reward before training (a run-wide counter the summary reports)."""
 
     def __init__(self, versions: Versions, prompts: PromptSource, scoring: Scoring, gate: LagGate,
-                 recovery: Recovery, policy: CheckpointPolicy, replicas: int, eval_before: Callable[[], float]) -> None:
+                 recovery: Counters, policy: CheckpointPolicy, replicas: int, eval_before: Callable[[], float]) -> None:
         self.versions = versions
         self.prompts = prompts
         self.scoring = scoring

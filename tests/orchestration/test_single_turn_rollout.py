@@ -9,7 +9,7 @@ from typing import Any
 
 from orchestration.fakes import FakeChunks, FakeGenerators, FakeRewarder, FakeTeachers, prompts
 
-from composer_mesh.orchestration.recovery import RestartsExhausted
+from composer_mesh.orchestration.ports import RestartsExhausted
 from composer_mesh.orchestration.rollout.base import RolloutServices
 from composer_mesh.orchestration.rollout.single_turn import SingleTurnConfig, SingleTurnRollout
 from composer_mesh.orchestration.schedule import Chunk, row_seed

@@ -21,7 +21,7 @@ from composer_mesh.actors.messages import (
     TrainBatch,
 )
 from composer_mesh.orchestration.config import RunConfig
-from composer_mesh.orchestration.recovery import RestartsExhausted
+from composer_mesh.orchestration.ports import RestartsExhausted
 from composer_mesh.orchestration.rollout.base import ChunkSource, RolloutFactory, RolloutServices
 from composer_mesh.orchestration.schedule import Chunk, GroupResult, row_seed
 
