@@ -101,13 +101,18 @@ class MeshTeachers:
     def __init__(self, mesh: RoleMesh, recovery: Recovery) -> None:
         self.mesh = mesh
         self.recovery = recovery
+        self.pool = mesh.teachers
+
+    def refresh(self) -> None:
+        """The teachers' mesh was replaced (and its actors set up): the new pool."""
+        self.pool = self.mesh.teachers
 
     async def setup(self) -> None:
-        await self.mesh.teachers.setup.call()
+        await self.pool.setup.call()
 
     async def signals(self, request: TeacherRequest) -> list[TeacherSignals]:
         try:
-            answers = await self.recovery.attempt("teachers", lambda: self.mesh.teachers.signals.call(request))
+            answers = await self.recovery.attempt("teachers", lambda: self.pool.signals.call(request))
         except Exception as e:  # `on_failure: stop`: the teacher's own error, without Monarch's wrapper
             if isinstance(getattr(e, "exception", None), TeacherFailed):
                 raise e.exception from None  # type: ignore[attr-defined]
@@ -164,6 +169,8 @@ class MeshRoles:
             await self.mesh.generators.update_weights.call(self.generators.manifest)
         if "rewarder" in roles:
             self.rewarder.refresh()
+        if "teachers" in roles and self.teachers is not None:
+            self.teachers.refresh()
         if roles:
             self._replaced({self.mesh.mesh_of(roles[0])})  # type: ignore[arg-type]
 
