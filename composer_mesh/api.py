@@ -35,10 +35,13 @@ from composer_mesh.loss.config import LossConfig
 from composer_mesh.mesh.launch import LaunchError, MeshFailureError
 from composer_mesh.orchestration.checkpoint import CheckpointPolicy, RunCheckpointError
 from composer_mesh.orchestration.config import RunConfig
-from composer_mesh.orchestration.loop import LagGate, ResumePoint, RLLoop, merge_signals
+from composer_mesh.orchestration.loop import RLLoop
 from composer_mesh.orchestration.metrics import RunSummary, StepRecord
+from composer_mesh.orchestration.pipeline import LagGate
 from composer_mesh.orchestration.prompts import DataPrompts, PromptSource, TaskPrompts, prompt_source
+from composer_mesh.orchestration.resume import ResumePoint
 from composer_mesh.orchestration.schedule import Chunk, GroupResult, StepScheduler, row_seed
+from composer_mesh.orchestration.scoring import merge_signals
 from composer_mesh.roles import ROLES, Role, RoleMesh
 from composer_mesh.topology import Topology, TopologyError, load_topology
 

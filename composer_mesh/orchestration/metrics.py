@@ -27,7 +27,7 @@ class StepRecord:
     dropped_batches: int
     rollouts: int = 0  # rollouts trained on in this step
     elapsed_s: float = 0.0  # seconds since the run started (setup included; see the `train_start` event)
-    timing: dict[str, float] = field(default_factory=dict)  # where the step's time went (see `RLLoop`)
+    timing: dict[str, float] = field(default_factory=dict)  # where the step's time went (see `recorder.StepRecorder`)
     metrics: dict[str, float] = field(default_factory=dict)
     prompts: list[str] = field(default_factory=list)  # ids of the prompts trained on, in batch order
 

@@ -19,14 +19,11 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from composer_mesh.mesh.launch import LaunchError, failure_reason, is_proc_death
+from composer_mesh.orchestration.ports import RestartsExhausted
 from composer_mesh.roles import RoleMesh
 
 log = logging.getLogger("composer_mesh.recovery")
 T = TypeVar("T")
-
-
-class RestartsExhausted(RuntimeError):
-    """A role's procs died more often than `run.max_restarts` allows (or hold the trainer): the run stops."""
 
 
 class Recovery:

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from composer_mesh.actors.messages import Prompt, ScoredGroup, TeacherTrace, TokenDistribution
+from composer_mesh.orchestration.config import RunConfig
 
 
 @dataclass
@@ -143,6 +144,13 @@ class StepScheduler:
         self._changed = asyncio.Condition()
         self._admit()
 
+    @classmethod
+    def of(cls, run: RunConfig, draw: Callable[[int], list[Prompt]], replicas: int, generators: int) -> StepScheduler:
+        """The scheduler of `run` (`run:`): each step has `prompts_per_step` groups per trainer replica."""
+        return cls(draw, steps=run.steps, groups_per_step=run.prompts_per_step * replicas, generators=generators,
+                   max_policy_lag=run.max_policy_lag, dynamic_sampling=run.dynamic_sampling,
+                   max_draws=run.dynamic_sampling_max_draws)
+
     # ---- admission ---------------------------------------------------------------------------------
     def admitted_through(self) -> int:
         """The last step the generators' weights may start: `trained + 1 + max_policy_lag` (within the run)."""
@@ -176,6 +184,10 @@ class StepScheduler:
             self._changed.notify_all()
 
     # ---- generators ---------------------------------------------------------------------------------
+    def times(self, step: int) -> StepTimes:
+        """Where step `step`'s work time goes (its chunks' generate/score/teacher seconds add up here)."""
+        return self.plans[step].times
+
     def _next_pending(self) -> Chunk | None:
         for step in sorted(self.plans):
             plan = self.plans[step]

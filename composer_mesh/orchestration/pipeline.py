@@ -1,0 +1,213 @@
+"""The train pipeline: steps sent to the trainer replicas in order, pipelined, with double-buffered weight sync
+to the generators and the lag check.
+
+Step s is sent to the trainer as soon as its batch is ready, so it waits in the trainer's mailbox while step
+s-1 trains (no round trip between steps), and step s's weight sync runs while step s+1 trains. The weight plane
+is double-buffered: step s publishes into the slot that step s-2's sync read, so step s is sent only once that
+sync is done. At lag 0 the schedule itself holds step s back until step s-1's weights reach the generators.
+A checkpoint of step s is taken right behind step s, before step s+1 (the trainer's mailbox keeps that order).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from composer_mesh.actors.messages import TrainBatch, TrainMetrics
+from composer_mesh.orchestration.background import Background, StopRequest
+from composer_mesh.orchestration.checkpoint import CheckpointPolicy
+from composer_mesh.orchestration.config import RunConfig
+from composer_mesh.orchestration.metrics import MetricsWriter
+from composer_mesh.orchestration.ports import Generators, RestartsExhausted, Trainers
+from composer_mesh.orchestration.schedule import GroupResult, StepPlan, StepScheduler
+
+
+class Versions:
+    """The trainer's weight version: one per step, step s trains from `first + s - 1` (step 0 = setup's)."""
+
+    def __init__(self) -> None:
+        self.current = 0  # the version the trainer holds (or the step being sent trains from)
+        self.first = 0  # the initial policy's version
+
+    def set(self, version: int) -> None:
+        """The trainer holds `version` (the one setup published, or a script's own step)."""
+        self.current = version
+
+    def begin(self) -> None:
+        """A fresh run (no resume) starts from the version setup published."""
+        self.first = self.current
+
+    def restore(self, version: int, first: int) -> None:
+        self.current, self.first = version, first
+
+    def after(self, step: int) -> int:
+        """The weight version the trainer publishes with step `step`."""
+        return self.first + step
+
+    def trained(self, step: int) -> None:
+        """Steps up to `step` are trained (or sent): the trainer is at `after(step)`."""
+        self.current = self.after(step)
+
+
+@dataclass
+class LagGate:
+    """Drops batches whose oldest rollout is more than `max_policy_lag` versions behind the trainer.
+
+    The built-in loop admits work so that this never happens (a drop there is a bug, and is counted); scripts
+    that generate ahead freely use it to keep the bound."""
+
+    max_policy_lag: int
+    dropped_batches: int = 0
+    dropped_rollouts: int = 0
+
+    def lag(self, batch: TrainBatch, trainer_version: int) -> int:
+        return trainer_version - min(r.weight_version for r in batch.rollouts())
+
+    def admit(self, batch: TrainBatch, trainer_version: int) -> bool:
+        if self.lag(batch, trainer_version) <= self.max_policy_lag:
+            return True
+        self.dropped_batches += 1
+        self.dropped_rollouts += len(batch.rollouts())
+        return False
+
+    def restore(self, counters: dict[str, Any]) -> None:
+        self.dropped_batches, self.dropped_rollouts = int(counters["dropped_batches"]), int(counters["dropped_rollouts"])
+
+
+@dataclass
+class StepDone:
+    """One step on its way through the trainer and the weight sync, until its record is written."""
+
+    step: int
+    lag: int
+    batches: list[TrainBatch]
+    plan: StepPlan
+    ready_s: float  # how long the loop waited for the step's batch
+    metrics: TrainMetrics | None = None
+    trained_s: float = 0.0  # perf_counter when the trainer's answer arrived
+    sync_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    steps: int
+    prompts_per_step: int  # groups each replica trains on per step
+    max_policy_lag: int
+
+    @classmethod
+    def of(cls, run: RunConfig) -> PipelineConfig:
+        return cls(steps=run.steps, prompts_per_step=run.prompts_per_step, max_policy_lag=run.max_policy_lag)
+
+
+@dataclass(frozen=True)
+class PipelineHooks:
+    """What the pipeline tells the rest of the run: `record(done)` a step's answer (in step order),
+    `checkpoint(step)` take a checkpoint right behind `step`, `wrote(urls)` the trainers reported state writes
+    finished, `synced(step)` its weights reached the generators, `finish()` wait for every checkpoint."""
+
+    record: Callable[[StepDone], None]
+    checkpoint: Callable[[int], None]
+    wrote: Callable[[list[str]], None]
+    synced: Callable[[int], None]
+    finish: Callable[[], Awaitable[None]]
+
+
+class TrainPipeline:
+    """Trains steps `first`.. in order (see the module's docstring); `train` returns the last step trained."""
+
+    def __init__(self, cfg: PipelineConfig, trainers: Trainers, generators: Generators, versions: Versions,
+                 gate: LagGate, policy: CheckpointPolicy, background: Background, stop: StopRequest) -> None:
+        self.cfg = cfg
+        self.trainers = trainers
+        self.generators = generators
+        self.versions = versions
+        self.gate = gate
+        self.policy = policy
+        self.background = background
+        self.stop = stop
+
+    def _can_stop_after(self, step: int, first: int) -> bool:
+        """The run may end after `step`: nothing trained yet in this session, or `step` can be checkpointed."""
+        return step < first or self.policy.checkpointable(step)
+
+    async def train(self, first: int, schedule: StepScheduler, writer: MetricsWriter, hooks: PipelineHooks) -> int:
+        """Train steps `first`.. in order, pipelined; returns the last step trained (earlier than `steps` after a
+        stop request). Records are written in step order."""
+        until, steps = self.background.until, {}
+        last, checkpointed = first - 1, 0
+        for step in range(first, self.cfg.steps + 1):
+            if self.stop.is_set() and self._can_stop_after(last, first):
+                break
+            t_wait = time.perf_counter()
+            taken = await until(schedule.take(step), self.stop.event if self._can_stop_after(last, first) else None)
+            if taken is None:  # stop requested while waiting
+                break
+            if step - 2 in steps:  # frees the slot this step publishes into
+                hooks.record(await until(steps.pop(step - 2)))
+            done, calls = self._send(step, *taken, writer, t_wait)
+            steps[step] = self.background.spawn(self._train_and_sync(done, calls, schedule, hooks))
+            last = step
+            if self.policy.due(step, self.cfg.steps) or (self.stop.is_set() and self._can_stop_after(step, first)):
+                hooks.checkpoint(step)
+                checkpointed = step
+        if last >= first and last != checkpointed and self.policy.checkpointable(last):
+            hooks.checkpoint(last)  # stopped while waiting for the next step
+        for step in sorted(steps):
+            hooks.record(await until(steps.pop(step)))
+        self.versions.trained(last)
+        await hooks.finish()
+        return last
+
+    def _send(self, step: int, results: list[GroupResult], plan: StepPlan, writer: MetricsWriter,
+              t_wait: float) -> tuple[StepDone, list[Any]]:
+        """Split the step's groups over the replicas, check their lag and send them to the trainers now."""
+        per = self.cfg.prompts_per_step
+        batches = [_batch(results[i * per : (i + 1) * per]) for i in range(len(self.trainers))]
+        self.versions.trained(step - 1)  # the version this step trains from
+        lags = self._check_lag(step, batches, writer)
+        calls = self.trainers.train(step, batches)  # sent now, in order
+        return StepDone(step, max(lags), batches, plan, ready_s=time.perf_counter() - t_wait), calls
+
+    async def _train_and_sync(self, done: StepDone, calls: list[Any], schedule: StepScheduler,
+                              hooks: PipelineHooks) -> StepDone:
+        """Await one step's training (already sent), then every generator pulls its weights and the schedule
+        admits what the new weights allow."""
+        outputs = await asyncio.gather(*calls)
+        done.metrics, manifest = outputs[0]
+        hooks.wrote([url for m, _ in outputs for url in m.states_written])
+        if manifest.version != self.versions.after(done.step):
+            raise RuntimeError(f"step {done.step}: the trainer published version {manifest.version}, expected "
+                               f"{self.versions.after(done.step)} (steps trained out of order?)")
+        if len(outputs) > 1:
+            done.metrics.metrics["reward_mean_all_replicas"] = sum(m.metrics["reward_mean"] for m, _ in outputs) / len(outputs)
+        done.trained_s = time.perf_counter()
+        try:
+            await self.generators.update_weights(manifest)
+        except RestartsExhausted as e:
+            self.stop.request(str(e))
+            return done
+        await schedule.synced(done.step)
+        done.sync_s = time.perf_counter() - done.trained_s
+        hooks.synced(done.step)
+        return done
+
+    def _check_lag(self, step: int, batches: list[TrainBatch], writer: MetricsWriter) -> list[int]:
+        """Each batch's policy lag. Admission keeps it within the bound: a stale batch is a bug upstream."""
+        version = self.versions.current
+        lags = [self.gate.lag(b, version) for b in batches]
+        for b, lag in zip(batches, lags):
+            if not self.gate.admit(b, version):
+                writer.write_event("dropped", step=step, policy_lag=lag, rollouts=len(b.rollouts()))
+                raise RuntimeError(f"step {step}: a batch is more than {self.cfg.max_policy_lag} versions stale {lags}")
+        return lags
+
+
+def _batch(results: list[GroupResult]) -> TrainBatch:
+    return TrainBatch(
+        groups=[r.group for r in results],
+        distributions=[d for r in results for d in r.distributions],
+        traces=[t for r in results for t in r.traces],
+    )

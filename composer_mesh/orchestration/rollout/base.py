@@ -1,0 +1,65 @@
+"""The rollout seam: the step's unit of work behind one protocol.
+
+The loop starts one `RolloutDriver.drive(index, chunks)` task per generator and knows nothing of what happens
+inside: a driver takes chunks of admitted prompts from the scheduler (`ChunkSource`), makes finished groups of
+them (generated, scored, with their teacher signals) and hands them back with `chunks.finish`. What it may use
+is `RolloutServices`: the generators one request at a time, scoring (rewarder and teachers), the run's
+background tasks and its stop. Which driver runs is `RLLoop(rollout=...)`, a factory of services -> driver.
+
+A driver must keep the scheduler's determinism contract: a chunk's rows sample with the seeds `row_seed` gives
+their stream index (so which generator takes a chunk, and when, changes nothing), and a chunk whose work was
+lost (a proc death, a resume) is done again from its prompts alone.
+
+Another kind of driver is a module beside `single_turn.py`. A multi-turn one runs an episode per prompt of a
+chunk (many at once, with `spawn`): one `generators.generate(index, request)` per turn, its tools run between
+turns by the driver itself, `generate_versioned` saying which weights sampled each turn (an episode may span
+weight updates: its rollout's `weight_version` is its oldest turn's, which the lag bound counts); finished
+episodes are scored and given teacher signals through `scoring` like single completions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from composer_mesh.orchestration.ports import Generators
+from composer_mesh.orchestration.schedule import Chunk, GroupResult, StepTimes
+from composer_mesh.orchestration.scoring import Scoring
+
+
+class ChunkSource(Protocol):
+    """What a driver needs of the scheduler (`schedule.StepScheduler`)."""
+
+    async def next_chunk(self) -> Chunk:
+        """The next chunk of the oldest admitted step (waits while the lag bound admits nothing)."""
+        ...
+
+    async def finish(self, chunk: Chunk, results: list[GroupResult]) -> None:
+        """`chunk`'s groups, one `GroupResult` per prompt, scored and with their teacher signals."""
+        ...
+
+    def times(self, step: int) -> StepTimes:
+        """Where step `step`'s work time goes (add generate/score/teacher seconds here)."""
+        ...
+
+
+@dataclass(frozen=True)
+class RolloutServices:
+    """What the loop lends a driver. `spawn` starts a background task of the run (its failure fails the run);
+    `stop(reason)` ends the run at the next checkpointable step (e.g. on `RestartsExhausted`)."""
+
+    generators: Generators
+    scoring: Scoring
+    spawn: Callable[[Coroutine[Any, Any, Any]], asyncio.Task[Any]]
+    stop: Callable[[str], None]
+
+
+class RolloutDriver(Protocol):
+    async def drive(self, index: int, chunks: ChunkSource) -> None:
+        """Generator `index`'s share of the run: take chunks and finish them, until the run cancels it."""
+        ...
+
+
+RolloutFactory = Callable[[RolloutServices], RolloutDriver]
