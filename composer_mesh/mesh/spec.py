@@ -23,8 +23,8 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    ValidationError,
     TypeAdapter,
+    ValidationError,
     ValidationInfo,
     field_validator,
     model_validator,
@@ -190,7 +190,9 @@ class MeshSpecBase(StrictModel):
     """What every mesh has, whatever runs it: `hosts` × `procs_per_host` procs, their GPUs, env and spare."""
 
     backend: str = Field(description="The job backend that runs the mesh (each member narrows it to its name).")
-    hosts: int = Field(1, ge=1, description="Number of hosts (Slurm nodes). Must be 1 for backend `local`.")
+    hosts: int = Field(
+        1, ge=1, description="Number of hosts (a Slurm mesh's nodes, a process mesh's worker processes); 1 for `local`."
+    )
     procs_per_host: int = Field(1, ge=1, description="Procs spawned on each host.")
     gpus_per_proc: int = Field(
         0,

@@ -356,14 +356,6 @@ def replacement_port(port: int) -> int:
     return candidate
 
 
-def registered_job(job_id: str) -> Any | None:
-    """The submitted `SlurmJob` now running as `job_id` (the object launch holds and scancels at exit)."""
-    for job in list(_atexit_jobs.values()):
-        if str(job._slurm_job_id) == str(job_id):
-            return job
-    return None
-
-
 def current_job_id(job_id: str) -> str:
     """The id of the job now standing for `job_id`: itself, or the last job that replaced it."""
     seen = {job_id}
@@ -383,8 +375,8 @@ def _replacement_starting(job_id: str, job: dict[str, Any] | None) -> bool:
 def resubmit(job: Any, log_dir: str, port: int) -> str:
     """Submit `job` again as a new Slurm job (same options; workers on `port`) and return the new id.
 
-    The same object is reused, so whoever holds it (launch's `_Jobs`, the exit handler) scancels the new job;
-    the old id maps to the new one (`current_job_id`), so a running `JobWatch` follows it.
+    The same object is reused, so whoever holds it (the launch's `jobs.slurm.SlurmJob`, the exit handler) scancels
+    the new job; the old id maps to the new one (`current_job_id`), so a running `JobWatch` follows it.
     """
     old_id = str(job._slurm_job_id)
     job.kill()  # scancel (a job still listed, e.g. COMPLETING, must not come back); forgets its id and hosts
