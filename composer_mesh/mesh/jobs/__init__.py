@@ -28,6 +28,9 @@ JOB_BACKENDS: tuple[tuple[type[MeshSpecBase], type[Job]], ...] = (
 def create_jobs(specs: Mapping[str, MeshSpecBase], context: JobContext) -> list[Job]:
     """One job per backend that has meshes in `specs` (not started yet: the caller holds them first, so that it
     can `stop` whatever `create` started even when it fails half way)."""
+    orphans = sorted(name for name, spec in specs.items() if all(type(spec) is not m for m, _ in JOB_BACKENDS))
+    if orphans:
+        raise JobError(f"no job backend runs mesh(es) {', '.join(orphans)}: add its MeshSpec member to JOB_BACKENDS")
     jobs = []
     for member, job_class in JOB_BACKENDS:
         mine = {name: spec for name, spec in specs.items() if type(spec) is member}

@@ -13,7 +13,7 @@ from composer_mesh.mesh.jobs.local import LocalJob
 from composer_mesh.mesh.jobs.process import ProcessJob
 from composer_mesh.mesh.jobs.slurm import SlurmJob
 from composer_mesh.mesh.jobs.slurm_compat import job_end_notice
-from composer_mesh.mesh.spec import BACKENDS, MESH_SPECS, mesh_spec
+from composer_mesh.mesh.spec import BACKENDS, MESH_SPECS, LocalMeshSpec, mesh_spec
 
 CONTEXT = JobContext(run_name="run", log_dir="/tmp/logs")
 
@@ -50,6 +50,14 @@ def test_create_jobs_groups_meshes_by_backend_in_creation_order() -> None:
     assert [list(job.specs) for job in jobs] == [["gpu"], ["sim"], ["cpu", "more"]]
     assert create_jobs({"cpu": specs["cpu"]}, CONTEXT)[0].context is CONTEXT
     assert create_jobs({}, CONTEXT) == []
+
+
+def test_a_spec_without_a_job_backend_is_refused() -> None:
+    class Elsewhere(LocalMeshSpec):
+        pass
+
+    with pytest.raises(JobError, match="no job backend runs mesh\\(es\\) far"):
+        create_jobs({"far": Elsewhere(backend="local")}, CONTEXT)
 
 
 async def test_local_procs_get_a_hosts_dimension_and_stay_on_this_host() -> None:
