@@ -182,7 +182,9 @@ class HostGpus:
 def _field_error(model: str, field: str, value: Any, message: str) -> ValidationError:
     """A validation error located at `field` (raised from a validator of the model or of a parent field)."""
     return ValidationError.from_exception_data(
-        model, [{"type": "value_error", "loc": (field,), "input": value, "ctx": {"error": ValueError(message)}}]
+        model,
+        [{"type": "value_error", "loc": (field,), "input": value, "ctx": {"error": ValueError(message)}}],
+        hide_input=True,
     )
 
 
@@ -460,7 +462,7 @@ class SlurmMeshSpec(MeshSpecBase):
 MeshSpec = Annotated[Union[LocalMeshSpec, ProcessMeshSpec, SlurmMeshSpec], Field(discriminator="backend")]
 MESH_SPECS: tuple[type[MeshSpecBase], ...] = get_args(get_args(MeshSpec)[0])
 BACKENDS: tuple[str, ...] = tuple(backend_of(member) for member in MESH_SPECS)
-_MESH_SPEC: TypeAdapter[MeshSpec] = TypeAdapter(MeshSpec)
+_MESH_SPEC: TypeAdapter[MeshSpec] = TypeAdapter(MeshSpec, config=StrictModel.model_config)
 
 
 def mesh_spec(**fields: Any) -> MeshSpec:
