@@ -405,7 +405,7 @@ class SlurmMeshSpec(MeshSpecBase):
         """GPUs to request per node: the `slurm.gpus_per_node` override if given, else what the procs use."""
         if self.slurm.gpus_per_node is not None:
             return self.slurm.gpus_per_node
-        return self.procs_per_host * self.gpus_per_proc
+        return super().gpus_per_node
 
     def job_name(self, run_name: str, mesh: str) -> str:
         """Its `slurm.job_name` option or `<run name>_<mesh name>`."""
