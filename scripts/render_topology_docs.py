@@ -21,7 +21,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
 from composer_mesh.cli import main as cli_main
-from composer_mesh.mesh.spec import MeshSpec, SlurmOptions
+from composer_mesh.mesh.spec import MESH_SPECS, MeshSpecBase, SlurmOptions, backend_of
 from composer_mesh.roles import ROLE_TABLE, resolve_binding
 from composer_mesh.topology import TopologyError, load_topology
 from composer_mesh.topology.checks import CROSS_CHECKS, SECTIONS
@@ -41,9 +41,13 @@ ROOT = Path(__file__).resolve().parents[1]
 COMMAND = "python scripts/render_topology_docs.py > docs/topology.md"
 
 # The schema tables, in this order; the models nested in each get their table right after it.
+# `MeshSpec` is a union on `backend`: one table per member.
 SCHEMA: tuple[tuple[type[BaseModel], str], ...] = (
     (Topology, "top level"),
-    (MeshSpec, "meshes.&lt;name&gt; (`MeshSpec`)"),
+    *(
+        (member, f"meshes.&lt;name&gt; with `backend: {backend_of(member)}` (`{member.__name__}`)")
+        for member in MESH_SPECS
+    ),
     (SlurmOptions, "meshes.&lt;name&gt;.slurm (`SlurmOptions`)"),
     (RolesSpec, "roles (`RolesSpec`)"),
     (TrainerSpec, "roles.trainer (`TrainerSpec`)"),
@@ -242,7 +246,7 @@ def render_docs() -> str:
     parts = examples()
     # Every model gets one table: listed ones in their order, nested ones right after their parent.
     sections = section_models()
-    seen: set[type[BaseModel]] = {m for m, _ in (*SCHEMA, *sections, *PRICES)}
+    seen: set[type[BaseModel]] = {m for m, _ in (*SCHEMA, *sections, *PRICES)} | {MeshSpecBase}
     parts["schema"] = "\n".join(field_table(m, seen, title) for m, title in SCHEMA)
     parts["sections"] = "\n".join(field_table(m, seen, title) for m, title in sections)
     parts["prices"] = "\n".join(field_table(m, seen, title) for m, title in PRICES)
@@ -269,7 +273,8 @@ composer-mesh plan FILE [--prices PRICES.yaml]     # what runs where, GPUs, and 
 
 From Python: `load_topology(path) -> Topology` raises `TopologyError`, whose `.errors` is a list of
 `TopologyIssue(path, line, column, message)`; `Topology` has the typed sections (`t.model`, `t.loss`,
-`t.weights`, `t.diloco`, `t.run`), `t.meshes[name]` (`MeshSpec`), and the roles (`t.trainer`,
+`t.weights`, `t.diloco`, `t.run`), `t.meshes[name]` (a `MeshSpec`: `LocalMeshSpec`, `ProcessMeshSpec` or
+`SlurmMeshSpec`, picked by its `backend`), and the roles (`t.trainer`,
 `t.generators`, `t.rewarder`, `t.teachers`), whose `settings` are instances of the binding's `Settings`
 model, whose `resolved` is the binding (class, import path, capabilities) and whose `bound()` is the
 binding with its settings as an actor receives it. `t.role_configs()` gives what each role's actors are
@@ -277,7 +282,7 @@ built with (`composer_mesh.actors.configs`): exactly the sections that role need
 
 Placement: the trainer's replicas split the trainer mesh's procs evenly; there is one generator per proc
 and one rewarder per proc of their meshes; teachers go round-robin over the procs of the teacher mesh.
-Several roles may share a mesh. A `slurm` mesh is one Slurm job (`MeshSpec.slurm_job_kwargs` gives the
+Several roles may share a mesh. A `slurm` mesh is one Slurm job (`SlurmMeshSpec.slurm_job_kwargs` gives the
 `monarch.job.SlurmJob` arguments); `local` meshes run on this host (hosts must be 1); `process` meshes use
 Monarch's `ProcessJob` (one local worker process per host).
 

@@ -11,7 +11,7 @@ import pytest
 from rich.console import Console
 
 from composer_mesh.app.runner import StopRequests
-from composer_mesh.mesh.slurm import JobNotice
+from composer_mesh.mesh.jobs import JobNotice
 
 
 class RecordingLoop:

@@ -73,6 +73,10 @@ def resume_point(topology: Topology, path: str | None) -> ResumePoint:
     return ResumePoint(url, state)
 
 
+# The cause of a stop asked by a job notice (the CLI exits with EXIT_PREEMPTED for it).
+JOB_STOP = "slurm"
+
+
 class StopRequests:
     """SIGTERM / SIGINT while the loop runs: the first asks it to checkpoint and stop, a second (or one before the
     loop exists) cancels the run at once. `cause` is what stopped it: the signal's name, or "slurm"."""
@@ -110,23 +114,26 @@ class StopRequests:
             for sig in installed:
                 loop.remove_signal_handler(sig)
 
-    async def watch_slurm(self, mesh: RoleMesh) -> None:
-        """Stop with a checkpoint when a Slurm job of the run is warned of its end, preempted or timed out, or
-        when the trainer's job ended. Another mesh whose job ended (a dead node, a cancel) gets a new job and the
-        run goes on (`Recovery.replace_mesh`; its calls in flight are re-issued there); past `run.max_restarts`
-        the run stops with a checkpoint."""
+    async def watch_jobs(self, mesh: RoleMesh) -> None:
+        """React to the run's job notices (`LaunchedMeshes.watch_jobs`; which notice means what is the job
+        backend's policy, `JobNotice.replaceable`): a replaceable one (a Slurm job that died: a dead node, a cancel)
+        gets its mesh a new job and the run goes on (`Recovery.replace_mesh`; its calls in flight are re-issued
+        there), unless the mesh holds the trainer, whose state died with it; any other notice (a warning of the
+        end, a preemption, a time limit) stops the run with a checkpoint, as does going past `run.max_restarts`."""
         while True:
             notice = await mesh.launched.watch_jobs()
-            if notice.kind == "ended" and self.loop is not None and "trainer" not in mesh.roles_on(notice.mesh):
+            if notice.replaceable and self.loop is not None and "trainer" not in mesh.roles_on(notice.mesh):
                 self.console.print(f"[bold yellow]{notice.message()}[/]: submitting a new job for it")
                 try:
                     await self.loop.recovery.replace_mesh(notice.mesh, notice.message())
                     continue
                 except RestartsExhausted as e:
-                    self.stop("slurm", str(e))
+                    self.stop(JOB_STOP, str(e))
                     return
-            self.stop("slurm", notice.message())
+            self.stop(JOB_STOP, notice.message())
             return
+
+    watch_slurm = watch_jobs  # its name when Slurm was the one backend with notices
 
 
 async def run_topology(topology: Topology, console: Console | None = None, resume: ResumePoint | None = None,
@@ -163,7 +170,7 @@ async def run_topology(topology: Topology, console: Console | None = None, resum
             watcher = None
             if stops is not None:
                 stops.loop = loop
-                watcher = asyncio.create_task(stops.watch_slurm(mesh))
+                watcher = asyncio.create_task(stops.watch_jobs(mesh))
             try:
                 summary = await loop.run()
             finally:

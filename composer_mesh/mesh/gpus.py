@@ -5,8 +5,8 @@ GPUs. `assign_gpus` decides once: a mesh with `gpu_devices` or `gpu_offset` gets
 others take the lowest GPUs nobody else holds, in mesh order. Indices count what the host exposes (an
 inherited `CUDA_VISIBLE_DEVICES` list, else 0..N-1), as `runtime.visible_devices` reads them.
 
-`slurm` and `process` meshes are not assigned here: Slurm gives each job its own allocation, and a
-`process` mesh stands in for separate hosts, each numbered from 0.
+`slurm` and `process` meshes are not assigned here (their spec's `host_gpus()` is None): Slurm gives each job
+its own allocation, and a `process` mesh stands in for separate hosts, each numbered from 0.
 
 No torch, no CUDA: `plan` and `validate` import this, and must not initialise a GPU to count them.
 """
@@ -19,39 +19,26 @@ import subprocess
 from collections.abc import Iterable, Mapping
 from itertools import count, islice
 
-from composer_mesh.mesh.spec import MeshSpec
-
-LOCAL = "local"
+from composer_mesh.mesh.spec import MeshSpecBase
 
 
-def _pinned(spec: MeshSpec) -> list[int] | None:
-    """The GPUs a mesh asks for itself ([] when CPU-only), or None when it takes the next free ones."""
-    if spec.gpus_per_proc == 0:
-        return []
-    if spec.gpu_devices is not None:
-        return list(spec.gpu_devices)
-    if spec.gpu_offset is not None:
-        return list(range(spec.gpu_offset, spec.gpu_offset + spec.procs_per_host * spec.gpus_per_proc))
-    return None
-
-
-def assign_gpus(meshes: Mapping[str, MeshSpec]) -> dict[str, list[int]]:
-    """Host GPU indices of every `local` mesh, in mesh order ([] for CPU-only meshes); other backends absent.
+def assign_gpus(meshes: Mapping[str, MeshSpecBase]) -> dict[str, list[int]]:
+    """Host GPU indices of every mesh on this host (`local`), in mesh order ([] for CPU-only meshes); meshes on
+    other hosts are absent (`MeshSpec.host_gpus()` is None for them).
 
     Pinned meshes get what they ask for, even where they overlap (`shared_gpus` finds that); then each
     unpinned mesh takes the lowest GPUs held neither by a pinned mesh nor by an earlier mesh.
     """
-    local = {name: spec for name, spec in meshes.items() if spec.backend == LOCAL}
-    pinned = {name: _pinned(spec) for name, spec in local.items()}
-    taken = {gpu for gpus in pinned.values() if gpus for gpu in gpus}
+    wanted = {name: gpus for name, spec in meshes.items() if (gpus := spec.host_gpus()) is not None}
+    taken = {gpu for want in wanted.values() if want.pinned for gpu in want.pinned}
     out: dict[str, list[int]] = {}
-    for name, spec in local.items():
-        gpus = pinned[name]
+    for name, want in wanted.items():
+        gpus = want.pinned
         if gpus is None:
             free = (gpu for gpu in count() if gpu not in taken)
-            gpus = list(islice(free, spec.procs_per_host * spec.gpus_per_proc))
+            gpus = list(islice(free, want.count))
             taken.update(gpus)
-        out[name] = gpus
+        out[name] = list(gpus)
     return out
 
 

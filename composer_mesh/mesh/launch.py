@@ -5,24 +5,25 @@ mesh, an actor class and its constructor arguments). The layer above builds thos
 topology's roles.
 
 What `launch_meshes` does, in order:
-1. creates the Monarch jobs: one `SlurmJob` per `slurm` mesh (sbatch; waits until RUNNING), one
-   `ProcessJob` for all `process` meshes (a local worker process per host), and `this_host()` for
-   `local` meshes;
+1. creates the jobs, one per backend that has meshes (`composer_mesh.mesh.jobs`: one `SlurmJob` per `slurm`
+   mesh, sbatch'ed and waited for until RUNNING; one `ProcessJob` for all `process` meshes, a local worker process
+   per host; `this_host()` for `local` meshes), and waits until their hosts are up;
 2. spawns one proc mesh per mesh, with extent `{hosts: H, procs: P}` on every backend, each proc running
    `runtime.proc_setup` (GPU pinning from `gpus_per_proc` and, for `local` meshes, the host GPUs
    `gpus.assign_gpus` gives them, so that local meshes never share a GPU; the mesh's `env`; quiet logs);
 3. spawns each placement's actor class over all procs of its mesh as `ActorClass(*args)`, then calls the
    class's `ready` endpoint if it has one, so that `__init__` errors surface as a `MeshFailureError`;
-4. on exit, normal or not (exception, Ctrl-C / task cancellation, SIGTERM), stops every proc mesh, kills
-   the process job and `scancel`s every Slurm job.
+4. on exit, normal or not (exception, Ctrl-C / task cancellation, SIGTERM), stops every proc mesh and then
+   every job (kills the process job, `scancel`s every Slurm job).
 
 Failures: Monarch's default fault hook exits the controller. Ours records each failure with the actor
 mesh and mesh it belongs to. An exception leaving the block after an actor failure is re-raised as
 `MeshFailureError` (the original chained); failures recorded during a block that ended normally raise at
 exit; `launched.check()` raises them on demand, e.g. between training steps.
 
-Slurm jobs end outside the controller (preemption, time limit): `launched.watch_jobs()` returns a
+Jobs can end outside the controller (Slurm: preemption, time limit): `launched.watch_jobs()` returns a
 `JobNotice` when one is warned (`--signal` before its limit) or stops running, so the caller can checkpoint.
+Launch knows no backend: everything backend-specific is behind the `Job` protocol of `composer_mesh.mesh.jobs`.
 """
 
 from __future__ import annotations
@@ -35,16 +36,16 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, suppress
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 # `runtime` sets Monarch's import-time environment; it must run before the first `import monarch`, so
 # this module imports monarch only inside functions.
-from composer_mesh.mesh import runtime, slurm
+from composer_mesh.mesh import runtime
 from composer_mesh.mesh.gpus import assign_gpus, format_gpus, shared_gpus
-from composer_mesh.mesh.slurm import JobNotice
-from composer_mesh.mesh.spec import MeshSpec, slurm_job_name
+from composer_mesh.mesh.jobs import Job, JobContext, JobError, JobNotice, create_jobs
+from composer_mesh.mesh.spec import MeshSpec
 
 if TYPE_CHECKING:
     from monarch.actor import ProcMesh
@@ -178,9 +179,7 @@ class LaunchedMeshes:
         self.proc_meshes: dict[str, ProcMesh] = {}
         self.actors: dict[str, Any] = {}
         self.placements: dict[str, PlacedActor] = {}
-        self.slurm_job_ids: dict[str, str] = {}
-        self.slurm_log_dir: str | None = None  # where the Slurm jobs write their logs and warning files
-        self.host_meshes: dict[str, Any] = {}  # mesh -> the Monarch host mesh its procs were spawned on
+        self.jobs: list[Job] = []  # one per backend with meshes here, in creation order (`mesh.jobs.create_jobs`)
         self.placed: list[ActorPlacement] = []  # what was spawned, in order (respawn spawns it again)
         self.respawns: dict[str, int] = {}  # mesh -> times its procs were replaced
         self.spares: dict[str, tuple[Any, dict[str, Any]]] = {}  # mesh -> (spare proc mesh, its actor meshes)
@@ -191,8 +190,20 @@ class LaunchedMeshes:
         self.ready_timeout = 900.0
         self._sink = _FailureSink()
         self._stopping: set[asyncio.Future[None]] = set()  # replaced proc meshes being stopped
-        self._warned: set[str] = set()  # Slurm job ids whose warning watch_jobs has returned
-        self._ended: set[str] = set()  # meshes whose Slurm job watch_jobs saw stop running
+
+    def job_of(self, mesh: str) -> Job:
+        """The job that holds mesh `mesh`'s hosts."""
+        return next(job for job in self.jobs if mesh in job.specs)
+
+    @property
+    def job_ids(self) -> dict[str, str]:
+        """Mesh -> the scheduler's id of its job now (meshes on a scheduler only, e.g. Slurm)."""
+        return {mesh: job_id for job in self.jobs for mesh, job_id in job.job_ids.items()}
+
+    @property
+    def slurm_job_ids(self) -> dict[str, str]:
+        """`job_ids` (Slurm is the one scheduler backend today; the name scripts and tests know)."""
+        return self.job_ids
 
     def per_proc(self, name: str) -> list[Any]:
         """One handle per actor of actor mesh `name`, in (host, proc) order (a proc replaced alone by
@@ -213,22 +224,24 @@ class LaunchedMeshes:
             raise MeshFailureError(self._sink.failures, during="while running")
 
     async def watch_jobs(self, poll_s: float = 5.0) -> JobNotice:
-        """The next notice about this launch's Slurm jobs: a time-limit warning or a job that stopped running.
+        """The next notice about this launch's jobs: a time-limit warning or a job that stopped running.
 
         The controller runs outside its jobs, so preemption and time limits reach it only this way: race
         this against the work (`asyncio.wait(..., return_when=FIRST_COMPLETED)`) and checkpoint on a
-        notice. Returns `warning` once per job (SIGUSR1 from the mesh's `slurm.warning_s`; the job keeps
-        running), `preempted` / `timeout` / `ended` once a job left RUNNING (every call, as it stays so).
-        Polls squeue every `poll_s` s in a thread; cancellable. Without Slurm meshes it waits until cancelled.
+        notice (`JobNotice.replaceable` says whether a new job can take over the mesh instead). Each job
+        watches itself (`Job.watch`: Slurm polls squeue every `poll_s` s in a thread); cancellable. Without
+        jobs that can end on their own it waits until cancelled.
         """
-        if not self.slurm_job_ids or self.slurm_log_dir is None:
-            await asyncio.Event().wait()  # never set: nothing can happen to jobs that do not exist
-        warning_s = {m: (s.slurm.warning_s if s.slurm else None) for m, s in self.specs.items()}
-        watch = slurm.JobWatch(dict(self.slurm_job_ids), str(self.slurm_log_dir), warning_s, self._warned)
-        notice = await watch.next_notice(poll_s)
-        if notice.kind != "warning":
-            self._ended.add(notice.mesh)
-        return notice
+        watches = [asyncio.ensure_future(job.watch(poll_s)) for job in self.jobs]
+        if not watches:
+            await asyncio.Event().wait()  # never set: no job, nothing to hear of
+        try:
+            done, _ = await asyncio.wait(watches, return_when=asyncio.FIRST_COMPLETED)
+            return next(iter(done)).result()
+        finally:
+            for watch in watches:
+                watch.cancel()
+            await asyncio.gather(*watches, return_exceptions=True)
 
     def actors_on(self, mesh: str) -> list[str]:
         """The actor meshes placed on mesh `mesh` (they live and die with its procs)."""
@@ -242,8 +255,8 @@ class LaunchedMeshes:
         Without a spare, a new proc mesh on the same hosts: Monarch 0.7 cannot add a proc to a proc mesh, and
         spawning on a proc mesh with a dead rank hangs. The old proc mesh is stopped (its surviving procs too;
         in the background when a spare takes over); its failures move to `recovered`, its late reports are
-        expected. A Slurm mesh whose job has ended gets a new job (`_respawn_on_new_job`)."""
-        if mesh in self._ended or await _slurm_job_ended(self, mesh):
+        expected. A mesh whose job has ended (Slurm) gets a new job (`_respawn_on_new_job`)."""
+        if await self.job_of(mesh).confirm_ended(mesh):
             return await _respawn_on_new_job(self, mesh)
         self._sink.retire(mesh)
         t0 = time.perf_counter()
@@ -312,11 +325,10 @@ class LaunchedMeshes:
         at once, so they are stopped on exit even if they never get ready."""
         self._spawned += 1
         suffix = f"r{self._spawned}"
-        host, proc_index = self.host_meshes[mesh], None
+        host, proc_index = None, None
         if rank is not None:
-            host_index, proc_index = divmod(rank, self.specs[mesh].procs_per_host)
-            host = host if self.specs[mesh].backend == "local" else host.slice(hosts=host_index)
-        procs = _spawn_proc_mesh(self, mesh, host, suffix, proc_index)
+            host, proc_index = divmod(rank, self.specs[mesh].procs_per_host)
+        procs = _spawn_proc_mesh(self, mesh, suffix, host, proc_index)
         if preparing:
             self._preparing[mesh] = procs
         if rank is not None:
@@ -338,29 +350,6 @@ class LaunchedMeshes:
         while not self._sink.failures and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         return self.failures
-
-
-@dataclass
-class _Jobs:
-    """Jobs to kill on exit; killing is synchronous so it also runs when the task is being cancelled."""
-
-    process: Any = None
-    slurm: dict[str, Any] = field(default_factory=dict)
-
-    def kill_all(self) -> None:
-        for name, job in list(self.slurm.items()):
-            try:
-                job.kill()  # scancel
-            except Exception:
-                log.exception("scancel of the Slurm job of mesh %s failed", name)
-            slurm.unregister_atexit(job)
-        self.slurm = {}
-        if self.process is not None:
-            try:
-                self.process.kill()
-            except Exception:
-                log.exception("killing the process job failed")
-            self.process = None
 
 
 def launch_meshes(
@@ -407,14 +396,13 @@ async def _launch(
 ) -> AsyncIterator[LaunchedMeshes]:
     runtime.setup_controller()
     launched = LaunchedMeshes(meshes, uuid.uuid4().hex[:8])
-    launched.slurm_log_dir = slurm_logs
     launched.ready_timeout = ready_timeout
-    jobs = _Jobs()
+    launched.jobs = create_jobs(meshes, JobContext(run_name=run_name, log_dir=slurm_logs))
     runtime.add_failure_claimer(launched._sink)
     restore_sigterm = _cancel_on_sigterm()
     body_started = False
     try:
-        await _start_meshes(launched, run_name, jobs, slurm_logs)
+        await _start_meshes(launched)
         _spawn_actors(launched, actors)
         await asyncio.gather(*(_ready(launched, a, ready_timeout) for a in actors))
         body_started = True
@@ -431,7 +419,8 @@ async def _launch(
         try:
             await _stop(launched, stop_timeout)
         finally:
-            jobs.kill_all()
+            for job in launched.jobs:
+                job.stop()
             restore_sigterm()
     if launched.failures:
         raise MeshFailureError(launched.failures, during="during the launch block")
@@ -486,62 +475,31 @@ def _bootstrap_command(mesh: str, spec: MeshSpec, gpu_devices: list[int] | None,
     return default_bootstrap_cmd().with_env(env)
 
 
-async def _host_meshes(
-    launched: LaunchedMeshes, run_name: str, jobs: _Jobs, slurm_logs: str
-) -> dict[str, Any]:
-    """One Monarch host mesh per mesh: Slurm jobs first (they reconfigure the transport), then the rest."""
-    from monarch.actor import this_host
-
-    specs = launched.specs
-    by_backend: dict[str, list[str]] = {"local": [], "process": [], "slurm": []}
-    for name, spec in specs.items():
-        by_backend[spec.backend].append(name)
-    hosts: dict[str, Any] = {}
-    if by_backend["slurm"]:
-        kwargs = {n: specs[n].slurm_job_kwargs(job_name=slurm_job_name(run_name, n, specs[n])) for n in by_backend["slurm"]}
-        hosts_of = {n: specs[n].hosts for n in by_backend["slurm"]}
-        warning_s = {n: (specs[n].slurm.warning_s if specs[n].slurm else None) for n in by_backend["slurm"]}
-        jobs.slurm = slurm.create_jobs(kwargs, hosts_of, slurm_logs, warning_s)
-        slurm.submit(jobs.slurm, slurm_logs)
-        # All jobs are queued already, so waiting for them one after the other costs no extra time.
-        for name, job in jobs.slurm.items():
-            options = specs[name].slurm
-            timeout = options.start_timeout if options is not None else None
-            try:
-                launched.slurm_job_ids[name] = await slurm.wait_until_running(job, name, timeout, slurm_logs)
-            except slurm.SlurmStartError as e:
-                raise LaunchError(str(e)) from None
-            hosts[name] = getattr(job.state(cached_path=None), name)
-    if by_backend["process"]:
-        from monarch.job import ProcessJob
-
-        jobs.process = ProcessJob({name: specs[name].hosts for name in by_backend["process"]})
-        state = jobs.process.state(cached_path=None)
-        hosts.update({name: getattr(state, name) for name in by_backend["process"]})
-    hosts.update({name: this_host() for name in by_backend["local"]})
-    return hosts
-
-
-async def _start_meshes(launched: LaunchedMeshes, run_name: str, jobs: _Jobs, slurm_logs: str) -> None:
-    launched.host_meshes = await _host_meshes(launched, run_name, jobs, slurm_logs)
+async def _start_meshes(launched: LaunchedMeshes) -> None:
+    """Every job created and its hosts up, one backend after the other (Slurm's first: `mesh.jobs.JOB_BACKENDS`),
+    then one proc mesh per mesh."""
+    for job in launched.jobs:
+        job.create()
+        try:
+            await job.wait()
+        except JobError as e:
+            raise LaunchError(str(e)) from None
     for name in launched.specs:
-        launched.proc_meshes[name] = _spawn_proc_mesh(launched, name, launched.host_meshes[name])
+        launched.proc_meshes[name] = _spawn_proc_mesh(launched, name)
 
 
-def _spawn_proc_mesh(launched: LaunchedMeshes, name: str, host: Any, suffix: str = "",
+def _spawn_proc_mesh(launched: LaunchedMeshes, name: str, suffix: str = "", host: int | None = None,
                      proc_index: int | None = None) -> Any:
-    """Mesh `name`'s procs on `host`, named for the failure sink (`suffix` tells a replacement apart). With
-    `proc_index`, one proc standing in for that proc of the host (`LaunchedMeshes.respawn_proc`)."""
+    """Mesh `name`'s procs on its hosts, named for the failure sink (`suffix` tells a replacement apart). With
+    `host` and `proc_index`, one proc on that host standing in for that proc of it (`LaunchedMeshes.respawn_proc`)."""
     spec = launched.specs[name]
-    per_host = {"procs": spec.procs_per_host if proc_index is None else 1}
-    if spec.backend == "local":
-        # this_host() has no hosts dim: add one so every backend gives the same {hosts, procs} shape.
-        per_host = {"hosts": 1, **per_host}
     monarch_name = f"mesh_{name}_{launched.launch_id}{suffix}"
     launched._sink.names[monarch_name] = (None, name)
-    return host.spawn_procs(
-        per_host=per_host,
+    return launched.job_of(name).spawn_procs(
+        name,
+        {"procs": spec.procs_per_host if proc_index is None else 1},
         name=monarch_name,
+        host=host,
         bootstrap=runtime.proc_setup,
         bootstrap_command=_bootstrap_command(name, spec, launched.gpu_devices.get(name), proc_index),
     )
@@ -608,8 +566,8 @@ async def _stop(launched: LaunchedMeshes, timeout: float) -> None:
 
     # Stopping meshes ends actors: failures reported from here on are expected, not news.
     launched._sink.stopping = True
-    # A mesh whose Slurm job has ended has no procs left; stopping it would only wait out `timeout`.
-    live = {n: pm for n, pm in launched.proc_meshes.items() if n not in launched._ended}
+    # A mesh whose job has ended has no procs left; stopping it would only wait out `timeout`.
+    live = {n: pm for n, pm in launched.proc_meshes.items() if not launched.job_of(n).ended(n)}
     spares = {f"{n} (spare)": pm for n, (pm, _) in launched.spares.items()}
     spares.update({f"{n} (spare being prepared)": pm for n, pm in launched._preparing.items()})
     spares.update(launched._stand_in_procs)
@@ -617,32 +575,14 @@ async def _stop(launched: LaunchedMeshes, timeout: float) -> None:
                          *launched._stopping)
 
 
-async def _slurm_job_ended(launched: LaunchedMeshes, mesh: str) -> bool:
-    """Whether mesh `mesh`'s Slurm job has stopped running, asked of squeue now: a proc death can be reported
-    before `watch_jobs` (which polls every few seconds) sees its job end."""
-    job_id = launched.slurm_job_ids.get(mesh)
-    if job_id is None:
-        return False
-    try:
-        job = await asyncio.to_thread(slurm.query_job, job_id)
-    except slurm.SlurmQueryError as e:
-        log.warning("cannot tell whether Slurm job %s of mesh %s still runs (%s); replacing procs inside it",
-                    job_id, mesh, e)
-        return False
-    return slurm.job_end_notice(mesh, job_id, job) is not None
-
-
 async def _respawn_on_new_job(launched: LaunchedMeshes, mesh: str) -> tuple[list[str], bool]:
-    """`respawn` of a Slurm mesh whose job ended (node died, job cancelled): a new Slurm job with the same
-    options (its workers on a port this controller never used: `slurm.replacement_port`), the mesh's procs and
-    every actor placed on it spawned there and ready.
+    """`respawn` of a mesh whose job ended (Slurm: node died, job cancelled): a new job from its backend
+    (`Job.respawn`), the mesh's procs and every actor placed on it spawned there and ready.
 
     The old job's procs (and any spare or stand-in) died with it, so nothing is stopped: stopping dead procs
-    only waits out the timeout. Launch's job object is reused, so it scancels the new job at exit."""
-    old_id, log_dir = launched.slurm_job_ids.get(mesh), launched.slurm_log_dir
-    job = slurm.registered_job(old_id) if old_id is not None else None
-    if job is None or log_dir is None:
-        raise LaunchError(f"mesh {mesh!r}: its Slurm job {old_id} has ended and no job of this launch runs it")
+    only waits out the timeout. The job stops the new job at exit like the old one."""
+    job = launched.job_of(mesh)
+    old_id = job.job_ids.get(mesh)
     launched._sink.retire(mesh)
     t0 = time.perf_counter()
     count = launched.respawns[mesh] = launched.respawns.get(mesh, 0) + 1
@@ -650,18 +590,13 @@ async def _respawn_on_new_job(launched: LaunchedMeshes, mesh: str) -> tuple[list
     launched._preparing.pop(mesh, None)
     launched._retire_stand_ins(mesh)
     launched.proc_meshes.pop(mesh, None)
-    options = launched.specs[mesh].slurm
     try:
-        slurm.resubmit(job, log_dir, slurm.replacement_port(int(job._port)))
-        new_id = await slurm.wait_until_running(job, mesh, options.start_timeout if options else None, log_dir)
-        launched.host_meshes[mesh] = getattr(job.state(cached_path=None), mesh)
-    except RuntimeError as e:  # sbatch failed, the job never ran (SlurmStartError) or ended before the attach
-        job.kill()
-        raise LaunchError(f"mesh {mesh!r}: its Slurm job {old_id} ended and its replacement failed: {e}") from None
-    launched.slurm_job_ids[mesh] = new_id
-    launched._ended.discard(mesh)
+        await job.respawn(mesh)
+    except JobError as e:
+        raise LaunchError(str(e)) from None
     launched.proc_meshes[mesh], actors = await launched._spawn_mesh(mesh)
     launched.actors.update(actors)
-    log.warning("mesh %s: Slurm job %s ended; new job %s (respawn %d) running its procs in %.2f s; actors %s "
-                "spawned again", mesh, old_id, new_id, count, time.perf_counter() - t0, ", ".join(actors))
+    log.warning("mesh %s: job %s ended; new job %s (respawn %d) running its procs in %.2f s; actors %s "
+                "spawned again", mesh, old_id, job.job_ids.get(mesh), count, time.perf_counter() - t0,
+                ", ".join(actors))
     return list(actors), False

@@ -7,7 +7,7 @@ Monarch worker *and the procs it spawned*; without a handler SIGUSR1 kills them 
 - runs CODE as `python -c CODE` in a child whose SIGUSR1 is ignored: an ignored signal stays ignored across
   `exec` and Monarch spawns procs with Rust's `Command`, which resets only SIGPIPE, so every proc ignores it too;
 - records each SIGUSR1 it gets itself in `notice_path(DIR, job id)`, on the filesystem the controller shares
-  with the jobs (the job's log dir), where `LaunchedMeshes.watch_jobs` looks for it;
+  with the jobs (the job's log dir), where the slurm job backend's `watch` looks for it (`composer_mesh.mesh.jobs.slurm`);
 - forwards SIGTERM/SIGINT/SIGHUP to the child, waits for it and exits with its status.
 
 Standard library only: it starts before anything else in the job.

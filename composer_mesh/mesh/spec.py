@@ -1,26 +1,34 @@
-"""Where procs run: the schema of one mesh (`MeshSpec`) and of its Slurm job (`SlurmOptions`).
+"""Where procs run: the schema of one mesh (`MeshSpec`), one union member per job backend.
+
+`MeshSpec` is a union discriminated by `backend`: `LocalMeshSpec`, `ProcessMeshSpec`, `SlurmMeshSpec` (with
+its `SlurmOptions`). The fields every backend has (shape, GPUs per proc, env, spare) are on `MeshSpecBase`;
+each backend's own fields are on its member only, and a field of another backend is refused with a message
+saying whose it is. What the rest of the code asks of a mesh (its job's name, the host GPUs it pins, a line for
+`plan`, checks across meshes) are methods of the members, so no code outside the members and `mesh/jobs/`
+branches on the backend. A new backend is one member here and one module in `composer_mesh.mesh.jobs`.
 
 Pydantic only: a topology validates meshes without importing Monarch. `composer_mesh.mesh.launch` turns
-specs into Monarch jobs and proc meshes.
+specs into Monarch jobs (`composer_mesh.mesh.jobs`) and proc meshes.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Annotated, Any, ClassVar, Literal, Union, get_args
 
 from pydantic import (
     AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
+    TypeAdapter,
     ValidationError,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
-
-Backend = Literal["local", "process", "slurm"]
-BACKENDS: tuple[Backend, ...] = ("local", "process", "slurm")
 
 
 def _matches(pattern: str, what: str) -> Any:
@@ -159,41 +167,43 @@ class SlurmOptions(StrictModel):
         return v
 
 
-class MeshSpec(StrictModel):
-    """Where one mesh runs and how big it is: `hosts` × `procs_per_host` procs on one backend."""
+Problem = tuple[tuple[str | int, ...], str]  # (field loc from the top of the file, message): a check's finding
 
-    backend: Backend = Field(
-        description="`local`: procs on this host; `process`: Monarch's local job stand-in with a hosts "
-        "dimension (one worker process per host); `slurm`: one Slurm job for this mesh."
+
+@dataclass(frozen=True)
+class HostGpus:
+    """The controller host's GPUs a mesh's procs use, as its spec asks (`gpus.assign_gpus` decides which)."""
+
+    count: int  # procs_per_host × gpus_per_proc
+    pinned: list[int] | None  # exactly these; None: the lowest GPUs no other mesh holds
+    pinned_by: str | None = None  # the field that pinned them (where an overlap is reported)
+
+
+def _field_error(model: str, field: str, value: Any, message: str) -> ValidationError:
+    """A validation error located at `field` (raised from a validator of the model or of a parent field)."""
+    return ValidationError.from_exception_data(
+        model,
+        [{"type": "value_error", "loc": (field,), "input": value, "ctx": {"error": ValueError(message)}}],
+        hide_input=True,
     )
-    hosts: int = Field(1, ge=1, description="Number of hosts (Slurm nodes). Must be 1 for backend `local`.")
+
+
+class MeshSpecBase(StrictModel):
+    """What every mesh has, whatever runs it: `hosts` × `procs_per_host` procs, their GPUs, env and spare."""
+
+    backend: str = Field(description="The job backend that runs the mesh (each member narrows it to its name).")
+    hosts: int = Field(
+        1, ge=1, description="Number of hosts (a Slurm mesh's nodes, a process mesh's worker processes); 1 for `local`."
+    )
     procs_per_host: int = Field(1, ge=1, description="Procs spawned on each host.")
     gpus_per_proc: int = Field(
         0,
         ge=0,
         description="GPUs visible to each proc (`CUDA_VISIBLE_DEVICES` is set per proc); 0 = CPU only.",
     )
-    gpu_offset: int | None = Field(
-        None,
-        ge=0,
-        description="Backend `local` only: first host GPU this mesh uses; its procs take the "
-        "procs_per_host × gpus_per_proc GPUs from there. Default: the lowest GPUs no other local mesh uses, "
-        "in mesh order.",
-    )
-    gpu_devices: list[Annotated[int, Field(ge=0)]] | None = Field(
-        None,
-        description="Backend `local` only: the host GPUs this mesh uses, procs_per_host × gpus_per_proc "
-        "distinct indices, proc i taking the i-th gpus_per_proc of them. Indices count what the host exposes "
-        "(an inherited `CUDA_VISIBLE_DEVICES` list, else 0..N-1). Not together with gpu_offset.",
-    )
     env: dict[EnvName, str] = Field(
         default_factory=dict,
         description="Environment variables set in every proc of this mesh (quote numbers).",
-    )
-    slurm: SlurmOptions | None = Field(
-        None,
-        validate_default=True,
-        description="Slurm job options; only for backend `slurm` (defaults apply when omitted).",
     )
     spare: bool = Field(
         False,
@@ -203,77 +213,36 @@ class MeshSpec(StrictModel):
         "CPU meshes on backends `local` and `process` (a GPU mesh's spare would hold GPUs idle).",
     )
 
-    @field_validator("hosts")
-    @classmethod
-    def _local_is_one_host(cls, v: int, info: ValidationInfo) -> int:
-        if info.data.get("backend") == "local" and v != 1:
-            raise ValueError(
-                f"backend 'local' runs on this host only, so hosts must be 1 (got {v}); "
-                "use backend 'process' to simulate several hosts"
-            )
-        return v
+    # Why this backend keeps no spare (None: it can).
+    spare_refused: ClassVar[str | None] = None
+    # Why a field of another backend means nothing here, by field name (added to the refusal).
+    foreign_notes: ClassVar[Mapping[str, str]] = {}
 
-    @field_validator("gpu_offset", "gpu_devices")
+    @model_validator(mode="before")
     @classmethod
-    def _gpu_placement(cls, v: int | list[int] | None, info: ValidationInfo) -> int | list[int] | None:
-        """Placement pins this host's GPUs: meaningless on a scheduler's allocation or on a CPU mesh."""
-        if v is None:
-            return v
-        field, backend, per_proc = info.field_name, info.data.get("backend"), info.data.get("gpus_per_proc")
-        if backend is not None and backend != "local":
-            why = "Slurm allocates its GPUs" if backend == "slurm" else "each of its hosts starts at GPU 0"
-            raise ValueError(f"{field} is only for backend 'local' (this mesh is {backend!r}: {why})")
-        if per_proc == 0:
-            raise ValueError(f"{field} places GPUs but gpus_per_proc is 0 (a CPU-only mesh uses none)")
-        if not isinstance(v, list):
-            return v
-        if info.data.get("gpu_offset") is not None:
-            raise ValueError("give gpu_offset or gpu_devices, not both")
-        procs = info.data.get("procs_per_host")
-        needed = None if per_proc is None or procs is None else procs * per_proc
-        if needed is not None and len(v) != needed:
-            raise ValueError(
-                f"gpu_devices lists {len(v)} GPUs but the mesh uses procs_per_host × gpus_per_proc = {needed}"
-            )
-        repeated = sorted({d for d in v if v.count(d) > 1})
-        if repeated:
-            raise ValueError(f"gpu_devices lists GPU {', '.join(map(str, repeated))} more than once")
-        return v
+    def _no_foreign_fields(cls, data: Any) -> Any:
+        """A key of another backend's member says whose it is, instead of pydantic's "extra inputs"."""
+        if not isinstance(data, dict):
+            return data
+        for key, value in data.items():
+            owners = [backend_of(m) for m in MESH_SPECS if key in m.model_fields]
+            if not owners or key in cls.model_fields:
+                continue
+            note = cls.foreign_notes.get(str(key))
+            here = repr(backend_of(cls)) + (f": {note}" if note else "")
+            which = " or ".join(repr(owner) for owner in owners)
+            raise _field_error(cls.__name__, str(key), value, f"{key} is only for backend {which} (this mesh is {here})")
+        return data
 
     @field_validator("spare")
     @classmethod
     def _spare_on_cpu_meshes(cls, v: bool, info: ValidationInfo) -> bool:
-        backend, per_proc = info.data.get("backend"), info.data.get("gpus_per_proc")
-        if v and backend == "slurm":
-            raise ValueError("spare is not supported on backend 'slurm' (a spare there is a second job)")
+        per_proc = info.data.get("gpus_per_proc")
+        if v and cls.spare_refused:
+            raise ValueError(cls.spare_refused)
         if v and per_proc:
             raise ValueError(f"spare would hold gpus_per_proc={per_proc} GPU(s) per proc idle; only CPU meshes "
                              "keep a spare")
-        return v
-
-    @field_validator("slurm")
-    @classmethod
-    def _slurm_only_for_slurm(cls, v: SlurmOptions | None, info: ValidationInfo) -> SlurmOptions | None:
-        backend = info.data.get("backend")
-        if v is None:
-            return SlurmOptions() if backend == "slurm" else None
-        if backend is not None and backend != "slurm":
-            raise ValueError(f"slurm options are only allowed for backend 'slurm' (this mesh is {backend!r})")
-        needed = info.data.get("procs_per_host", 1) * info.data.get("gpus_per_proc", 0)
-        if v.gpus_per_node is not None and v.gpus_per_node < needed:
-            # Raised as a nested ValidationError so the error's path ends at slurm.gpus_per_node.
-            msg = f"gpus_per_node={v.gpus_per_node} is less than procs_per_host × gpus_per_proc = {needed}"
-            raise ValidationError.from_exception_data(
-                "SlurmOptions",
-                [
-                    {
-                        "type": "value_error",
-                        "loc": ("gpus_per_node",),
-                        "input": v.gpus_per_node,
-                        "ctx": {"error": ValueError(msg)},
-                    }
-                ],
-            )
         return v
 
     @property
@@ -293,16 +262,158 @@ class MeshSpec(StrictModel):
 
     @property
     def gpus_per_node(self) -> int:
-        """GPUs to request per host: the Slurm override if given, else what the procs use."""
-        if self.slurm is not None and self.slurm.gpus_per_node is not None:
-            return self.slurm.gpus_per_node
+        """GPUs each host holds for the mesh: what its procs use, unless the backend asks for more."""
         return self.procs_per_host * self.gpus_per_proc
+
+    def job_name(self, run_name: str, mesh: str) -> str:
+        """The name of the job that runs this mesh: `<run name>_<mesh name>` unless the backend sets one."""
+        return f"{run_name}_{mesh}"
+
+    def host_gpus(self) -> HostGpus | None:
+        """The controller host's GPUs this mesh uses; None when its hosts are not the controller's."""
+        return None
+
+    def launch_summary(self, run_name: str, mesh: str) -> str:
+        """How the mesh is launched, in a few words (`plan`'s launch column)."""
+        raise NotImplementedError
+
+    @classmethod
+    def check_meshes(cls, meshes: Mapping[str, Any]) -> Iterator[Problem]:
+        """Problems between this backend's meshes of one topology (all meshes are given; none by default)."""
+        return iter(())
+
+
+def backend_of(member: type[MeshSpecBase]) -> str:
+    """The `backend` value of a union member (its field's one literal)."""
+    return str(get_args(member.model_fields["backend"].annotation)[0])
+
+
+class LocalMeshSpec(MeshSpecBase):
+    """Procs on the controller's host (Monarch's `this_host()`), numbered from its GPUs."""
+
+    backend: Literal["local"] = Field(description="`local`: procs on this host.")
+    gpu_offset: int | None = Field(
+        None,
+        ge=0,
+        description="First host GPU this mesh uses; its procs take the procs_per_host × gpus_per_proc GPUs from "
+        "there. Default: the lowest GPUs no other local mesh uses, in mesh order.",
+    )
+    gpu_devices: list[Annotated[int, Field(ge=0)]] | None = Field(
+        None,
+        description="The host GPUs this mesh uses, procs_per_host × gpus_per_proc distinct indices, proc i taking "
+        "the i-th gpus_per_proc of them. Indices count what the host exposes (an inherited `CUDA_VISIBLE_DEVICES` "
+        "list, else 0..N-1). Not together with gpu_offset.",
+    )
+
+    @field_validator("hosts")
+    @classmethod
+    def _one_host(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError(
+                f"backend 'local' runs on this host only, so hosts must be 1 (got {v}); "
+                "use backend 'process' to simulate several hosts"
+            )
+        return v
+
+    @field_validator("gpu_offset", "gpu_devices")
+    @classmethod
+    def _gpu_placement(cls, v: int | list[int] | None, info: ValidationInfo) -> int | list[int] | None:
+        """Placement pins this host's GPUs: meaningless on a CPU mesh."""
+        if v is None:
+            return v
+        field, per_proc = info.field_name, info.data.get("gpus_per_proc")
+        if per_proc == 0:
+            raise ValueError(f"{field} places GPUs but gpus_per_proc is 0 (a CPU-only mesh uses none)")
+        if not isinstance(v, list):
+            return v
+        if info.data.get("gpu_offset") is not None:
+            raise ValueError("give gpu_offset or gpu_devices, not both")
+        procs = info.data.get("procs_per_host")
+        needed = None if per_proc is None or procs is None else procs * per_proc
+        if needed is not None and len(v) != needed:
+            raise ValueError(
+                f"gpu_devices lists {len(v)} GPUs but the mesh uses procs_per_host × gpus_per_proc = {needed}"
+            )
+        repeated = sorted({d for d in v if v.count(d) > 1})
+        if repeated:
+            raise ValueError(f"gpu_devices lists GPU {', '.join(map(str, repeated))} more than once")
+        return v
+
+    def host_gpus(self) -> HostGpus:
+        """Local meshes share the controller's host, so each is given its own GPUs of it."""
+        count = self.procs_per_host * self.gpus_per_proc
+        if self.gpus_per_proc == 0:
+            return HostGpus(0, [])
+        if self.gpu_devices is not None:
+            return HostGpus(count, list(self.gpu_devices), "gpu_devices")
+        if self.gpu_offset is not None:
+            return HostGpus(count, list(range(self.gpu_offset, self.gpu_offset + count)), "gpu_offset")
+        return HostGpus(count, None)
+
+    def launch_summary(self, run_name: str, mesh: str) -> str:
+        return "this host"
+
+
+class ProcessMeshSpec(MeshSpecBase):
+    """Monarch's local job stand-in with a hosts dimension: one worker process per host, on this machine."""
+
+    backend: Literal["process"] = Field(
+        description="`process`: Monarch's local job stand-in with a hosts dimension (one worker process per host)."
+    )
+
+    foreign_notes: ClassVar[Mapping[str, str]] = {
+        "gpu_offset": "each of its hosts starts at GPU 0",
+        "gpu_devices": "each of its hosts starts at GPU 0",
+    }
+
+    def launch_summary(self, run_name: str, mesh: str) -> str:
+        return f"local ProcessJob, {self.hosts} worker process{'es' if self.hosts != 1 else ''}"
+
+
+class SlurmMeshSpec(MeshSpecBase):
+    """One Slurm job for this mesh (`monarch.job.SlurmJob`), one node per host."""
+
+    backend: Literal["slurm"] = Field(description="`slurm`: one Slurm job for this mesh.")
+    slurm: SlurmOptions = Field(
+        default_factory=SlurmOptions,
+        description="Slurm job options (defaults apply when omitted).",
+    )
+
+    spare_refused: ClassVar[str | None] = "spare is not supported on backend 'slurm' (a spare there is a second job)"
+    foreign_notes: ClassVar[Mapping[str, str]] = {
+        "gpu_offset": "Slurm allocates its GPUs",
+        "gpu_devices": "Slurm allocates its GPUs",
+    }
+
+    @field_validator("slurm", mode="before")
+    @classmethod
+    def _null_is_defaults(cls, v: Any) -> Any:
+        return SlurmOptions() if v is None else v
+
+    @field_validator("slurm")
+    @classmethod
+    def _enough_gpus_per_node(cls, v: SlurmOptions, info: ValidationInfo) -> SlurmOptions:
+        needed = info.data.get("procs_per_host", 1) * info.data.get("gpus_per_proc", 0)
+        if v.gpus_per_node is not None and v.gpus_per_node < needed:
+            # Raised as a nested ValidationError so the error's path ends at slurm.gpus_per_node.
+            msg = f"gpus_per_node={v.gpus_per_node} is less than procs_per_host × gpus_per_proc = {needed}"
+            raise _field_error("SlurmOptions", "gpus_per_node", v.gpus_per_node, msg)
+        return v
+
+    @property
+    def gpus_per_node(self) -> int:
+        """GPUs to request per node: the `slurm.gpus_per_node` override if given, else what the procs use."""
+        if self.slurm.gpus_per_node is not None:
+            return self.slurm.gpus_per_node
+        return super().gpus_per_node
+
+    def job_name(self, run_name: str, mesh: str) -> str:
+        """Its `slurm.job_name` option or `<run name>_<mesh name>`."""
+        return self.slurm.job_name or f"{run_name}_{mesh}"
 
     def slurm_job_kwargs(self, *, job_name: str) -> dict[str, Any]:
         """Keyword arguments for `monarch.job.SlurmJob` (everything except `meshes`, `python_exe`, `log_dir`)."""
-        if self.backend != "slurm":
-            raise ValueError(f"slurm_job_kwargs() needs backend 'slurm', this mesh is {self.backend!r}")
-        s = self.slurm or SlurmOptions()
+        s = self.slurm
         return {
             "job_name": s.job_name or job_name,
             "time_limit": s.time_limit,
@@ -318,7 +429,42 @@ class MeshSpec(StrictModel):
             "slurm_args": tuple(s.extra_args),
         }
 
+    def launch_summary(self, run_name: str, mesh: str) -> str:
+        s = self.slurm
+        opts = [f"job {self.job_name(run_name, mesh)}"]
+        named = (("partition", s.partition), ("time", s.time_limit), ("account", s.account), ("qos", s.qos),
+                 ("mem", s.mem))
+        opts += [f"{k}={v}" for k, v in named if v]
+        if not s.exclusive:
+            opts.append("shared nodes")
+        return "Slurm: " + ", ".join(opts)
 
-def slurm_job_name(run_name: str, mesh: str, spec: MeshSpec) -> str:
-    """The Slurm job name of a slurm mesh: its `job_name` option or `<run name>_<mesh name>`."""
-    return (spec.slurm.job_name if spec.slurm and spec.slurm.job_name else None) or f"{run_name}_{mesh}"
+    @classmethod
+    def check_meshes(cls, meshes: Mapping[str, Any]) -> Iterator[Problem]:
+        """Slurm meshes that may share a node (not exclusive, same partition) need different worker ports."""
+        ports: dict[tuple[str | None, int], str] = {}
+        for name, spec in meshes.items():
+            if not isinstance(spec, cls) or spec.slurm.exclusive:
+                continue
+            slot = (spec.slurm.partition, spec.slurm.monarch_port)
+            if slot in ports:
+                yield (
+                    ("meshes", name, "slurm", "monarch_port"),
+                    f"meshes {ports[slot]!r} and {name!r} may share a node (exclusive: false, same partition) and "
+                    f"would both bind port {slot[1]}; give one of them another slurm.monarch_port",
+                )
+            else:
+                ports[slot] = name
+
+
+# The union a topology's `meshes` values validate into; `backend` picks the member. A new backend adds its member
+# here (and its job module to `composer_mesh.mesh.jobs.JOB_BACKENDS`).
+MeshSpec = Annotated[Union[LocalMeshSpec, ProcessMeshSpec, SlurmMeshSpec], Field(discriminator="backend")]
+MESH_SPECS: tuple[type[MeshSpecBase], ...] = get_args(get_args(MeshSpec)[0])
+BACKENDS: tuple[str, ...] = tuple(backend_of(member) for member in MESH_SPECS)
+_MESH_SPEC: TypeAdapter[MeshSpec] = TypeAdapter(MeshSpec, config=StrictModel.model_config)
+
+
+def mesh_spec(**fields: Any) -> MeshSpec:
+    """One mesh spec from its fields, the member picked by `backend` (as a topology's `meshes` values are)."""
+    return _MESH_SPEC.validate_python(fields)

@@ -11,7 +11,7 @@ Modules: `schema` (the `Topology` model and the role specs), `yaml_errors` (YAML
 
 from __future__ import annotations
 
-from composer_mesh.mesh.spec import MeshSpec, SlurmOptions
+from composer_mesh.mesh.spec import LocalMeshSpec, MeshSpec, ProcessMeshSpec, SlurmMeshSpec, SlurmOptions
 from composer_mesh.topology.load import load_topology, parse_topology
 from composer_mesh.topology.schema import (
     BoundSpec,
@@ -28,9 +28,12 @@ from composer_mesh.topology.yaml_errors import TopologyError, TopologyIssue
 __all__ = [
     "BoundSpec",
     "GeneratorsSpec",
+    "LocalMeshSpec",
     "MeshSpec",
+    "ProcessMeshSpec",
     "RewarderSpec",
     "RolesSpec",
+    "SlurmMeshSpec",
     "SlurmOptions",
     "TeacherSpec",
     "TeachersSpec",

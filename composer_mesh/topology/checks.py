@@ -14,7 +14,7 @@ from typing import Any
 from pydantic import BaseModel, TypeAdapter
 
 from composer_mesh.mesh.gpus import assign_gpus, format_gpus, shared_gpus
-from composer_mesh.mesh.spec import MeshSpec
+from composer_mesh.mesh.spec import MESH_SPECS, MeshSpec, MeshSpecBase
 from composer_mesh.topology.schema import (
     BoundSpec,
     GeneratorsSpec,
@@ -62,7 +62,7 @@ class Parts:
     """The valid parts of a possibly invalid file (a missing key means that part is invalid)."""
 
     mesh_names: list[str] = field(default_factory=list)
-    meshes: dict[str, MeshSpec] = field(default_factory=dict)
+    meshes: dict[str, MeshSpecBase] = field(default_factory=dict)
     mesh_refs: dict[str, Loc] = field(default_factory=dict)  # raw `mesh:` values -> where they are
     # role -> its valid spec, section -> its valid model (None: absent; not there: invalid)
     roles: dict[str, RoleSpec | None] = field(default_factory=dict)
@@ -212,28 +212,17 @@ def check_loss_channels_fed(parts: Parts) -> Iterator[Problem]:
             )
 
 
-def check_slurm_ports(parts: Parts) -> Iterator[Problem]:
-    """Slurm meshes that may share a node (not exclusive, same partition) need different worker ports."""
-    ports: dict[tuple[str | None, int], str] = {}
-    for name, spec in parts.meshes.items():
-        if spec.backend != "slurm" or spec.slurm is None or spec.slurm.exclusive:
-            continue
-        slot = (spec.slurm.partition, spec.slurm.monarch_port)
-        if slot in ports:
-            yield (
-                ("meshes", name, "slurm", "monarch_port"),
-                f"meshes {ports[slot]!r} and {name!r} may share a node (exclusive: false, same partition) and "
-                f"would both bind port {slot[1]}; give one of them another slurm.monarch_port",
-            )
-        else:
-            ports[slot] = name
+def check_backend_meshes(parts: Parts) -> Iterator[Problem]:
+    """Each backend's own checks across its meshes (`MeshSpec.check_meshes`, e.g. Slurm's worker ports)."""
+    for member in MESH_SPECS:
+        yield from member.check_meshes(parts.meshes)
 
 
 def check_local_gpus(parts: Parts) -> Iterator[Problem]:
     """Local meshes pinned to the same GPUs (the unpinned ones are placed around them and never clash)."""
     for earlier, later, common in shared_gpus(assign_gpus(parts.meshes)):
-        spec = parts.meshes[later]
-        key = "gpu_devices" if spec.gpu_devices is not None else "gpu_offset"
+        want = parts.meshes[later].host_gpus()
+        key = (want.pinned_by if want is not None else None) or "gpu_offset"
         yield (
             ("meshes", later, key),
             f"meshes {earlier!r} and {later!r} would share {format_gpus(common)} of this host; give them "
@@ -308,7 +297,7 @@ CHECKS: tuple[Callable[[Parts], Iterator[Problem]], ...] = (
     check_gpu_meshes,
     check_teacher_channels,
     check_loss_channels_fed,
-    check_slurm_ports,
+    check_backend_meshes,
     check_local_gpus,
     check_diloco_replicas,
     check_replicas_fit_mesh,

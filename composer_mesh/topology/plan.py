@@ -20,12 +20,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
 from rich.console import Console
 from rich.table import Table
 
 from composer_mesh.mesh.gpus import assign_gpus, format_gpus, host_gpu_count
-from composer_mesh.mesh.spec import MeshSpec
+from composer_mesh.mesh.spec import BACKENDS, MeshSpecBase
 from composer_mesh.topology.schema import TeachersSpec, Topology
 from composer_mesh.topology.yaml_errors import load_yaml_model
 
@@ -41,21 +41,30 @@ class BackendPrice(BaseModel):
     )
 
 
-class PriceTable(BaseModel):
+class _Prices(BaseModel):
     """Hourly prices per backend; a backend left out is shown as unpriced."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     currency: str = Field("USD", min_length=1, description="Currency label shown in the plan.")
-    local: BackendPrice | None = Field(None, description="Prices for backend `local`.")
-    process: BackendPrice | None = Field(None, description="Prices for backend `process`.")
-    slurm: BackendPrice | None = Field(None, description="Prices for backend `slurm`.")
 
     def for_backend(self, backend: str) -> BackendPrice | None:
         return getattr(self, backend, None)
 
 
-def load_prices(path: str | os.PathLike[str]) -> PriceTable:
+# One optional `BackendPrice` per backend (`mesh.spec.BACKENDS`): a new backend is priced without a new field here.
+PriceTable: type[_Prices] = create_model(
+    "PriceTable",
+    __base__=_Prices,
+    __doc__=_Prices.__doc__,
+    **{
+        backend: (BackendPrice | None, Field(None, description=f"Prices for backend `{backend}`."))
+        for backend in BACKENDS
+    },
+)
+
+
+def load_prices(path: str | os.PathLike[str]) -> _Prices:
     """Load and validate a price table; raises `TopologyError` with lines and columns."""
     return load_yaml_model(path, PriceTable)
 
@@ -131,31 +140,7 @@ def _role_labels(topology: Topology, mesh: str) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _job(topology: Topology, name: str, spec: MeshSpec) -> str:
-    if spec.backend == "local":
-        return "this host"
-    if spec.backend == "process":
-        return f"local ProcessJob, {spec.hosts} worker process{'es' if spec.hosts != 1 else ''}"
-    s = spec.slurm
-    assert s is not None
-    opts = [f"job {topology.slurm_job_name(name)}"]
-    opts += [
-        f"{k}={v}"
-        for k, v in (
-            ("partition", s.partition),
-            ("time", s.time_limit),
-            ("account", s.account),
-            ("qos", s.qos),
-            ("mem", s.mem),
-        )
-        if v
-    ]
-    if not s.exclusive:
-        opts.append("shared nodes")
-    return "Slurm: " + ", ".join(opts)
-
-
-def _cost(spec: MeshSpec, gpus: int, prices: PriceTable | None) -> float | None:
+def _cost(spec: MeshSpecBase, gpus: int, prices: _Prices | None) -> float | None:
     price = prices.for_backend(spec.backend) if prices else None
     if price is None:
         return None
@@ -163,7 +148,7 @@ def _cost(spec: MeshSpec, gpus: int, prices: PriceTable | None) -> float | None:
 
 
 def make_plan(
-    topology: Topology, prices: PriceTable | None = None, host_gpus: tuple[int | None, str] | None = None
+    topology: Topology, prices: _Prices | None = None, host_gpus: tuple[int | None, str] | None = None
 ) -> Plan:
     """What runs where (meshes in file order) with the hourly cost when prices are given.
 
@@ -185,7 +170,7 @@ def make_plan(
                 gpus_per_proc=spec.gpus_per_proc,
                 gpus=gpus,
                 gpus_used=spec.gpus,
-                job=_job(topology, name, spec),
+                job=spec.launch_summary(topology.name, name),
                 roles=_role_labels(topology, name),
                 cost_per_hour=_cost(spec, gpus, prices),
                 gpu_devices=tuple(assignment[name]) if name in assignment else None,

@@ -12,6 +12,7 @@ settings), so binding modules keep heavy imports inside functions. Reading files
 from __future__ import annotations
 
 import functools
+from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
@@ -37,7 +38,7 @@ from composer_mesh.actors.configs import (
 from composer_mesh.bindings import Binding, BindingError, BoundBinding
 from composer_mesh.loss.config import LossConfig
 from composer_mesh.mesh.objectstore.config import DiLoCoConfig
-from composer_mesh.mesh.spec import BACKENDS, Identifier, MeshSpec, SlurmJobName, StrictModel, slurm_job_name
+from composer_mesh.mesh.spec import BACKENDS, Identifier, MeshSpec, SlurmJobName, StrictModel
 from composer_mesh.mesh.weights.config import WeightPlaneConfig
 from composer_mesh.models.config import LoraConfig, ModelConfig
 from composer_mesh.orchestration.config import RunConfig
@@ -349,11 +350,8 @@ class Topology(StrictModel):
 
     def summary(self) -> str:
         """One line: meshes by backend, procs and GPUs, and where each role runs."""
-        backends = ", ".join(
-            f"{sum(m.backend == b for m in self.meshes.values())} {b}"
-            for b in BACKENDS
-            if any(m.backend == b for m in self.meshes.values())
-        )
+        counts = Counter(m.backend for m in self.meshes.values())
+        backends = ", ".join(f"{counts[b]} {b}" for b in BACKENDS if counts[b])
         procs = sum(m.procs for m in self.meshes.values())
         gpus = sum(m.gpus_held for m in self.meshes.values())
         placed = ", ".join(f"{role} → {mesh}" for role, mesh in self.roles.placements())
@@ -363,9 +361,12 @@ class Topology(StrictModel):
             f"{_plural(gpus, 'GPU')}; {placed}"
         )
 
-    def slurm_job_name(self, mesh: str) -> str:
-        """The Slurm job name of a slurm mesh: its `job_name` option or `<topology>_<mesh>`."""
-        return slurm_job_name(self.name, mesh, self.meshes[mesh])
+    def job_name(self, mesh: str) -> str:
+        """The name of the job that runs mesh `mesh`: `<topology>_<mesh>`, or what its backend's options set
+        (a Slurm mesh's `slurm.job_name`)."""
+        return self.meshes[mesh].job_name(self.name, mesh)
+
+    slurm_job_name = job_name  # the name it had when Slurm was the one backend with job names
 
     def role_configs(self) -> dict[Role, RoleConfig]:
         """What each role's actors are built with (exactly the sections that role needs), for every role present."""

@@ -3,6 +3,10 @@
 Generic: it knows no topology section. `parse_yaml_model` / `load_yaml_model` validate any model (the price
 table of `plan` uses them); `composer_mesh.topology.load` adds the checks across sections.
 
+A discriminated union (`Annotated[A | B, Field(discriminator="kind")]`, e.g. a mesh's `backend`) reads like the
+member its data names: pydantic's member tags are taken out of error paths, and a missing or unknown
+discriminator is reported at that key with the allowed values, like any other choice.
+
 A model whose field is typed only after validation (a role's `settings`, typed by its binding) can name the
 model of that field for error messages with a classmethod `field_model(name, raw) -> type[BaseModel] | None`
 (`raw` is the mapping the model was given): unknown keys then list the allowed ones.
@@ -196,6 +200,30 @@ def field_type(model: type[BaseModel], name: str) -> Any:
     return Annotated[(field.annotation, *field.metadata)] if field.metadata else field.annotation
 
 
+def discriminated(tp: Any) -> tuple[str, dict[str, type[BaseModel]]] | None:
+    """(discriminator field, tag -> member model) of an `Annotated[Union[...], Field(discriminator=...)]`."""
+    if get_origin(tp) is not Annotated:
+        return None
+    union, *metadata = get_args(tp)
+    key = next((m.discriminator for m in metadata if isinstance(getattr(m, "discriminator", None), str)), None)
+    if key is None or get_origin(union) not in (Union, types.UnionType):
+        return None
+    members: dict[str, type[BaseModel]] = {}
+    for member in map(model_of, get_args(union)):
+        field_info = member.model_fields.get(key) if member is not None else None
+        if member is not None and field_info is not None and get_origin(field_info.annotation) is Literal:
+            members.update({str(tag): member for tag in get_args(field_info.annotation)})
+    return key, members
+
+
+def _resolve(tp: Any, raw: Any) -> Any:
+    """The member of a discriminated union that `raw` names (`tp` itself otherwise)."""
+    union = discriminated(tp)
+    if union is None or not isinstance(raw, dict):
+        return tp
+    return union[1].get(str(raw.get(union[0])), tp)
+
+
 def _item_type(tp: Any) -> Any:
     """The value type of a list or dict annotation (through `Annotated` / `Optional`), or None."""
     while get_origin(tp) is Annotated or get_origin(tp) in (Union, types.UnionType):
@@ -231,7 +259,7 @@ def _model_at(root: type[BaseModel], loc: Loc, data: Any) -> type[BaseModel] | N
     for el in loc:
         if el == "[key]":
             continue
-        model = model_of(tp)
+        model = model_of(_resolve(tp, raw))
         if model is not None:
             if el not in model.model_fields:
                 return None
@@ -241,7 +269,46 @@ def _model_at(root: type[BaseModel], loc: Loc, data: Any) -> type[BaseModel] | N
         if tp is None:
             return None
         raw = _child_data(raw, el)
-    return model_of(tp)
+    return model_of(_resolve(tp, raw))
+
+
+def _type_at(root: type[BaseModel], loc: Loc, data: Any) -> Any:
+    """The annotation that validates the value at `loc` (a tag-free path), or None."""
+    tp: Any = root
+    raw = data
+    for el in loc:
+        model = model_of(_resolve(tp, raw))
+        if model is not None:
+            tp = _field_of(model, str(el), raw) if el in model.model_fields else None
+        else:
+            tp = _item_type(tp)
+        if tp is None:
+            return None
+        raw = _child_data(raw, el)
+    return tp
+
+
+def _without_tags(root: type[BaseModel], loc: Loc, data: Any) -> Loc:
+    """`loc` without the member tags pydantic adds under a discriminated union (they are not keys of the file:
+    'slurm' in ('meshes', 'gpu', 'slurm', 'hosts') is the member, not the mesh's `slurm` options)."""
+    out: list[str | int] = []
+    tp: Any = root
+    raw = data
+    for el in loc:
+        union = discriminated(tp)
+        if union is not None and isinstance(raw, dict) and str(el) == str(raw.get(union[0])) and str(el) in union[1]:
+            tp = union[1][str(el)]
+            continue
+        out.append(el)
+        if el == "[key]":
+            continue
+        model = model_of(_resolve(tp, raw))
+        if model is not None:
+            tp = _field_of(model, str(el), raw) if el in model.model_fields else None
+        elif tp is not None:
+            tp = _item_type(tp)
+        raw = _child_data(raw, el)
+    return tuple(out)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -293,12 +360,33 @@ def describe(err: dict[str, Any], root: type[BaseModel], data: Any) -> str:
     return msg  # other strings are not echoed: a pasted secret must never appear in an error (line:col points at it)
 
 
+def _tag_issue(err: dict[str, Any], root: type[BaseModel], data: Any) -> tuple[Loc, str] | None:
+    """A discriminated union's missing or unknown tag, as an error at its key naming the allowed values."""
+    if err["type"] not in ("union_tag_invalid", "union_tag_not_found"):
+        return None
+    loc = tuple(err["loc"])
+    union = discriminated(_type_at(root, loc, data))
+    if union is None:
+        return None
+    key, tags = union[0], [repr(tag) for tag in union[1]]
+    if err["type"] == "union_tag_not_found":
+        return (*loc, key), f"required key is missing (one of {', '.join(tags)})"
+    choices = " or ".join([", ".join(tags[:-1]), tags[-1]] if len(tags) > 1 else tags)
+    got = err.get("ctx", {}).get("tag")
+    shown = f" (got {_short(got)})" if _echoable_choice("literal_error", got) else ""
+    return (*loc, key), f"Input should be {choices}{shown}"
+
+
 def issues_from(e: ValidationError, doc: YamlDoc, root: type[BaseModel]) -> list[TopologyIssue]:
     """One located issue per pydantic error of validating `doc.data` with `root`."""
     out = []
     for err in e.errors(include_url=False):
-        loc = tuple(err["loc"])
-        out.append(doc.issue(loc, describe(err, root, doc.data), key=err["type"] == "extra_forbidden"))
+        err = {**err, "loc": _without_tags(root, tuple(err["loc"]), doc.data)}
+        tagged = _tag_issue(err, root, doc.data)
+        if tagged is not None:
+            out.append(doc.issue(tagged[0], tagged[1]))
+            continue
+        out.append(doc.issue(err["loc"], describe(err, root, doc.data), key=err["type"] == "extra_forbidden"))
     return out
 
 

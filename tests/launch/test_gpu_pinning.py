@@ -19,11 +19,11 @@ from composer_mesh.mesh import runtime
 from composer_mesh.mesh.gpus import assign_gpus, format_gpus, host_gpu_count, shared_gpus
 from composer_mesh.mesh.launch import LaunchError, _bootstrap_command, launch_meshes
 from composer_mesh.mesh.runtime import visible_devices
-from composer_mesh.mesh.spec import MeshSpec
+from composer_mesh.mesh.spec import MeshSpec, mesh_spec
 
 
 def mesh(backend: str = "local", **kw: Any) -> MeshSpec:
-    return MeshSpec(backend=backend, **kw)  # type: ignore[arg-type]
+    return mesh_spec(backend=backend, **kw)
 
 
 def test_local_meshes_take_consecutive_gpus_in_mesh_order() -> None:

@@ -23,7 +23,7 @@ import pytest
 from composer_mesh.actors.configs import RoleConfig
 from composer_mesh.app.launch import launch
 from composer_mesh.mesh.launch import ActorPlacement, LaunchedMeshes, MeshFailureError, launch_meshes
-from composer_mesh.mesh.spec import MeshSpec, SlurmOptions
+from composer_mesh.mesh.spec import MeshSpec, SlurmOptions, mesh_spec
 from composer_mesh.roles import ROLES
 from tests.launch.probe_actors import ProbeActor
 from tests.launch.proc_utils import descendants, new_descendants_after_exit, wait_gone
@@ -118,7 +118,7 @@ def _watched_mesh(port: int, **slurm: Any) -> dict[str, MeshSpec]:
     """One Slurm mesh on its own worker port: Monarch 0.7's client fails to attach to a second worker at an
     address it attached to before in the same process (the next attempt works again)."""
     options = SlurmOptions(start_timeout=120, exclusive=False, monarch_port=port, **slurm)
-    return {"gpu": MeshSpec(backend="slurm", slurm=options)}
+    return {"gpu": mesh_spec(backend="slurm", slurm=options)}
 
 
 PROBE_ON_GPU = [ActorPlacement("probe", "gpu", ProbeActor, (RoleConfig(role="trainer", mesh="gpu"),))]

@@ -11,9 +11,13 @@ import pytest
 
 from composer_mesh.actors.configs import GeneratorConfig, TrainerConfig
 from composer_mesh.app.launch import role_placements
+from composer_mesh.mesh.jobs.slurm_compat import (
+    hostname_is_loopback_only,
+    normalize_squeue_job,
+    select_squeue_job,
+)
 from composer_mesh.mesh.launch import ActorFailure, LaunchError, MeshFailureError, _FailureSink
 from composer_mesh.mesh.runtime import visible_devices
-from composer_mesh.mesh.slurm import hostname_is_loopback_only, normalize_squeue_job, select_squeue_job
 from composer_mesh.roles import ROLE_TABLE, ROLES
 from composer_mesh.topology import Topology, load_topology
 

@@ -21,11 +21,12 @@ import pytest
 from pydantic import ValidationError
 
 from composer_mesh.actors.configs import RoleConfig
-from composer_mesh.mesh import slurm
+from composer_mesh.mesh.jobs import slurm_compat as slurm
+from composer_mesh.mesh.jobs.base import JobNotice
+from composer_mesh.mesh.jobs.slurm_compat import JobWatch, job_end_notice, select_squeue_job, warning_notice
 from composer_mesh.mesh.launch import ActorPlacement, launch_meshes
-from composer_mesh.mesh.slurm import JobNotice, JobWatch, job_end_notice, select_squeue_job, warning_notice
 from composer_mesh.mesh.slurm_worker import notice_path
-from composer_mesh.mesh.spec import MeshSpec, SlurmOptions, slurm_time_seconds
+from composer_mesh.mesh.spec import SlurmOptions, mesh_spec, slurm_time_seconds
 from tests.launch.probe_actors import ProbeActor
 from tests.launch.proc_utils import alive
 from tests.launch.slurm_utils import ignores_usr1
@@ -248,7 +249,7 @@ def test_wrapper_exits_with_the_workers_status(tmp_path: Path) -> None:
 
 async def test_watch_jobs_without_slurm_meshes_waits_until_cancelled() -> None:
     placements = [ActorPlacement("probe", "cpu", ProbeActor, (RoleConfig(role="trainer", mesh="cpu"),))]
-    async with launch_meshes({"cpu": MeshSpec(backend="local")}, placements, run_name="nowatch") as launched:
+    async with launch_meshes({"cpu": mesh_spec(backend="local")}, placements, run_name="nowatch") as launched:
         watch = asyncio.create_task(launched.watch_jobs(poll_s=0.01))
         await asyncio.sleep(0.5)
         assert not watch.done()

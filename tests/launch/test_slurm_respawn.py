@@ -15,7 +15,7 @@ import pytest
 
 from composer_mesh.actors.configs import RoleConfig
 from composer_mesh.mesh.launch import ActorPlacement, LaunchedMeshes, launch_meshes
-from composer_mesh.mesh.spec import MeshSpec, SlurmOptions
+from composer_mesh.mesh.spec import SlurmOptions, mesh_spec
 from tests.launch.probe_actors import ProbeActor
 from tests.launch.test_launch_slurm import (
     _squeue,
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.slurm
 # messages expired earlier in the process (the replacements take the next ports up).
 PORT = 22260
 MESHES = {
-    "gpu": MeshSpec(
+    "gpu": mesh_spec(
         backend="slurm",
         slurm=SlurmOptions(start_timeout=120, exclusive=False, monarch_port=PORT, time_limit="00:10:00"),
     )

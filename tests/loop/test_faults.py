@@ -123,10 +123,10 @@ async def test_a_warm_spare_takes_over_and_a_new_one_is_prepared(tmp_path):
 def test_spares_are_only_for_cpu_meshes_off_slurm():
     from pydantic import ValidationError
 
-    from composer_mesh.mesh.spec import MeshSpec
+    from composer_mesh.mesh.spec import mesh_spec
 
-    assert MeshSpec(backend="local", spare=True).spare and MeshSpec(backend="process", spare=True).spare
+    assert mesh_spec(backend="local", spare=True).spare and mesh_spec(backend="process", spare=True).spare
     with pytest.raises(ValidationError, match="spare is not supported on backend 'slurm'"):
-        MeshSpec(backend="slurm", spare=True)
+        mesh_spec(backend="slurm", spare=True)
     with pytest.raises(ValidationError, match=r"spare would hold gpus_per_proc=1 GPU\(s\) per proc idle"):
-        MeshSpec(backend="local", gpus_per_proc=1, spare=True)
+        mesh_spec(backend="local", gpus_per_proc=1, spare=True)

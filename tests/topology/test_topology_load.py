@@ -9,7 +9,8 @@ import pytest
 from services import require
 
 from composer_mesh.topology import (
-    MeshSpec,
+    LocalMeshSpec,
+    SlurmMeshSpec,
     SlurmOptions,
     TopologyError,
     load_topology,
@@ -42,11 +43,11 @@ def test_fake_mixed_loads_typed_sections() -> None:
 
     assert list(t.meshes) == ["train", "gen", "teach", "cpu"]
     train = t.meshes["train"]
-    assert isinstance(train, MeshSpec)
+    assert isinstance(train, SlurmMeshSpec)
     assert (train.backend, train.hosts, train.procs, train.gpus, train.gpus_held) == ("slurm", 2, 2, 8, 8)
     assert train.env == {"NCCL_DEBUG": "WARN"}
     assert t.meshes["gen"].gpus_held == 8 and t.meshes["gen"].gpus == 4  # gpus_per_node override
-    assert t.meshes["teach"].slurm is None and t.meshes["cpu"].slurm is None
+    assert not hasattr(t.meshes["teach"], "slurm") and not hasattr(t.meshes["cpu"], "slurm")  # slurm members only
 
     assert t.trainer.mesh == "train" and t.trainer.replicas == 2
     assert isinstance(t.trainer.settings, TrainerSettings) and t.trainer.settings.lr == 0.01
@@ -75,7 +76,7 @@ def test_minimal_file_gets_defaults() -> None:
     assert t.teachers is None and t.diloco is None
     assert t.trainer.replicas == 1
     assert t.run.steps >= 1  # RunConfig defaults
-    assert t.meshes["cpu"] == MeshSpec(backend="local")
+    assert t.meshes["cpu"] == LocalMeshSpec(backend="local")
 
 
 def test_slurm_job_kwargs_are_slurmjob_arguments() -> None:
@@ -107,12 +108,11 @@ def test_slurm_job_kwargs_are_slurmjob_arguments() -> None:
         False,
         22223,
     )
-    with pytest.raises(ValueError, match="needs backend 'slurm'"):
-        t.meshes["cpu"].slurm_job_kwargs(job_name="x")
+    assert not hasattr(t.meshes["cpu"], "slurm_job_kwargs")  # only the slurm member has Slurm job arguments
 
 
 def test_slurm_mesh_without_options_gets_defaults_and_no_gpus() -> None:
-    spec = MeshSpec(backend="slurm", procs_per_host=2)
+    spec = SlurmMeshSpec(backend="slurm", procs_per_host=2)
     assert spec.slurm == SlurmOptions()
     kwargs = spec.slurm_job_kwargs(job_name="j")
     assert kwargs["gpus_per_node"] is None and kwargs["exclusive"] is True and kwargs["slurm_args"] == ()

@@ -1,4 +1,5 @@
-"""Slurm compatibility for Monarch 0.7: one Slurm job per mesh, on the Slurm versions clusters run.
+"""Slurm compatibility for Monarch 0.7: one Slurm job per mesh, on the Slurm versions clusters run (the helpers
+of the `slurm` job backend, `composer_mesh.mesh.jobs.slurm`).
 
 Monarch's `SlurmJob` reads `squeue --json` in the layout of Slurm >= 23.11 and polls it blocking; this
 module normalises older layouts (Debian 12 ships 22.05), waits for a job cancellably, and detects a
@@ -25,11 +26,12 @@ import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
+from composer_mesh.mesh.jobs.base import JobNotice
 from composer_mesh.mesh.slurm_worker import notice_path
 
-log = logging.getLogger("composer_mesh.mesh.slurm")
+log = logging.getLogger("composer_mesh.mesh.jobs.slurm")
 
 
 class SlurmStartError(RuntimeError):
@@ -168,27 +170,6 @@ def warning_args(warning_s: int | None) -> tuple[str, ...]:
     """The sbatch option for the time-limit warning: USR1 to every job step (not `B:`, the batch shell,
     which has no handler and would die of it), `warning_s` seconds before the limit."""
     return () if warning_s is None else (f"--signal=USR1@{warning_s}",)
-
-
-NoticeKind = Literal["warning", "preempted", "timeout", "ended"]
-
-
-@dataclass(frozen=True)
-class JobNotice:
-    """Something the controller must act on: a Slurm job of a mesh was warned or stopped running.
-
-    `warning`: SIGUSR1 arrived (`--signal`, shortly before the time limit), the job still runs;
-    `preempted` / `timeout`: Slurm's final state PREEMPTED / TIMEOUT; `ended`: any other way out of RUNNING.
-    """
-
-    mesh: str
-    job_id: str
-    kind: NoticeKind
-    detail: str  # what happened, phrased to follow "Slurm job 42 of mesh 'gpu' "
-
-    def message(self) -> str:
-        """One line for users."""
-        return f"Slurm job {self.job_id} of mesh {self.mesh!r} {self.detail}"
 
 
 def _epoch(value: Any) -> float | None:
@@ -375,14 +356,6 @@ def replacement_port(port: int) -> int:
     return candidate
 
 
-def registered_job(job_id: str) -> Any | None:
-    """The submitted `SlurmJob` now running as `job_id` (the object launch holds and scancels at exit)."""
-    for job in list(_atexit_jobs.values()):
-        if str(job._slurm_job_id) == str(job_id):
-            return job
-    return None
-
-
 def current_job_id(job_id: str) -> str:
     """The id of the job now standing for `job_id`: itself, or the last job that replaced it."""
     seen = {job_id}
@@ -402,8 +375,8 @@ def _replacement_starting(job_id: str, job: dict[str, Any] | None) -> bool:
 def resubmit(job: Any, log_dir: str, port: int) -> str:
     """Submit `job` again as a new Slurm job (same options; workers on `port`) and return the new id.
 
-    The same object is reused, so whoever holds it (launch's `_Jobs`, the exit handler) scancels the new job;
-    the old id maps to the new one (`current_job_id`), so a running `JobWatch` follows it.
+    The same object is reused, so whoever holds it (the launch's `jobs.slurm.SlurmJob`, the exit handler) scancels
+    the new job; the old id maps to the new one (`current_job_id`), so a running `JobWatch` follows it.
     """
     old_id = str(job._slurm_job_id)
     job.kill()  # scancel (a job still listed, e.g. COMPLETING, must not come back); forgets its id and hosts
