@@ -42,6 +42,10 @@ _SLURM_TERMINAL = {
     "BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL",
     "OUT_OF_MEMORY", "PREEMPTED", "TIMEOUT",
 }  # fmt: skip
+# A job in these states still runs: SIGNALING is the moment Slurm delivers a signal (e.g. the `--signal`
+# warning itself), shown for a poll or two in place of RUNNING; taking it for an end would replace a mesh that
+# was only being warned.
+_SLURM_STILL_RUNNING = {"RUNNING", "SIGNALING"}
 
 
 def normalize_squeue_job(job: dict[str, Any]) -> dict[str, Any]:
@@ -186,7 +190,7 @@ def job_end_notice(mesh: str, job_id: str, job: dict[str, Any] | None) -> JobNot
     if job is None:
         return JobNotice(mesh, job_id, "ended", "is no longer listed by squeue (it ended)")
     state = [str(s) for s in job.get("job_state") or []]
-    if "RUNNING" in state and not (_SLURM_TERMINAL & set(state)):
+    if _SLURM_STILL_RUNNING & set(state) and not (_SLURM_TERMINAL & set(state)):
         return None
     reason = str(job.get("state_reason") or "None")
     why = f"state {'+'.join(state) or 'unknown'}" + ("" if reason == "None" else f", reason {reason}")

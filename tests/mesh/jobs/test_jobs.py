@@ -116,6 +116,9 @@ def test_the_slurm_policy_replaces_dead_jobs_and_stops_on_warnings_preemptions_a
         return found
 
     assert job_end_notice("gpu", "7", {"job_state": ["RUNNING"]}) is None
+    # Slurm shows SIGNALING while it delivers the warning signal: still running, not an end to replace.
+    assert job_end_notice("gpu", "7", {"job_state": ["SIGNALING"]}) is None
+    assert job_end_notice("gpu", "7", {"job_state": ["RUNNING", "SIGNALING"]}) is None
     dead, cancelled = notice(["NODE_FAIL"]), notice(["CANCELLED"])
     assert dead.kind == "ended" and dead.replaceable and dead.job_ended and cancelled.replaceable
     for states, kind in ((["PREEMPTED"], "preempted"), (["TIMEOUT"], "timeout")):
