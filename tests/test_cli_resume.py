@@ -14,7 +14,7 @@ from pathlib import Path
 from composer_mesh import cli
 
 ROOT = Path(__file__).resolve().parents[1]
-TOPOLOGY = ROOT / "tests" / "loop" / "slim_run.yaml"
+TOPOLOGY = ROOT / "tests" / "orchestration" / "slim_run.yaml"
 
 
 def _command(*argv: str) -> tuple[list[str], dict[str, str]]:

@@ -12,11 +12,11 @@ import secrets
 
 import pytest
 import yaml
-from openrouter.fake_openrouter import FakeOpenRouter, addition_answer
 from services import require_module
 
 from composer_mesh.topology import load_topology
 from e2e.swap_run import TOPOLOGIES, check_run, load_yaml, run_example, small_copy
+from tests.actors.backends.teachers.openrouter.fake_openrouter import FakeOpenRouter, addition_answer
 
 STEPS = 3
 

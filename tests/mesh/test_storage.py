@@ -7,7 +7,6 @@ import uuid
 
 import pytest
 import torch
-from diloco.conftest import S3_ENV, moto_endpoint  # noqa: F401  (the moto server fixture)
 
 from composer_mesh.mesh.storage import (
     MARKER_VERSION,
@@ -16,6 +15,7 @@ from composer_mesh.mesh.storage import (
     FsspecBlobs,
     MarkerError,
 )
+from mesh.objectstore.conftest import S3_ENV, moto_endpoint  # noqa: F401  (the moto server fixture)
 
 
 @pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.s3)])

@@ -21,7 +21,7 @@ from composer_mesh.orchestration.checkpoint import (
     find_checkpoint,
     read_checkpoint,
 )
-from tests.loop.test_run_checkpoint import controller_state
+from tests.orchestration.test_run_checkpoint import controller_state
 
 
 def test_run_checkpoint_marker_lists_the_controller_files_and_old_markers_read(tmp_path):
