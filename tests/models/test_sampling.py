@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from composer_mesh.models.config import ModelConfig
 from composer_mesh.models.sampling import UNIFORM_BLOCK, _uniforms, sample, teacher_forced_logits
 
-STUDENT = ModelConfig(warmstart={"steps": 30})  # same as tests/models and tests/backends: one cache build
+STUDENT = ModelConfig(warmstart={"steps": 30})  # same as tests/models and tests/actors/backends: one cache build
 TEXTS = ["3+4=", "12+5=", "1+1+1=", "9+9=", "7=", "10+20+3="]  # different lengths: left padding varies
 
 

@@ -23,7 +23,7 @@ from composer_mesh.models.tiny import build_tiny
 from composer_mesh.models.tokenizer import build_tokenizer, encode_checked
 from composer_mesh.tasks.arithmetic import AdditionTask
 
-STUDENT = ModelConfig(warmstart={"steps": 30})  # the same configs as tests/backends: one cache build per session
+STUDENT = ModelConfig(warmstart={"steps": 30})  # the same configs as tests/actors/backends: one cache build per session
 WELL_TRAINED = ModelConfig(warmstart={"steps": 150})
 
 
