@@ -43,7 +43,7 @@ from composer_mesh.actors.messages import (
     TeacherTrace,
     TokenDistribution,
 )
-from composer_mesh.mesh.storage import CommittedDir, CommittedSeries, FsspecBlobs, MarkerError, absolute
+from composer_mesh.mesh.storage import CommittedDir, CommittedSeries, FsspecBlobs, StorageError, absolute
 from composer_mesh.orchestration.schedule import Chunk, GroupResult, SchedulerState, StepPlan
 
 FORMAT = 1
@@ -164,20 +164,13 @@ def find_checkpoint(path: str) -> str:
 
 def read_checkpoint(url: str) -> ControllerState:
     """The controller state of the committed checkpoint at `url`; RunCheckpointError naming what is wrong."""
-    from safetensors import SafetensorError
-
     step_dir = CommittedDir(FsspecBlobs(url), marker=COMMITTED, where=url)
     try:
-        marker = step_dir.marker()
-    except MarkerError as e:
+        doc, tensors = step_dir.read_committed(
+            "controller.json", "controller.safetensors", what="controller state",
+            missing=f"{url}: not a committed run checkpoint ({COMMITTED} is missing)")
+    except StorageError as e:
         raise RunCheckpointError(str(e)) from e
-    if marker is None:
-        raise RunCheckpointError(f"{url}: not a committed run checkpoint ({COMMITTED} is missing)")
-    try:
-        doc = step_dir.read_json("controller.json")
-        tensors = step_dir.read_tensors("controller.safetensors")
-    except (OSError, ValueError, SafetensorError) as e:
-        raise RunCheckpointError(f"{url}: unreadable controller state: {type(e).__name__}: {e}") from e
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         found = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
         raise RunCheckpointError(f"{url}/controller.json: format {found!r}, expected {FORMAT} (not a checkpoint of "

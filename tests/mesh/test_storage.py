@@ -14,6 +14,7 @@ from composer_mesh.mesh.storage import (
     CommittedSeries,
     FsspecBlobs,
     MarkerError,
+    StorageError,
 )
 from mesh.objectstore.conftest import S3_ENV, moto_endpoint  # noqa: F401  (the moto server fixture)
 
@@ -154,3 +155,17 @@ def test_the_diloco_store_serves_as_blobs(tmp_path):
     part.reopen()  # deletes the one marker object
     assert series.committed() == [2] and series.newest().step == 2  # type: ignore[union-attr]
     assert store.counters()[1] > 0
+
+
+def test_read_committed_gives_the_parts_or_one_line_saying_what_is_wrong(blobs):
+    series = CommittedSeries(blobs)
+    part = _write_step(series, 3, commit=False)
+    with pytest.raises(StorageError, match=r"^step 3 was never finished$"):
+        part.read_committed("meta.json", "t.safetensors", missing="step 3 was never finished", what="step")
+    part.commit({"step": 3})
+    doc, tensors = part.read_committed("meta.json", "t.safetensors", missing="-", what="step")
+    assert doc == {"step": 3} and torch.equal(tensors["w"], torch.full((3,), 3.0))
+    blobs.put(part.key("t.safetensors"), b"not safetensors")
+    with pytest.raises(StorageError, match=r"^step-00000003: unreadable step: \w+") as e:
+        part.read_committed("meta.json", "t.safetensors", missing="-", what="step")
+    assert "\n" not in str(e.value)

@@ -116,6 +116,20 @@ class CommittedDir:
     def read(self, name: str) -> bytes | bytearray:
         return self.blobs.get(self.key(name))
 
+    def read_committed(self, json_name: str, tensors_name: str, *, missing: str,
+                       what: str) -> tuple[Any, dict[str, torch.Tensor]]:
+        """A committed directory's JSON document and tensors, the one way its readers open it: a directory
+        without a marker is `StorageError(missing)`, a garbled marker a `MarkerError`, and a file that cannot be
+        read or parsed a `StorageError` naming the directory and `what` it should have held."""
+        from safetensors import SafetensorError
+
+        if self.marker() is None:
+            raise StorageError(missing)
+        try:
+            return self.read_json(json_name), self.read_tensors(tensors_name)
+        except (OSError, ValueError, SafetensorError) as e:
+            raise StorageError(f"{self.where}: unreadable {what}: {type(e).__name__}: {e}") from e
+
     def read_json(self, name: str) -> Any:
         return json.loads(self.read(name))
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from composer_mesh.mesh.storage import CommittedDir, FsspecBlobs, MarkerError
+from composer_mesh.mesh.storage import CommittedDir, FsspecBlobs, StorageError
 
 FORMAT = 1
 _MARKER = "COMPLETE"
@@ -142,20 +142,12 @@ def save_trainer_state(
 def read_trainer_state(url: str) -> TrainerSnapshot:
     """Read the state under `url` without applying it. Raises TrainerStateError if it is half-written,
     unreadable or of another format."""
-    from safetensors import SafetensorError
-
-    state_dir = _state_dir(url)
     try:
-        marker = state_dir.marker()
-    except MarkerError as e:
+        meta, tensors = _state_dir(url).read_committed(
+            "state.json", "state.safetensors", what="trainer state",
+            missing=f"{url}: no {_MARKER} marker: not a trainer state, or one that was never finished")
+    except StorageError as e:
         raise TrainerStateError(str(e)) from e
-    if marker is None:
-        raise TrainerStateError(f"{url}: no {_MARKER} marker: not a trainer state, or one that was never finished")
-    try:
-        meta = state_dir.read_json("state.json")
-        tensors = state_dir.read_tensors("state.safetensors")
-    except (OSError, ValueError, SafetensorError) as e:
-        raise TrainerStateError(f"{url}: unreadable trainer state: {type(e).__name__}: {e}") from e
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise TrainerStateError(f"{url}/state.json: format {meta.get('format') if isinstance(meta, dict) else meta!r}, "
                                 f"expected {FORMAT}")
