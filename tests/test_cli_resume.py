@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from composer_mesh import cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,6 +49,7 @@ def _start(cmd: list[str], env: dict[str, str], run_dir: Path, records: int) -> 
     return proc
 
 
+@pytest.mark.slow  # ~70 s: three CLI runs (SIGTERM, a killed trainer, the resume), each launching meshes
 def test_sigterm_then_a_dead_trainer_then_resume_finish_the_run(tmp_path: Path) -> None:
     """One run, three sessions: SIGTERM checkpoints and exits 143 with the resume line; the resumed session's
     trainer is SIGKILLed: exit 3 naming the last checkpoint (no older than checkpoint_every); `--resume`
