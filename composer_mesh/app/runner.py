@@ -133,8 +133,6 @@ class StopRequests:
             self.stop(JOB_STOP, notice.message())
             return
 
-    watch_slurm = watch_jobs  # its name when Slurm was the one backend with notices
-
 
 async def run_topology(topology: Topology, console: Console | None = None, resume: ResumePoint | None = None,
                        stops: StopRequests | None = None) -> RunSummary:

@@ -366,8 +366,6 @@ class Topology(StrictModel):
         (a Slurm mesh's `slurm.job_name`)."""
         return self.meshes[mesh].job_name(self.name, mesh)
 
-    slurm_job_name = job_name  # the name it had when Slurm was the one backend with job names
-
     def role_configs(self) -> dict[Role, RoleConfig]:
         """What each role's actors are built with (exactly the sections that role needs), for every role present."""
         configs: dict[Role, RoleConfig] = {

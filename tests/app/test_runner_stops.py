@@ -60,7 +60,7 @@ async def test_a_slurm_notice_stops_the_run_with_its_message():
     loop = RecordingLoop()
     stops.loop = loop  # type: ignore[assignment]
     mesh = SimpleNamespace(launched=SimpleNamespace(watch_jobs=watch_jobs))
-    await asyncio.wait_for(stops.watch_slurm(mesh), 5)  # type: ignore[arg-type]
+    await asyncio.wait_for(stops.watch_jobs(mesh), 5)  # type: ignore[arg-type]
     assert stops.cause == "slurm"
     assert loop.reasons == ["Slurm job 42 of mesh 'trainer' will reach its time limit in ~120 s (SIGUSR1 from --signal)"]
 
@@ -94,7 +94,7 @@ async def test_an_ended_job_of_another_mesh_gets_a_new_job_and_the_run_goes_on()
     loop = ReplacingLoop()
     stops.loop = loop  # type: ignore[assignment]
     mesh = _watching([JobNotice("gen", "7", "ended", "stopped running (state NODE_FAIL)")])
-    watcher = asyncio.create_task(stops.watch_slurm(mesh))  # type: ignore[arg-type]
+    watcher = asyncio.create_task(stops.watch_jobs(mesh))  # type: ignore[arg-type]
     await asyncio.sleep(0.2)
     assert loop.replaced == ["gen"] and loop.reasons == [] and stops.cause is None and not watcher.done()
     watcher.cancel()
@@ -109,5 +109,5 @@ async def test_the_trainers_job_a_preemption_or_too_many_replacements_stop_the_r
     stops = StopRequests(Console(quiet=True))
     loop = ReplacingLoop(fail=fail)
     stops.loop = loop  # type: ignore[assignment]
-    await asyncio.wait_for(stops.watch_slurm(_watching([notice])), 5)  # type: ignore[arg-type]
+    await asyncio.wait_for(stops.watch_jobs(_watching([notice])), 5)  # type: ignore[arg-type]
     assert stops.cause == "slurm" and len(loop.reasons) == 1 and reason in loop.reasons[0] and not loop.replaced

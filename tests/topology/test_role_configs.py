@@ -98,4 +98,4 @@ def test_builtin_binding_names_are_bound_by_import_path() -> None:
 
 def test_slurm_job_names() -> None:
     t = load_topology(VALID / "fake_mixed.yaml")
-    assert t.slurm_job_name("gen") == "gen_pool" and t.slurm_job_name("train") == "fake_mixed_train"
+    assert t.job_name("gen") == "gen_pool" and t.job_name("train") == "fake_mixed_train"

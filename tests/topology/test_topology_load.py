@@ -84,7 +84,7 @@ def test_slurm_job_kwargs_are_slurmjob_arguments() -> None:
     from monarch.job import SlurmJob
 
     t = load_topology(VALID / "fake_mixed.yaml")
-    kwargs = t.meshes["train"].slurm_job_kwargs(job_name=t.slurm_job_name("train"))
+    kwargs = t.meshes["train"].slurm_job_kwargs(job_name=t.job_name("train"))
     params = inspect.signature(SlurmJob.__init__).parameters
     assert set(kwargs) <= set(params)
     assert kwargs == {
@@ -101,7 +101,7 @@ def test_slurm_job_kwargs_are_slurmjob_arguments() -> None:
         "monarch_port": 22222,
         "slurm_args": ("--constraint=h100",),
     }
-    gen = t.meshes["gen"].slurm_job_kwargs(job_name=t.slurm_job_name("gen"))
+    gen = t.meshes["gen"].slurm_job_kwargs(job_name=t.job_name("gen"))
     assert (gen["job_name"], gen["gpus_per_node"], gen["exclusive"], gen["monarch_port"]) == (
         "gen_pool",
         8,
