@@ -48,6 +48,16 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(zip(bs, map(chr, cs)))
 
 
+def _qwen2_tokenizer_class() -> type:
+    """`Qwen2Tokenizer` from wherever this transformers exports it: some 5.x builds leave it out of the
+    top-level namespace (5.17 on the GPU image), all keep it in its model module."""
+    try:
+        from transformers import Qwen2Tokenizer
+    except ImportError:
+        from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
+    return Qwen2Tokenizer
+
+
 def build_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:
     """Character-level tokenizer: `<|endoftext|>` (id 0, also pad) then one id per character of `alphabet`.
 
@@ -58,7 +68,7 @@ def build_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:
     added around the text. Characters outside the alphabet are dropped by the BPE (it has no unk), so
     encode untrusted text with `encode_checked`.
     """
-    from transformers import Qwen2Tokenizer
+    Qwen2Tokenizer = _qwen2_tokenizer_class()
 
     b2u = _bytes_to_unicode()
     vocab: dict[str, int] = {EOS_TOKEN: 0}
@@ -77,7 +87,7 @@ def build_byte_tokenizer() -> PreTrainedTokenizerFast:
     merges, so the saved and reloaded copies (transformers, vLLM) are the same tokenizer. The special tokens
     are matched in text as well (as in Qwen's own tokenizer).
     """
-    from transformers import Qwen2Tokenizer
+    Qwen2Tokenizer = _qwen2_tokenizer_class()
 
     b2u = _bytes_to_unicode()
     vocab: dict[str, int] = {b2u[byte]: byte for byte in range(256)}
