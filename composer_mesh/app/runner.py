@@ -1,4 +1,5 @@
-"""`composer-mesh run`: launch a topology, run the built-in loop with a progress bar, print a summary."""
+"""`composer-mesh run`: launch a topology, run the built-in loop with its progress shown (`progress.py`), print a
+summary."""
 
 from __future__ import annotations
 
@@ -11,11 +12,11 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from composer_mesh.app.launch import launch
 from composer_mesh.app.preflight import check_models
+from composer_mesh.app.progress import clock, open_progress
 from composer_mesh.orchestration.checkpoint import (
     CheckpointPolicy,
     RunCheckpointError,
@@ -24,7 +25,7 @@ from composer_mesh.orchestration.checkpoint import (
     read_checkpoint,
 )
 from composer_mesh.orchestration.loop import ResumePoint, RLLoop
-from composer_mesh.orchestration.metrics import RunSummary, StepRecord
+from composer_mesh.orchestration.metrics import RunSummary
 from composer_mesh.orchestration.recovery import RestartsExhausted
 from composer_mesh.roles import RoleMesh
 from composer_mesh.topology import Topology, load_topology
@@ -139,32 +140,16 @@ async def run_topology(topology: Topology, console: Console | None = None, resum
     """Check the models (`check_models`), launch every mesh of `topology`, run the loop (from `resume` if
     given), tear everything down (also on errors). With `stops`, signals and Slurm end-of-job notices stop the
     run with a checkpoint."""
-    console = console or Console(stderr=True)
+    console = console or Console()
     check_models(topology)
-    progress = Progress(
-        TextColumn("[bold]train[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        TextColumn("{task.fields[status]}"), console=console, transient=False,
-    )
-    with progress:
-        done = resume.state.step if resume is not None else 0
-        task = progress.add_task("train", total=topology.run.steps, completed=done, status="launching meshes…")
-
-        def on_step(r: StepRecord) -> None:
-            ch = " ".join(f"{k}={_fmt(v)}" for k, v in sorted(r.channels.items()))
-            t = r.timing
-            status = (
-                f"reward={_fmt(r.reward)} {ch} lag={r.policy_lag} sync={r.weight_sync_s * 1000:.0f}ms "
-                f"train={t.get('train_s', 0.0):.2f}s idle={t.get('trainer_idle_s', 0.0):.2f}s dropped={r.dropped_batches}"
-            )
-            restarts = r.metrics.get("faults/restarts", 0.0)
-            if restarts:
-                status += f" restarts={restarts:.0f} reissued={r.metrics.get('faults/reissued', 0.0):.0f}"
-            progress.update(task, completed=r.step, status=status)
-
+    done = resume.state.step if resume is not None else 0
+    with open_progress(console, topology.run.steps, done, topology.run.progress) as progress:
+        progress.set_status("launching meshes…")
         async with launch(topology) as mesh:
-            progress.update(task, status="setting up actors (building models)…")
-            loop = RLLoop(mesh, topology.run, topology.loss, progress=on_step,
-                          checkpoints=checkpoint_policy(topology), resume=resume, diloco=topology.diloco)
+            progress.set_status("setting up actors (building models)…")
+            loop = RLLoop(mesh, topology.run, topology.loss, progress=progress.step,
+                          checkpoints=checkpoint_policy(topology), resume=resume, diloco=topology.diloco,
+                          events=progress.event)
             watcher = None
             if stops is not None:
                 stops.loop = loop
@@ -178,18 +163,41 @@ async def run_topology(topology: Topology, console: Console | None = None, resum
     return summary
 
 
-def print_summary(summary: RunSummary, console: Console) -> None:
+def _rate(x: float) -> str:
+    """A rate with as many digits as it needs: 776, 45.2, 0.83."""
+    if math.isnan(x):
+        return "-"
+    return f"{x:,.0f}" if x >= 100 else f"{x:.1f}" if x >= 10 else f"{x:.2f}"
+
+
+def summary_table(summary: RunSummary) -> Table:
+    """The end-of-run summary: one quantity per row, each with its unit or metric named (fits 80 columns; long
+    paths wrap)."""
     verb = f"stopped ({summary.stopped})" if summary.stopped else "finished"
-    table = Table(title=f"run {verb} after {summary.seconds:.0f}s", show_header=False)
+    table = Table(title=f"run {verb} after {clock(summary.seconds)}", show_header=False)
+    table.add_column(style="bold", no_wrap=True)
+    table.add_column(overflow="fold")
     resumed = f" (resumed from step {summary.resumed_from})" if summary.resumed_from else ""
     table.add_row("steps", f"{summary.steps}{resumed}")
-    table.add_row("train reward (first 20% → last 20%)", f"{_fmt(summary.reward_first)} → {_fmt(summary.reward_last)}")
-    table.add_row("held-out reward (before → after)", f"{_fmt(summary.eval_before)} → {_fmt(summary.eval_after)}")
+    table.add_row("run time (h:mm:ss)", f"{clock(summary.seconds)} (training {clock(summary.train_seconds)})")
+    table.add_row("train reward", f"{_fmt(summary.reward_first)} → {_fmt(summary.reward_last)} "
+                  "(first → last 20% of steps)")
+    prompts = f"{summary.eval_prompts} held-out prompts" if summary.eval_prompts else "no evaluation"
+    table.add_row("held-out greedy reward", f"{_fmt(summary.eval_before)} → {_fmt(summary.eval_after)} "
+                  f"(before → after, {prompts})")
+    if summary.pass_k:
+        table.add_row(f"held-out pass@{summary.pass_k}",
+                      f"{_fmt(summary.pass_before)} → {_fmt(summary.pass_after)} (before → after)")
+    table.add_row("rollouts trained", f"{summary.rollouts_trained:,}")
+    table.add_row("throughput", f"{_rate(summary.samples_per_s)} rollouts/s (startup excluded)")
     table.add_row("dropped stale batches", f"{summary.dropped_batches} ({summary.dropped_rollouts} rollouts)")
-    table.add_row("rollouts trained / s (startup excluded)", f"{summary.rollouts_trained} / {_fmt(summary.samples_per_s)}")
-    table.add_row("run dir", f"{summary.run_dir}  (metrics.jsonl, plot.png, checkpoint/)")
-    table.add_row("full checkpoint (--resume)", summary.checkpoint or "-")
-    console.print(table)
+    table.add_row("run dir", f"{summary.run_dir} (metrics.jsonl, plot.png, checkpoint/)")
+    table.add_row("full checkpoint", f"{summary.checkpoint} (for --resume)" if summary.checkpoint else "-")
+    return table
+
+
+def print_summary(summary: RunSummary, console: Console) -> None:
+    console.print(summary_table(summary))
 
 
 def main(path: str, steps: int | None = None, run_dir: str | None = None,

@@ -46,6 +46,18 @@ class TrackersConfig(BaseModel):
     mlflow_experiment: str = Field("composer-mesh", min_length=1, description="MLflow experiment the run is in.")
 
 
+class ProgressConfig(BaseModel):
+    """How often `composer-mesh run` writes a progress line when its output is not a terminal (a Slurm log,
+    nohup, `> log`): whichever of the two comes first. In a terminal a live bar shows every step instead."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    every_steps: int = Field(10, ge=1, description="A line at least every this many steps (and for the first "
+                             "and the last step).")
+    every_s: float = Field(30.0, gt=0, description="A line at the first step after this many seconds without one "
+                           "(a step slower than this gets a line of its own).")
+
+
 class RunConfig(BaseModel):
     """Steps, batch shape and policy-lag bound of the built-in async RL loop."""
 
@@ -122,6 +134,10 @@ class RunConfig(BaseModel):
     )
     trackers: TrackersConfig = Field(
         default_factory=TrackersConfig, description="Settings of the trackers in `loggers` (`TrackersConfig`)."
+    )
+    progress: ProgressConfig = Field(
+        default_factory=ProgressConfig, description="How often progress lines are written when the output is not "
+        "a terminal (`ProgressConfig`); see docs/launch.md."
     )
 
     @property

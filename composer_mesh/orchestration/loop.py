@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from typing import Any
 
 from composer_mesh.actors.messages import GenerationRequest, Prompt, RolloutGroup, TrainBatch
 from composer_mesh.loss.config import LossConfig
@@ -50,13 +51,16 @@ class RLLoop:
     (default: the run config's); `resume`: a checkpoint to continue from (`ResumePoint`, read and checked
     before launching). `request_stop` ends the run at the next checkpointable step, with a checkpoint.
     `prompts`: the prompt source (default: `prompt_source(run)`; build it before launching to catch bad data
-    early). `rollout`: the rollout driver's factory (default: `single_turn.factory`)."""
+    early). `rollout`: the rollout driver's factory (default: `single_turn.factory`). `events`: told each event
+    of metrics.jsonl as it is written (evaluations, stops), as `progress` is told each step's record."""
 
     def __init__(self, mesh: RoleMesh, run: RunConfig, loss: LossConfig,
                  progress: Callable[[StepRecord], None] | None = None, checkpoints: CheckpointPolicy | None = None,
                  resume: ResumePoint | None = None, diloco: DiLoCoConfig | None = None,
-                 prompts: PromptSource | None = None, rollout: RolloutFactory | None = None) -> None:
+                 prompts: PromptSource | None = None, rollout: RolloutFactory | None = None,
+                 events: Callable[[str, dict[str, Any]], None] | None = None) -> None:
         self.mesh, self.cfg, self.loss, self.progress, self.resume = mesh, run, loss, progress, resume
+        self.events = events
         self.checkpoints = checkpoints or CheckpointPolicy(url=run.checkpoints_url, every=run.checkpoint_every,
                                                            keep=run.keep_checkpoints)
         self.store = CheckpointStore(self.checkpoints.url)
@@ -137,7 +141,8 @@ class RLLoop:
     async def run(self) -> RunSummary:
         t_start, cfg, point = time.perf_counter(), self.cfg, self.resume
         resumed = point.state.step if point is not None else 0
-        writer = records.open_writer(cfg, self.loss, (resumed, point.state.trackers) if point is not None else None)
+        writer = records.open_writer(cfg, self.loss, (resumed, point.state.trackers) if point is not None else None,
+                                     self.events)
         self.background.open()
         schedule = StepScheduler.of(cfg, self.prompts.take, len(self.trainers), len(self.roles.generators))
         try:
@@ -161,7 +166,7 @@ class RLLoop:
             finally:
                 self.prompts.close()  # e.g. stops run.environment's server: the rewarder is done with it
         if writer.records:
-            plot_run(writer.records, cfg.run_dir / "plot.png")
+            plot_run(writer.records, cfg.run_dir / "plot.png", writer.evals())
         end = records.SessionEnd(resumed, last, train_start, eval_before, eval_after, self.stop.reason, self.commits.last)
         return records.summarize(cfg, writer, schedule, t_start, end, self.gate, self.scoring.teacher_usage)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -74,12 +75,17 @@ class MetricsWriter:
     scalars (`step_scalars`) and the events to the run's other trackers (`run.loggers`), if any.
 
     `resume_step`: continue a resumed run's file: its lines up to the record of that step are kept (and its
-    records reloaded), what followed (steps trained after the checkpoint, then lost) is dropped."""
+    records reloaded), what followed (steps trained after the checkpoint, then lost) is dropped. `events` keeps
+    every event (a resumed run's earlier ones included: the plot and the summary show them); `on_event` hears
+    each new one as it is written (the console's progress display prints evaluations)."""
 
-    def __init__(self, run_dir: Path, resume_step: int | None = None, trackers: Trackers | None = None) -> None:
+    def __init__(self, run_dir: Path, resume_step: int | None = None, trackers: Trackers | None = None,
+                 on_event: Callable[[str, dict[str, Any]], None] | None = None) -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / "metrics.jsonl"
         self.records: list[StepRecord] = []
+        self.events: list[dict[str, Any]] = []
+        self.on_event = on_event
         self.trackers = trackers
         kept = self._kept_lines(resume_step) if resume_step is not None else []
         self._f = self.path.open("w")
@@ -100,6 +106,8 @@ class MetricsWriter:
                 if row.get("step", step + 1) > step:
                     break
                 self.records.append(StepRecord(**row))
+            else:
+                self.events.append(row)
             kept.append(line)
             if self.records and self.records[-1].step == step:
                 break
@@ -120,6 +128,9 @@ class MetricsWriter:
     def write_event(self, kind: str, **values: Any) -> None:
         self._f.write(json.dumps({"event": kind, **values}, sort_keys=True) + "\n")
         self._f.flush()
+        self.events.append({"event": kind, **values})
+        if self.on_event is not None:
+            self.on_event(kind, values)
         if self.trackers is not None:
             step = values.get("step")
             if not isinstance(step, int):
@@ -127,6 +138,10 @@ class MetricsWriter:
             scalars = event_scalars(kind, values)
             failures = self.trackers.log(step, scalars) if scalars else []
             self._tracker_failures(failures + self.trackers.event(step, kind, values))
+
+    def evals(self) -> list[dict[str, Any]]:
+        """The held-out evaluations written so far (`eval` events: when, step, reward, pass_at_k, k)."""
+        return [e for e in self.events if e.get("event") == "eval"]
 
     def _tracker_failures(self, failures: list[str]) -> None:
         for failure in failures:  # the tracker is dropped; the JSONL says so
@@ -158,6 +173,10 @@ class RunSummary:
     resumed_from: int | None = None  # the checkpoint's step this session continued from
     stopped: str | None = None  # why the run stopped before its last step (it left a checkpoint to resume)
     checkpoint: str | None = None  # the newest committed full checkpoint
+    eval_prompts: int = 0  # held-out prompts each evaluation scores
+    pass_k: int | None = None  # the k of the evaluations' pass@k (None: greedy only)
+    pass_before: float | None = None  # pass@k before training ...
+    pass_after: float | None = None  # ... and after
 
     @property
     def samples_per_s(self) -> float:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from composer_mesh.actors.messages import TrainMetrics
 from composer_mesh.loss.config import LossConfig
@@ -16,11 +17,13 @@ from composer_mesh.orchestration.schedule import StepScheduler
 from composer_mesh.orchestration.trackers import Trackers
 
 
-def open_writer(run: RunConfig, loss: LossConfig, resumed: tuple[int, dict[str, str]] | None) -> MetricsWriter:
-    """The run's metrics.jsonl and trackers; `resumed`: the checkpoint's step and tracker run ids, continued."""
+def open_writer(run: RunConfig, loss: LossConfig, resumed: tuple[int, dict[str, str]] | None,
+                on_event: Callable[[str, dict[str, Any]], None] | None = None) -> MetricsWriter:
+    """The run's metrics.jsonl and trackers; `resumed`: the checkpoint's step and tracker run ids, continued;
+    `on_event`: told each event as it is written."""
     step, ids = resumed if resumed is not None else (None, None)
     trackers = Trackers.open(run, {"run": run.model_dump(mode="json"), "loss": loss.model_dump(mode="json")}, ids, step)
-    return MetricsWriter(run.run_dir, resume_step=step, trackers=trackers)
+    return MetricsWriter(run.run_dir, resume_step=step, trackers=trackers, on_event=on_event)
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,8 @@ def summarize(run: RunConfig, writer: MetricsWriter, schedule: StepScheduler, t_
     """The whole run's rewards (earlier sessions' records included); this session's throughput."""
     rewards = [r.reward for r in writer.records]
     session = [r for r in writer.records if r.step > end.resumed]
+    evals = {e.get("when"): e for e in writer.evals()}  # the newest of each kind
+    before, after = evals.get("before", {}), evals.get("after", {})
     return RunSummary(
         steps=len(writer.records), run_dir=run.run_dir, reward_first=window_mean(rewards, True),
         reward_last=window_mean(rewards, False), eval_before=end.eval_before, eval_after=end.eval_after,
@@ -117,4 +122,6 @@ def summarize(run: RunConfig, writer: MetricsWriter, schedule: StepScheduler, t_
         train_seconds=session[-1].elapsed_s - end.train_start if session else 0.0,
         zero_variance_groups=schedule.zero_variance_groups, resumed_from=end.resumed or None,
         stopped=end.stopped if end.last < run.steps else None, checkpoint=end.checkpoint,
+        eval_prompts=run.eval_prompts, pass_k=before.get("k") or after.get("k") or None,
+        pass_before=before.get("pass_at_k"), pass_after=after.get("pass_at_k"),
     )

@@ -269,7 +269,8 @@ _DEFAULTS_WHEN_NULL = BeforeValidator(_null_is_defaults)
 # Fields that may change between a checkpoint and its resume: where things run, how long the run is and
 # where it writes, and knobs that change memory or speed but not the math.
 _RESUMABLE_RUN = frozenset({"steps", "run_dir", "checkpoint_every", "keep_checkpoints", "checkpoint_url",
-                            "eval_prompts", "eval_every", "eval_pass_k", "max_restarts", "loggers", "trackers"})
+                            "eval_prompts", "eval_every", "eval_pass_k", "max_restarts", "loggers", "trackers",
+                            "progress"})
 _RESUMABLE_TRAINER = frozenset({"device", "torch_threads", "micro_batch_tokens", "activation_checkpointing"})
 _RESUMABLE_DILOCO = frozenset({"store_uri", "storage_options", "credentials_env", "quorum_deadline_s",
                                "poll_interval_s", "keep_rounds"})
