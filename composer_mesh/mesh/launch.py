@@ -161,7 +161,9 @@ class _FailureSink:
             report = repr(failure)
         self.failures.append(ActorFailure(actor=actor, mesh=mesh, monarch_mesh=name, report=report))
         first = report.strip().splitlines()[:1]
-        log.error("actor failure in %s on mesh %s: %s", actor or "(procs)", mesh, first[0] if first else "")
+        # A warning, not an error: the run replaces a dead generator, rewarder or teacher proc; when it cannot,
+        # the run stops and the command line says so (`MeshFailureError`, exit 3).
+        log.warning("%s on mesh %s failed: %s", actor or "(procs)", mesh, first[0] if first else "")
         return True
 
 

@@ -81,14 +81,29 @@ def _on_fault(failure: Any) -> None:
             log.exception("fault claimer failed on %s", getattr(failure, "mesh_name", failure))
     if claimed:
         return
-    name = str(getattr(failure, "mesh_name", "?"))
     if _previous_hook is not None:
         _previous_hook(failure)
-    elif name.startswith("logger"):
-        # Monarch's internal per-proc logger mesh fails alongside every dead proc: not news.
-        log.debug("monarch internal mesh failure: %s", name)
-    else:
-        log.error("unhandled Monarch mesh failure on %s: %s", name, _report(failure))
+        return
+    name = str(getattr(failure, "mesh_name", "?"))
+    level, message = unclaimed_failure_log(name, _report(failure))
+    log.log(level, "%s", message)
+
+
+# Actor meshes Monarch itself spawns on every proc mesh (`<name>-<suffix>`): the per-proc logger, and the
+# `setup` actor that runs a spawn's `setup=` callable. When a proc dies they fail alongside the actors a launch
+# put there, whose failure that launch claims and handles (`Recovery` replaces the procs, or the run stops and
+# says why): their own report is the same death seen twice.
+MONARCH_INTERNAL_MESHES = ("logger", "setup")
+
+
+def unclaimed_failure_log(mesh_name: str, report: str) -> tuple[int, str]:
+    """The log level and line of a failure no launch claimed: a Monarch-internal mesh's (a proc died; its
+    launch hears it through its own actors) at INFO, anything else at ERROR (nobody handles it)."""
+    if mesh_name.split("-", 1)[0] in MONARCH_INTERNAL_MESHES:
+        first = report.strip().splitlines()[-1:] or [""]
+        return logging.INFO, f"a proc died under Monarch's {mesh_name!r} mesh ({first[0].strip()}); the run's " \
+            "own actors on it report the death, and the run replaces the proc or stops"
+    return logging.ERROR, f"unhandled Monarch mesh failure on {mesh_name}: {report}"
 
 
 def _report(failure: Any) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import signal
 from pathlib import Path
@@ -70,10 +71,16 @@ async def test_killed_generator_rewarder_and_teacher_procs_are_replaced_and_the_
     assert all(r["metrics"].get("faults/restarts", 0.0) == 0.0 for r in rows[:2])  # nothing died before step 2
 
 
-async def test_a_role_that_keeps_dying_stops_the_run_with_a_checkpoint(tmp_path):
+async def test_a_role_that_keeps_dying_stops_the_run_with_a_checkpoint(tmp_path, caplog):
     topo = topology(tmp_path / "run", SLIM, steps=30, max_policy_lag=1, max_restarts=1)
-    summary, killed = await run_killing(topo, {2: "rewarder", 4: "rewarder"})
+    with caplog.at_level(logging.INFO):
+        summary, killed = await run_killing(topo, {2: "rewarder", 4: "rewarder"})
     assert len(killed) == 2
+    # Handled deaths read as such: no ERROR line (the run's outcome is the summary's, or the CLI's message).
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == [], errors
+    assert any("rewarder on mesh rewarder died" in r.getMessage() and "replacing its procs" in r.getMessage()
+               for r in caplog.records if r.levelno == logging.WARNING)
     assert summary.stopped is not None and "rewarder died again after 1 restart(s)" in summary.stopped
     assert summary.checkpoint is not None and Path(summary.checkpoint, "COMMITTED.json").is_file()
     stopped_at = int(summary.checkpoint.rsplit("step-", 1)[1])

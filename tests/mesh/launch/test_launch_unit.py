@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import pickle
 from pathlib import Path
 from types import SimpleNamespace
@@ -139,3 +140,20 @@ def test_mesh_failure_error_names_every_actor_mesh() -> None:
         during="inside the launch block",
     )
     assert "'rewarder' on mesh 'learner', 'trainer' on mesh 'learner'" in str(err)
+
+
+def test_a_proc_death_seen_by_monarchs_own_meshes_is_info_and_an_unknown_mesh_failure_is_an_error() -> None:
+    """Monarch's `setup` and `logger` meshes fail alongside every dead proc, whose launch claims and handles the
+    death through its own actors: their report reads as what it is. A failure nobody owns stays loud."""
+    from composer_mesh.mesh.runtime import unclaimed_failure_log
+
+    report = ("The actor <root>.<SetupActor setup{'hosts': 0/1}> and all its descendants have failed:\n"
+              "  the process this actor was running on failed: Killed(sig=9)")
+    level, line = unclaimed_failure_log("setup-xSThdE7BjF1", report)
+    assert level == logging.INFO and "unhandled" not in line
+    assert line.startswith("a proc died under Monarch's 'setup-xSThdE7BjF1' mesh (the process this actor was "
+                           "running on failed: Killed(sig=9))")
+    assert unclaimed_failure_log("logger-abc", report)[0] == logging.INFO
+    level, line = unclaimed_failure_log("mystery-abc", report)
+    assert level == logging.ERROR and line.startswith("unhandled Monarch mesh failure on mystery-abc: The actor")
+    assert unclaimed_failure_log("setupper-abc", report)[0] == logging.ERROR  # only Monarch's own names
