@@ -126,8 +126,24 @@ def _plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--prices",
         metavar="PRICES.yaml",
-        help="price table (per backend: gpu_hour and optional cpu_proc_hour) to estimate the cost per hour",
+        help="price table (per backend: gpu_hour and optional cpu_proc_hour; e.g. examples/prices.yaml) to "
+        "estimate the cost per hour and per run",
     )
+    p.add_argument(
+        "--hours", type=_plan_hours, metavar="H",
+        help="the run's expected length in hours, for the cost per run (default: each Slurm job's time limit, an "
+        "upper bound)",
+    )
+
+
+def _plan_hours(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of hours, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of hours, got {text}")
+    return value
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -148,7 +164,7 @@ def _plan(args: argparse.Namespace) -> int:
     if errors:  # both files' errors, not only the first file's
         return max(report_failure(e, debug=args.debug) for e in errors)
     assert topology is not None
-    render_plan(make_plan(topology, prices))
+    render_plan(make_plan(topology, prices, hours=args.hours))
     return EXIT_OK
 
 
@@ -203,7 +219,7 @@ COMMANDS: list[Command] = [
     ),
     Command(
         "plan",
-        "show which roles run on which meshes (and the cost per hour with --prices)",
+        "show what a topology trains and which roles run on which meshes (and the cost with --prices)",
         _plan_args,
         _plan,
     ),

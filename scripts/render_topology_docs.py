@@ -228,7 +228,7 @@ def examples() -> dict[str, str]:
     try:
         return {
             "broken": run_cli(["validate", "topologies/broken.yaml"]),
-            "plan": run_cli(["plan", "topologies/mixed.yaml", "--prices", "topologies/prices.example.yaml"]),
+            "plan": run_cli(["plan", "topologies/mixed.yaml", "--prices", "examples/prices.yaml"]),
             "shipped": "\n".join(shipped_rows()),
             "local": (ROOT / "topologies" / "local.yaml").read_text().rstrip(),
         }
@@ -268,7 +268,7 @@ this host, Monarch's local process job, or one Slurm job per mesh) and the **rol
 
 ```
 composer-mesh validate FILE                       # exit 0 and a summary, or every error with line:column, exit 1
-composer-mesh plan FILE [--prices PRICES.yaml]     # what runs where, GPUs, and the cost per hour
+composer-mesh plan FILE [--prices PRICES.yaml] [--hours H]  # what trains, what runs where, the cost per hour and per run
 ```
 
 From Python: `load_topology(path) -> Topology` raises `TopologyError`, whose `.errors` is a list of
@@ -319,12 +319,18 @@ $ composer-mesh validate topologies/broken.yaml
 ## Example: plan with prices
 
 ```text
-$ composer-mesh plan topologies/mixed.yaml --prices topologies/prices.example.yaml
+$ composer-mesh plan topologies/mixed.yaml --prices examples/prices.yaml
 {plan}
 ```
 
 Cost per hour of a mesh = GPUs held × `gpu_hour` + procs × `cpu_proc_hour`, where GPUs held = hosts × GPUs
 per node (a Slurm `gpus_per_node` larger than the procs use is paid for too).
+
+Cost per run: a run's length is not known before it runs, so `plan` says which bound it used. `--hours H`
+costs every mesh for H hours (take H from a short run: steps ÷ steps per hour); without it, each Slurm mesh is
+costed up to its job's `time_limit` (an upper bound: a job that ends sooner costs less), and a priced mesh
+without a time limit (`local`, `process`, a Slurm job without one) leaves the cost per run unknown until
+`--hours` is given. The price file is [examples/prices.yaml](../examples/prices.yaml).
 
 ## Reference: the schema
 

@@ -273,6 +273,10 @@ class MeshSpecBase(StrictModel):
         """The controller host's GPUs this mesh uses; None when its hosts are not the controller's."""
         return None
 
+    def time_limit_s(self) -> int | None:
+        """The most seconds the mesh's job may run (`plan` bounds a run's cost with it); None: no limit."""
+        return None
+
     def launch_summary(self, run_name: str, mesh: str) -> str:
         """How the mesh is launched, in a few words (`plan`'s launch column)."""
         raise NotImplementedError
@@ -410,6 +414,9 @@ class SlurmMeshSpec(MeshSpecBase):
     def job_name(self, run_name: str, mesh: str) -> str:
         """Its `slurm.job_name` option or `<run name>_<mesh name>`."""
         return self.slurm.job_name or f"{run_name}_{mesh}"
+
+    def time_limit_s(self) -> int | None:
+        return slurm_time_seconds(self.slurm.time_limit)
 
     def slurm_job_kwargs(self, *, job_name: str) -> dict[str, Any]:
         """Keyword arguments for `monarch.job.SlurmJob` (everything except `meshes`, `python_exe`, `log_dir`)."""

@@ -47,8 +47,9 @@ class TrackersConfig(BaseModel):
 
 
 class ProgressConfig(BaseModel):
-    """How often `composer-mesh run` writes a progress line when its output is not a terminal (a Slurm log,
-    nohup, `> log`): whichever of the two comes first. In a terminal a live bar shows every step instead."""
+    """How often `run` writes a progress line when its output is not a terminal, whichever comes first.
+
+    A Slurm log, nohup or `> log` gets timestamped lines; a terminal gets a live line redrawn at every step."""
 
     model_config = ConfigDict(extra="forbid")
 

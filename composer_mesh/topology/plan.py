@@ -1,7 +1,8 @@
-"""`composer-mesh plan`: what a topology would run where, and what it would cost per hour.
+"""`composer-mesh plan`: what a topology would train, what would run where, and what it would cost.
 
-The plan is plain data (`Plan`, `MeshPlan`) so tests and scripts can read it; `render_plan` draws the rich table.
-A price table is a small YAML validated like a topology (errors carry line and column):
+The plan is plain data (`Plan`, `MeshPlan`) so tests and scripts can read it; `render_plan` prints it stacked,
+one labelled line per fact (a table of six columns cut every cell at 80 columns or in a pipe). A price table is
+a small YAML validated like a topology (errors carry line and column; examples/prices.yaml is one):
 
     currency: USD
     slurm: {gpu_hour: 2.50, cpu_proc_hour: 0.02}
@@ -9,6 +10,11 @@ A price table is a small YAML validated like a topology (errors carry line and c
 
 Cost per hour of a mesh = GPUs billed × gpu_hour + procs × cpu_proc_hour, where GPUs billed are
 hosts × GPUs per node (a Slurm `gpus_per_node` override counts, since the job holds them).
+
+Cost per run: how long a run takes is not knowable before it runs, so the plan says which bound it used:
+`--hours H` (e.g. from a short run's pace: steps ÷ steps per hour) costs every mesh for H hours; without it, a
+mesh whose job has a time limit (Slurm `time_limit`) is costed up to that limit, an upper bound; a priced mesh
+with neither leaves the run's cost unknown, and the plan says to give `--hours`.
 
 Local meshes show which of this host's GPUs they get (`composer_mesh.mesh.gpus.assign_gpus`, the launch's
 own answer). When some local mesh uses GPUs, the plan compares that with the host's GPU count where it can
@@ -84,6 +90,7 @@ class MeshPlan:
     roles: tuple[str, ...]
     cost_per_hour: float | None  # None: no price for this backend (or no price table)
     gpu_devices: tuple[int, ...] | None = None  # a local mesh's host GPUs; None: not a local mesh
+    limit_hours: float | None = None  # its job's time limit in hours; None: no limit
 
     @property
     def procs(self) -> int:
@@ -97,6 +104,8 @@ class Plan:
     currency: str | None  # None: no price table given
     host_gpus: int | None = None  # GPUs this host exposes; None: unknown, or no local mesh uses GPUs
     host_gpus_source: str = ""  # where host_gpus came from, or why it is unknown ("" when not asked)
+    training: tuple[tuple[str, str], ...] = ()  # (label, value): model, loss, steps, prompts
+    hours: float | None = None  # `--hours`: the run's expected length
 
     @property
     def local_gpus(self) -> tuple[int, ...]:
@@ -116,6 +125,27 @@ class Plan:
         if self.currency is None:
             return None
         return sum(m.cost_per_hour or 0.0 for m in self.meshes)
+
+    def mesh_hours(self, mesh: MeshPlan) -> float | None:
+        """The hours `mesh` is costed for per run: `--hours`, else its job's time limit, else None."""
+        return self.hours if self.hours is not None else mesh.limit_hours
+
+    def mesh_cost_per_run(self, mesh: MeshPlan) -> float | None:
+        """One run's cost of `mesh` (an upper bound without `--hours`); None when unknown or unpriced."""
+        if mesh.cost_per_hour is None:
+            return None
+        if mesh.cost_per_hour == 0:
+            return 0.0
+        hours = self.mesh_hours(mesh)
+        return None if hours is None else mesh.cost_per_hour * hours
+
+    @property
+    def total_cost_per_run(self) -> float | None:
+        """One run's cost over the priced meshes; None without prices or when a priced mesh's hours are unknown."""
+        if self.currency is None:
+            return None
+        costs = [self.mesh_cost_per_run(m) for m in self.meshes if m.cost_per_hour is not None]
+        return None if any(c is None for c in costs) else sum(c for c in costs if c is not None)
 
     @property
     def unpriced(self) -> tuple[str, ...]:
@@ -140,6 +170,50 @@ def _role_labels(topology: Topology, mesh: str) -> tuple[str, ...]:
     return tuple(out)
 
 
+def _model(topology: Topology) -> str:
+    model = topology.model
+    name = (f"built-in tiny Qwen2 ({model.tokenizer} tokenizer, {model.num_layers} layers × {model.hidden_size})"
+            if model.source == "tiny" else model.source)
+    if model.warmstart is not None:
+        name += f"; warm start: {model.warmstart.steps} SFT steps on {model.warmstart.task}"
+    return name
+
+
+def _loss(topology: Topology) -> str:
+    """The loss's channels that are on, with their weights (a channel at weight 0 is left out)."""
+    loss = topology.loss
+    parts = ["GRPO"]
+    if loss.alpha_sdpo:
+        parts.append(f"{loss.alpha_sdpo:g} × SDPO distillation")
+    if loss.beta_replay:
+        parts.append(f"{loss.beta_replay:g} × teacher-trace replay")
+    text = " + ".join(parts)
+    return text + (f"; KL to the reference {loss.kl_beta:g}" if loss.kl_beta else "")
+
+
+def _prompts(topology: Topology) -> str:
+    run = topology.run
+    if run.environment is not None:
+        source = f"environment {run.environment.kind}"
+    elif run.data is not None:
+        source = f"data {run.data.path or run.data.hub}"
+    else:
+        source = f"task {run.task}"
+    if not run.eval_prompts:
+        return f"{source}; no held-out evaluation"
+    when = f"before, every {run.eval_every} steps and after" if run.eval_every else "before and after"
+    return f"{source}; {run.eval_prompts} held-out prompts evaluated {when} training"
+
+
+def _training(topology: Topology) -> tuple[tuple[str, str], ...]:
+    """What the run trains, for the plan's head: model, loss, steps and batch shape, prompts."""
+    run = topology.run
+    rollouts = run.steps * run.prompts_per_step * run.samples_per_prompt
+    steps = (f"{run.steps:,} × {run.prompts_per_step} prompts × {run.samples_per_prompt} samples = {rollouts:,} "
+             f"rollouts; ≤ {run.max_new_tokens} new tokens each; policy lag ≤ {run.max_policy_lag}")
+    return (("model", _model(topology)), ("loss", _loss(topology)), ("steps", steps), ("prompts", _prompts(topology)))
+
+
 def _cost(spec: MeshSpecBase, gpus: int, prices: _Prices | None) -> float | None:
     price = prices.for_backend(spec.backend) if prices else None
     if price is None:
@@ -148,9 +222,11 @@ def _cost(spec: MeshSpecBase, gpus: int, prices: _Prices | None) -> float | None
 
 
 def make_plan(
-    topology: Topology, prices: _Prices | None = None, host_gpus: tuple[int | None, str] | None = None
+    topology: Topology, prices: _Prices | None = None, host_gpus: tuple[int | None, str] | None = None,
+    hours: float | None = None,
 ) -> Plan:
-    """What runs where (meshes in file order) with the hourly cost when prices are given.
+    """What trains, what runs where (meshes in file order), with the cost per hour and per run when prices are
+    given (`hours`: the run's expected length; without it, the jobs' time limits bound it).
 
     host_gpus: (count, source) of this host's GPUs; default `host_gpu_count()`, asked only when some local
     mesh uses GPUs (so plans of Slurm-only topologies do not depend on the machine that draws them).
@@ -174,6 +250,7 @@ def make_plan(
                 roles=_role_labels(topology, name),
                 cost_per_hour=_cost(spec, gpus, prices),
                 gpu_devices=tuple(assignment[name]) if name in assignment else None,
+                limit_hours=None if (limit := spec.time_limit_s()) is None else limit / 3600,
             )
         )
     return Plan(
@@ -182,6 +259,8 @@ def make_plan(
         currency=prices.currency if prices else None,
         host_gpus=host_gpus[0],
         host_gpus_source=host_gpus[1],
+        training=_training(topology),
+        hours=hours,
     )
 
 
@@ -208,44 +287,72 @@ def _print_host_gpus(plan: Plan, console: Console) -> None:
         console.print(f"Local {use}; it has {plan.host_gpus} ({source})")
 
 
+def _hours(hours: float) -> str:
+    return f"{hours:g} h"
+
+
+def _mesh_rows(plan: Plan, m: MeshPlan) -> list[tuple[str, str]]:
+    """The labelled lines of one mesh."""
+    gpus = "CPU only" if m.gpus == 0 else f"{m.gpus} ({m.gpus_per_proc}/proc)"
+    if m.gpus != m.gpus_used:
+        gpus = f"{m.gpus} held, {m.gpus_used} used ({m.gpus_per_proc}/proc)"
+    if m.gpu_devices:
+        gpus += f": this host's {format_gpus(m.gpu_devices)}"
+    rows = [("procs", f"{m.hosts} × {m.procs_per_host} = {m.procs} (hosts × procs per host)"), ("GPUs", gpus),
+            ("roles", "; ".join(m.roles) or "-"), ("launch", m.job)]
+    if plan.currency is not None:
+        if m.cost_per_hour is None:
+            cost = f"no price for backend {m.backend}"
+        else:
+            cost = f"{m.cost_per_hour:,.2f} {plan.currency}/hour"
+            per_run, hours = plan.mesh_cost_per_run(m), plan.mesh_hours(m)
+            if per_run is not None and m.cost_per_hour:
+                bound = "" if plan.hours is not None else "at most "
+                cost += f", {bound}{per_run:,.2f} per run ({_hours(hours or 0)})"
+        rows.append(("cost", cost))
+    return rows
+
+
+def _cost_lines(plan: Plan) -> list[str]:
+    """The total per hour and per run, saying which bound the run's length came from."""
+    assert plan.currency is not None and plan.total_cost_per_hour is not None
+    line = f"Estimated cost: {_money(plan.total_cost_per_hour, plan.currency)} per hour"
+    if plan.unpriced:
+        line += f" (not counted, no price for their backend: {', '.join(plan.unpriced)})"
+    per_run = plan.total_cost_per_run
+    if plan.hours is not None:
+        run = f"Estimated cost per run: {_money(per_run or 0.0, plan.currency)} for {_hours(plan.hours)} (--hours)"
+    elif per_run is not None:
+        run = (f"Estimated cost per run: at most {_money(per_run, plan.currency)} (each priced job billed up to its time "
+               "limit; give --hours H for an estimate)")
+    else:
+        open_ended = [m.name for m in plan.meshes if m.cost_per_hour and m.limit_hours is None]
+        run = (f"Estimated cost per run: unknown, no time limit bounds {', '.join(open_ended)}: give --hours H (e.g. steps ÷ "
+               "the steps per hour of a short run)")
+    return [line, run]
+
+
 def render_plan(plan: Plan, console: Console | None = None) -> None:
-    """Print the plan as a table (plus the total cost per hour when priced)."""
+    """Print the plan stacked: what trains, then each mesh, then the totals (and costs when priced). Every
+    line is a label and a value that wraps under itself, so nothing is cut at 80 columns or in a pipe."""
     console = console or Console()
-    table = Table(title=f"Plan for topology {plan.name!r}", show_lines=True)
-    table.add_column("mesh", style="bold")
-    table.add_column("backend")
-    table.add_column("hosts × procs", justify="right")
-    table.add_column("GPUs", justify="right")
-    table.add_column("roles")
-    table.add_column("launch")
-    priced = plan.currency is not None
-    if priced:
-        table.add_column(f"{plan.currency}/hour", justify="right")
+    console.print(f"[bold]Plan for topology {plan.name!r}[/]", highlight=False)
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(no_wrap=True, style="bold")
+    grid.add_column(overflow="fold")
+    for label, value in plan.training:
+        grid.add_row(f"  {label}", value)
     for m in plan.meshes:
-        gpus = "CPU only" if m.gpus == 0 else f"{m.gpus} ({m.gpus_per_proc}/proc)"
-        if m.gpus != m.gpus_used:
-            gpus = f"{m.gpus} held, {m.gpus_used} used ({m.gpus_per_proc}/proc)"
-        if m.gpu_devices:
-            gpus += f"\n{format_gpus(m.gpu_devices)}"
-        row = [
-            m.name,
-            m.backend,
-            f"{m.hosts} × {m.procs_per_host} = {m.procs}",
-            gpus,
-            "\n".join(m.roles),
-            m.job,
-        ]
-        if priced:
-            row.append("no price" if m.cost_per_hour is None else f"{m.cost_per_hour:,.2f}")
-        table.add_row(*row)
-    console.print(table)
+        grid.add_row("", "")
+        grid.add_row(f"mesh {m.name}", f"[bold]{m.backend}[/]")
+        for label, value in _mesh_rows(plan, m):
+            grid.add_row(f"  {label}", value)
+    console.print(grid, highlight=False)
     total_gpus = sum(m.gpus for m in plan.meshes)
     total_procs = sum(m.procs for m in plan.meshes)
-    console.print(f"{len(plan.meshes)} meshes, {total_procs} procs, {total_gpus} GPUs held")
+    console.print()
+    console.print(f"{len(plan.meshes)} meshes, {total_procs} procs, {total_gpus} GPUs held", highlight=False)
     _print_host_gpus(plan, console)
-    if priced:
-        assert plan.currency is not None and plan.total_cost_per_hour is not None
-        line = f"Estimated cost: {_money(plan.total_cost_per_hour, plan.currency)} per hour"
-        if plan.unpriced:
-            line += f" (not counted, no price for their backend: {', '.join(plan.unpriced)})"
-        console.print(line)
+    if plan.currency is not None:
+        for line in _cost_lines(plan):
+            console.print(line, highlight=False)

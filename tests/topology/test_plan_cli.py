@@ -21,6 +21,7 @@ ROOT = HERE.parent.parent
 MIXED = VALID / "fake_mixed.yaml"
 PRICES = VALID / "prices.yaml"
 LOCAL_GPUS = VALID / "local_gpus.yaml"
+EXAMPLE_PRICES = ROOT / "examples" / "prices.yaml"
 
 
 def rendered(plan) -> str:  # type: ignore[no-untyped-def]
@@ -234,3 +235,61 @@ def test_console_script_exit_code() -> None:
     )
     assert bad.returncode == 1, bad.stderr
     assert "meshes.cpu.backend" in bad.stderr and "'local', 'process' or 'slurm'" in bad.stderr
+
+
+# ---- readable at 80 columns, what trains, cost per run -----------------------------------------------------
+
+
+def rendered_at(plan, width: int = 80) -> str:  # type: ignore[no-untyped-def]
+    buf = io.StringIO()
+    render_plan(plan, Console(file=buf, width=width, color_system=None))
+    return buf.getvalue()
+
+
+def test_plan_at_80_columns_cuts_nothing_and_says_what_trains() -> None:
+    text = rendered_at(make_plan(load_topology(ROOT / "topologies" / "slurm_gpu.yaml"), load_prices(EXAMPLE_PRICES)))
+    assert "…" not in text and max(len(line.rstrip()) for line in text.splitlines()) <= 80
+    flat = " ".join(text.split())  # values wrap under their label: join the lines back
+    for fragment in (
+        "model built-in tiny Qwen2 (char tokenizer, 4 layers × 256)",
+        "loss GRPO + 0.5 × SDPO distillation + 0.1 × teacher-trace replay",
+        "steps 1,000 × 64 prompts × 8 samples = 512,000 rollouts",
+        "launch Slurm: job gpu_run_trainers, partition=gpu, time=04:00:00, account=rl, qos=normal, mem=512G",
+        "cost 40.04 USD/hour, at most 160.16 per run (4 h)",
+        "Estimated cost: 82.96 USD per hour",
+        "Estimated cost per run: at most 331.84 USD (each priced job billed up to its time limit",
+    ):
+        assert fragment in flat, fragment
+
+
+def test_cost_per_run_from_hours_or_time_limits_or_unknown() -> None:
+    topology, prices = load_topology(MIXED), load_prices(PRICES)
+    bounded = make_plan(topology, prices)
+    train, gen, teach, _ = bounded.meshes
+    assert (train.limit_hours, gen.limit_hours, teach.limit_hours) == (4.0, None, None)
+    assert bounded.mesh_cost_per_run(train) == pytest.approx(20.2 * 4)
+    assert bounded.total_cost_per_run is None  # gen (Slurm, no time limit) and teach (process) are open-ended
+    flat = " ".join(rendered_at(bounded).split())
+    assert "Estimated cost per run: unknown, no time limit bounds gen, teach: give --hours H" in flat
+    hours = make_plan(topology, prices, hours=2.5)
+    assert hours.total_cost_per_run == pytest.approx(40.7 * 2.5)
+    flat = " ".join(rendered_at(hours).split())
+    assert "Estimated cost per run: 101.75 USD for 2.5 h (--hours)" in flat
+    assert "cost 20.20 USD/hour, 50.50 per run (2.5 h)" in flat
+
+
+def test_plan_cli_takes_hours(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", str(MIXED), "--prices", str(PRICES), "--hours", "2"]) == 0
+    assert "81.40 USD for 2 h (--hours)" in " ".join(capsys.readouterr().out.split())
+    with pytest.raises(SystemExit):
+        main(["plan", str(MIXED), "--hours", "-1"])
+    assert "expected a positive number of hours, got -1" in capsys.readouterr().err
+
+
+def test_the_example_price_file_is_outside_topologies() -> None:
+    """topologies/ holds topologies only (`validate topologies/*.yaml` checks each); prices live in examples/."""
+    import yaml
+
+    assert load_prices(EXAMPLE_PRICES).for_backend("slurm") is not None
+    for path in sorted((ROOT / "topologies").glob("*.yaml")):
+        assert "meshes" in yaml.safe_load(path.read_text()), f"{path} is not a topology"
