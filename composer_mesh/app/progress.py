@@ -124,7 +124,8 @@ def fit_line(state: ProgressState, width: int) -> Text:
         used += 1 + len(part)
     if bar:
         bar = min(MAX_BAR, bar + width - used)
-    line = Text(counter, style="bold")
+    line = Text()
+    line.append(counter, style="bold")
     if bar:
         filled = round(bar * state.done / state.total) if state.total else bar
         line.append(" ")

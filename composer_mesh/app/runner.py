@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import math
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -145,7 +146,9 @@ async def run_topology(topology: Topology, console: Console | None = None, resum
     done = resume.state.step if resume is not None else 0
     with open_progress(console, topology.run.steps, done, topology.run.progress) as progress:
         progress.set_status("launching meshes…")
+        started = time.perf_counter()
         async with launch(topology) as mesh:
+            launched = time.perf_counter() - started
             progress.set_status("setting up actors (building models)…")
             loop = RLLoop(mesh, topology.run, topology.loss, progress=progress.step,
                           checkpoints=checkpoint_policy(topology), resume=resume, diloco=topology.diloco,
@@ -156,6 +159,7 @@ async def run_topology(topology: Topology, console: Console | None = None, resum
                 watcher = asyncio.create_task(stops.watch_jobs(mesh))
             try:
                 summary = await loop.run()
+                summary.launch_seconds = launched
             finally:
                 if watcher is not None:
                     watcher.cancel()
@@ -174,12 +178,15 @@ def summary_table(summary: RunSummary) -> Table:
     """The end-of-run summary: one quantity per row, each with its unit or metric named (fits 80 columns; long
     paths wrap)."""
     verb = f"stopped ({summary.stopped})" if summary.stopped else "finished"
-    table = Table(title=f"run {verb} after {clock(summary.seconds)}", show_header=False)
+    total = summary.launch_seconds + summary.seconds
+    table = Table(title=f"run {verb} after {clock(total)}", show_header=False)
     table.add_column(style="bold", no_wrap=True)
     table.add_column(overflow="fold")
     resumed = f" (resumed from step {summary.resumed_from})" if summary.resumed_from else ""
     table.add_row("steps", f"{summary.steps}{resumed}")
-    table.add_row("run time (h:mm:ss)", f"{clock(summary.seconds)} (training {clock(summary.train_seconds)})")
+    setup = max(0.0, summary.seconds - summary.train_seconds)
+    table.add_row("run time (h:mm:ss)", f"{clock(total)}: launch {clock(summary.launch_seconds)}, setup and "
+                  f"evaluations {clock(setup)}, training {clock(summary.train_seconds)}")
     table.add_row("train reward", f"{_fmt(summary.reward_first)} → {_fmt(summary.reward_last)} "
                   "(first → last 20% of steps)")
     prompts = f"{summary.eval_prompts} held-out prompts" if summary.eval_prompts else "no evaluation"

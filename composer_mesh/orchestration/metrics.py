@@ -177,6 +177,7 @@ class RunSummary:
     pass_k: int | None = None  # the k of the evaluations' pass@k (None: greedy only)
     pass_before: float | None = None  # pass@k before training ...
     pass_after: float | None = None  # ... and after
+    launch_seconds: float = 0.0  # launching the meshes, before `seconds` began (set by the runner)
 
     @property
     def samples_per_s(self) -> float:

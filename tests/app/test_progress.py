@@ -100,7 +100,7 @@ def test_plain_lines_also_come_every_so_many_seconds() -> None:
 def test_the_summary_names_its_units_and_fits_80_columns() -> None:
     summary = RunSummary(steps=240, run_dir=Path("runs/local"), reward_first=0.31, reward_last=0.78,
                          eval_before=0.41, eval_after=0.92, dropped_batches=0, dropped_rollouts=0, seconds=312.4,
-                         rollouts_trained=1280, train_seconds=1.65, eval_prompts=64, pass_k=4, pass_before=0.6,
+                         rollouts_trained=1280, train_seconds=1.65, launch_seconds=40.0, eval_prompts=64, pass_k=4, pass_before=0.6,
                          pass_after=0.98)
     out = io.StringIO()
     Console(file=out, width=80).print(summary_table(summary))
@@ -109,4 +109,6 @@ def test_the_summary_names_its_units_and_fits_80_columns() -> None:
     assert "rollouts trained       │ 1,280" in text
     assert "776 rollouts/s (startup excluded)" in text
     assert "0.410 → 0.920 (before → after, 64 held-out prompts)" in text and "held-out pass@4" in text
-    assert "0:05:12" in text and " / " not in text
+    flat = " ".join(text.replace("│", " ").split())  # a value wraps within its cell: join it back
+    assert "0:05:52: launch 0:00:40, setup and evaluations 0:05:11, training 0:00:02" in flat
+    assert "run finished after 0:05:52" in text and " / " not in text
