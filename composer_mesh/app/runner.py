@@ -15,7 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from composer_mesh.app.launch import launch
-from composer_mesh.app.preflight import check_models
+from composer_mesh.app.preflight import check_models, check_rewards
 from composer_mesh.orchestration.checkpoint import (
     CheckpointPolicy,
     RunCheckpointError,
@@ -141,6 +141,7 @@ async def run_topology(topology: Topology, console: Console | None = None, resum
     run with a checkpoint."""
     console = console or Console(stderr=True)
     check_models(topology)
+    check_rewards(topology)
     progress = Progress(
         TextColumn("[bold]train[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
         TextColumn("{task.fields[status]}"), console=console, transient=False,
