@@ -58,7 +58,7 @@ def check_rewards(topology: Topology) -> None:
 
     try:
         source = prompt_source(topology.run)
-    except Exception:  # noqa: BLE001 (a data problem: reported by the data checks, or by the run itself)
+    except Exception:  # a data problem: reported by the data checks, or by the run itself
         return
     try:
         [sample] = source.take(1)

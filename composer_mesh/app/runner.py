@@ -6,7 +6,8 @@ import asyncio
 import contextlib
 import math
 import signal
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -134,6 +135,30 @@ class StopRequests:
             return
 
 
+class RewardFailureNotices:
+    """One console line for a step whose rewards failed (count and a sample error), as it happens: the first
+    such step, then at most one every `every_s` seconds (how many steps had failures in between is said), so a
+    reward failing everywhere shows at once without flooding the console."""
+
+    def __init__(self, console: Console, every_s: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.console, self.every_s, self.clock = console, every_s, clock
+        self._last: float | None = None
+        self._skipped = 0  # steps with failures since the last line
+
+    def __call__(self, record: StepRecord) -> None:
+        if not record.reward_failures:
+            return
+        now = self.clock()
+        if self._last is not None and now - self._last < self.every_s:
+            self._skipped += 1
+            return
+        since = f" ({self._skipped} more step(s) with failures since the last notice)" if self._skipped else ""
+        self.console.print(f"step {record.step}: {record.reward_failures}/{record.rollouts} rollouts' rewards "
+                           f"failed{since}: {record.reward_error}", style="yellow", markup=False, highlight=False,
+                           soft_wrap=True)
+        self._last, self._skipped = now, 0
+
+
 async def run_topology(topology: Topology, console: Console | None = None, resume: ResumePoint | None = None,
                        stops: StopRequests | None = None) -> RunSummary:
     """Check the models (`check_models`), launch every mesh of `topology`, run the loop (from `resume` if
@@ -149,6 +174,7 @@ async def run_topology(topology: Topology, console: Console | None = None, resum
     with progress:
         done = resume.state.step if resume is not None else 0
         task = progress.add_task("train", total=topology.run.steps, completed=done, status="launching meshes…")
+        reward_notices = RewardFailureNotices(progress.console)
 
         def on_step(r: StepRecord) -> None:
             ch = " ".join(f"{k}={_fmt(v)}" for k, v in sorted(r.channels.items()))
@@ -161,6 +187,7 @@ async def run_topology(topology: Topology, console: Console | None = None, resum
             if restarts:
                 status += f" restarts={restarts:.0f} reissued={r.metrics.get('faults/reissued', 0.0):.0f}"
             progress.update(task, completed=r.step, status=status)
+            reward_notices(r)
 
         async with launch(topology) as mesh:
             progress.update(task, status="setting up actors (building models)…")

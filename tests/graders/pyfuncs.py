@@ -125,3 +125,19 @@ def trl_raises(completions, **kwargs):
 
 def two_args(prompt, completion):
     return 1.0
+
+
+def trl_digits(completions, **kwargs):
+    """TRL's signature: the share of digits in each completion (the tiny model writes digits, so > 0)."""
+    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
+
+
+def trl_service_down(completions, **kwargs):
+    """Works on the one-row check before launch, fails on every real batch (a grader service that went away)."""
+    if len(completions) > 1:
+        raise ConnectionError("grader service at localhost:9 refused the connection")
+    return [0.0] * len(completions)
+
+
+def hang_batch(completions, **kwargs):
+    time.sleep(3600)
