@@ -141,8 +141,9 @@ class PythonRewarderSettings(BaseModel):
 
 
 class RewardModelSettings(BaseModel):
-    """A reward model as TRL's GRPOTrainer takes one: a transformers sequence-classification directory whose
-    logits[:, 0] on prompt + completion is the score."""
+    """Settings of the `reward_model` rewarder: a sequence-classification model scoring prompt + completion.
+
+    As TRL's GRPOTrainer takes a reward model: a transformers directory whose logits[:, 0] is the score."""
 
     model_config = ConfigDict(extra="forbid")
 
