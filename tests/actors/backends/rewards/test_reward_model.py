@@ -65,6 +65,16 @@ def test_scores_are_the_models_logit_of_prompt_plus_completion_in_padded_batches
     assert (rewarder.calls, rewarder.failures) == (3, 0)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_on_a_gpu_the_scores_are_the_cpus(model_dir: Path):
+    cpu = resolve_binding("rewarder", "reward_model").build({"path": str(model_dir)})
+    gpu = resolve_binding("rewarder", "reward_model").build({"path": str(model_dir), "device": "cuda"})
+    assert next(gpu.model.parameters()).device.type == "cuda"
+    assert [r.score for r in gpu.score_batch(PAIRS)] == pytest.approx([r.score for r in cpu.score_batch(PAIRS)],
+                                                                      abs=1e-4)
+    gpu.close()
+
+
 def test_a_chat_prompt_is_read_through_the_models_chat_template(model_dir: Path):
     rewarder = resolve_binding("rewarder", "reward_model").build({"path": str(model_dir)})
     chat = Prompt("p0", "3+4=", [], "7", messages=[{"role": "user", "content": "3+4="}])
