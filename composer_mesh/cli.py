@@ -50,14 +50,20 @@ def failure_of(exc: BaseException) -> tuple[int, str] | None:
     import asyncio
 
     from composer_mesh.actors.teacher_errors import TeacherFailed
+    from composer_mesh.app.preflight import RewardPreflightError
     from composer_mesh.mesh.launch import LaunchError, MeshFailureError
     from composer_mesh.orchestration.checkpoint import RunCheckpointError
+    from composer_mesh.orchestration.reward_health import RewardsFailing
     from composer_mesh.topology.yaml_errors import TopologyError
 
     if isinstance(exc, TopologyError):  # every problem with its file:line:column
         return EXIT_INVALID, str(exc)
     if isinstance(exc, TeacherFailed):  # a teacher with `on_failure: stop` was unavailable
         return EXIT_RUN_FAILED, f"composer-mesh: run stopped: {exc}"
+    if isinstance(exc, RewardsFailing):  # every rollout's reward failed in too many steps in a row
+        return EXIT_RUN_FAILED, f"composer-mesh: run stopped: {exc}"
+    if isinstance(exc, RewardPreflightError):  # found before launch: nothing ran
+        return EXIT_INVALID, f"composer-mesh: {exc}"
     if isinstance(exc, RunCheckpointError):  # a checkpoint that is missing, half-written, corrupted or foreign
         return EXIT_INVALID, f"composer-mesh: cannot resume: {exc}"
     if isinstance(exc, MeshFailureError):

@@ -20,7 +20,12 @@ from composer_mesh.actors.backends.generation.config import (
     HFGeneratorSettings,
     VLLMGeneratorSettings,
 )
-from composer_mesh.actors.backends.rewards.config import PYTHON_REWARDER_CAPABILITIES, PythonRewarderSettings
+from composer_mesh.actors.backends.rewards.config import (
+    PYTHON_REWARDER_CAPABILITIES,
+    REWARD_MODEL_CAPABILITIES,
+    PythonRewarderSettings,
+    RewardModelSettings,
+)
 from composer_mesh.actors.backends.teachers.config import (
     HF_TEACHER_CAPABILITIES,
     OPENROUTER_CAPABILITIES,
@@ -85,6 +90,10 @@ ROLE_TABLE: dict[Role, RoleEntry] = {
             "python": BuiltinBinding(
                 "composer_mesh.actors.backends.rewards.rewards:PythonRewarder",
                 PythonRewarderSettings, PYTHON_REWARDER_CAPABILITIES,
+            ),
+            "reward_model": BuiltinBinding(
+                "composer_mesh.actors.backends.rewards.reward_model:RewardModelRewarder",
+                RewardModelSettings, REWARD_MODEL_CAPABILITIES,
             ),
         },
     ),

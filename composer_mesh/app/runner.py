@@ -8,7 +8,7 @@ import contextlib
 import math
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from composer_mesh.app.launch import launch
-from composer_mesh.app.preflight import check_models
+from composer_mesh.app.preflight import check_models, check_rewards
 from composer_mesh.app.progress import clock, open_progress
 from composer_mesh.orchestration.checkpoint import (
     CheckpointPolicy,
@@ -26,7 +26,7 @@ from composer_mesh.orchestration.checkpoint import (
     read_checkpoint,
 )
 from composer_mesh.orchestration.loop import ResumePoint, RLLoop
-from composer_mesh.orchestration.metrics import RunSummary
+from composer_mesh.orchestration.metrics import RunSummary, StepRecord
 from composer_mesh.orchestration.recovery import RestartsExhausted
 from composer_mesh.roles import RoleMesh
 from composer_mesh.topology import Topology, load_topology
@@ -136,6 +136,30 @@ class StopRequests:
             return
 
 
+class RewardFailureNotices:
+    """One console line for a step whose rewards failed (count and a sample error), as it happens: the first
+    such step, then at most one every `every_s` seconds (how many steps had failures in between is said), so a
+    reward failing everywhere shows at once without flooding the console."""
+
+    def __init__(self, console: Console, every_s: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.console, self.every_s, self.clock = console, every_s, clock
+        self._last: float | None = None
+        self._skipped = 0  # steps with failures since the last line
+
+    def __call__(self, record: StepRecord) -> None:
+        if not record.reward_failures:
+            return
+        now = self.clock()
+        if self._last is not None and now - self._last < self.every_s:
+            self._skipped += 1
+            return
+        since = f" ({self._skipped} more step(s) with failures since the last notice)" if self._skipped else ""
+        self.console.print(f"step {record.step}: {record.reward_failures}/{record.rollouts} rollouts' rewards "
+                           f"failed{since}: {record.reward_error}", style="yellow", markup=False, highlight=False,
+                           soft_wrap=True)
+        self._last, self._skipped = now, 0
+
+
 async def run_topology(topology: Topology, console: Console | None = None, resume: ResumePoint | None = None,
                        stops: StopRequests | None = None) -> RunSummary:
     """Check the models (`check_models`), launch every mesh of `topology`, run the loop (from `resume` if
@@ -143,14 +167,21 @@ async def run_topology(topology: Topology, console: Console | None = None, resum
     run with a checkpoint."""
     console = console or Console()
     check_models(topology)
+    check_rewards(topology)
     done = resume.state.step if resume is not None else 0
     with open_progress(console, topology.run.steps, done, topology.run.progress) as progress:
         progress.set_status("launching meshes…")
         started = time.perf_counter()
+        reward_notices = RewardFailureNotices(console)
+
+        def on_step(record: StepRecord) -> None:
+            progress.step(record)
+            reward_notices(record)
+
         async with launch(topology) as mesh:
             launched = time.perf_counter() - started
             progress.set_status("setting up actors (building models)…")
-            loop = RLLoop(mesh, topology.run, topology.loss, progress=progress.step,
+            loop = RLLoop(mesh, topology.run, topology.loss, progress=on_step,
                           checkpoints=checkpoint_policy(topology), resume=resume, diloco=topology.diloco,
                           events=progress.event)
             watcher = None

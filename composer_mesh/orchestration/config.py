@@ -120,6 +120,11 @@ class RunConfig(BaseModel):
         "after one died (kill -9, OOM) before the run stops with a checkpoint. The trainer is never replaced: its "
         "death stops the run, and `--resume` continues from the last checkpoint."
     )
+    stop_after_failed_reward_steps: int = Field(
+        3, ge=0, description="Stop the run (exit 3, naming the reward function and its last error) once every "
+        "rollout's reward failed in this many consecutive steps: a reward that fails everywhere trains on nothing "
+        "but `failure_score`. 0: never stop for it."
+    )
     eval_prompts: int = Field(
         64, ge=0, description="Held-out prompts (the prompt source's eval set, never trained on) evaluated before "
         "and after training and every `eval_every` steps (0: no evaluation).")

@@ -3,7 +3,8 @@ overlap over the launched role actors, paced by the policy-lag bound (`schedule.
 
 `RLLoop` only wires components, each in a file with its own small config: the rollout driver (`rollout/`),
 scoring and teacher signals (`scoring.py`), the train pipeline (`pipeline.py`), checkpoint commits
-(`commits.py`), evaluation (`evaluation.py`), the step recorder (`recorder.py`), warm spares (`spares.py`) and
+(`commits.py`), evaluation (`evaluation.py`), the step recorder (`recorder.py`), the reward-failure stop
+(`reward_health.py`), warm spares (`spares.py`) and
 resume (`resume.py`); they reach the roles through `ports.py`'s protocols (over the meshes: `mesh_ports.py`).
 """
 
@@ -36,6 +37,7 @@ from composer_mesh.orchestration.plotting import plot_run
 from composer_mesh.orchestration.prompts import PromptSource, prompt_source
 from composer_mesh.orchestration.replicas import TrainerReplicas
 from composer_mesh.orchestration.resume import ResumePoint, RunState
+from composer_mesh.orchestration.reward_health import RewardHealth, RewardHealthConfig
 from composer_mesh.orchestration.rollout import single_turn
 from composer_mesh.orchestration.rollout.base import RolloutFactory, RolloutServices
 from composer_mesh.orchestration.schedule import StepScheduler, StepTimes
@@ -185,8 +187,10 @@ class RLLoop:
         sources = records.RecordSources(lambda: self.scoring.traces_scored, lambda: self.scoring.teacher_usage,
                                         self.recovery.metrics, lambda: self.gate.dropped_batches)
         recorder = records.StepRecorder(writer, schedule, sources, t_start, self.commits.recorded, self.progress)
+        health = RewardHealth(RewardHealthConfig.of(self.cfg))  # raises RewardsFailing: the run stops
         return PipelineHooks(
-            record=recorder.write, wrote=self.commits.wrote, finish=self.commits.finish,
+            record=lambda done: health.observe(recorder.write(done)), wrote=self.commits.wrote,
+            finish=self.commits.finish,
             checkpoint=lambda step: self.commits.take(self.state.capture(step, schedule, writer.tracker_ids), writer),
             synced=lambda step: self.evaluator.synced(step, writer),
         )

@@ -31,6 +31,8 @@ class StepRecord:
     timing: dict[str, float] = field(default_factory=dict)  # where the step's time went (see `recorder.StepRecorder`)
     metrics: dict[str, float] = field(default_factory=dict)
     prompts: list[str] = field(default_factory=list)  # ids of the prompts trained on, in batch order
+    reward_failures: int = 0  # rollouts trained on whose reward failed (`RewardResult.ok` false)
+    reward_error: str = ""  # the first of those failures' errors, e.g. "reward function 'f' raised KeyError: 'x'"
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__, sort_keys=True)

@@ -51,9 +51,10 @@ class StepRecorder:
     _last_trained_s: float | None = field(default=None, init=False)  # when the previous step's answer arrived
     _idle_seen: float = field(default=0.0, init=False)  # generator idle seconds already reported
 
-    def write(self, done: StepDone) -> None:
-        """The step's record: its trainer time is the trainer's own (`train_step_s`, reported by the trainer);
-        the rest of the time since the previous step finished training is the trainer's idle time."""
+    def write(self, done: StepDone) -> StepRecord:
+        """The step's record (returned once written): its trainer time is the trainer's own (`train_step_s`,
+        reported by the trainer); the rest of the time since the previous step finished training is the
+        trainer's idle time."""
         assert done.metrics is not None
         times, schedule = done.plan.times, self.schedule
         train_s = done.metrics.metrics.get("train_step_s", 0.0)
@@ -74,10 +75,14 @@ class StepRecorder:
                  "sampling/generators": float(len({r.generator for r in rollouts})), **self.sources.faults()}
         record = self._record(done, since, timing, extra, len(rollouts))
         record.prompts = [g.group.prompt.prompt_id for b in done.batches for g in b.groups]
+        failed = [rw.error or "(no error given)" for b in done.batches for g in b.groups for rw in g.rewards
+                  if not rw.ok]
+        record.reward_failures, record.reward_error = len(failed), failed[0] if failed else ""
         self.writer.write(record)
         self.recorded(done.step)
         if self.progress is not None:
             self.progress(record)
+        return record
 
     def _record(self, done: StepDone, step_s: float, timing: dict[str, float], extra_metrics: dict[str, float],
                 rollouts: int) -> StepRecord:

@@ -9,6 +9,10 @@ A worker is a fresh interpreter (`python -m composer_mesh.actors.backends.reward
 the rewarder's process runs threads (Monarch's and ours), and forking a threaded process can hand the child
 a lock some other thread held. Unlike multiprocessing's `spawn` and `forkserver`, it does not re-run the
 parent's `__main__`. Calls and answers cross its stdin/stdout as JSON lines; a function's prints go to stderr.
+
+A call is one of two kinds (`config.reward_style`): a per-rollout call `fn(prompt, completion, answer)` answered
+by one number or None, or a batched call with TRL's keyword arguments answered by a list of them, one per
+completion. The worker checks what came back, so a wrong return is that call's failure, naming what it was.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
+import numbers
 import os
 import queue
 import selectors
@@ -39,13 +44,22 @@ class CallFailed(Exception):
     """A call that gave no number: it raised, timed out, or its worker died. The message says which."""
 
 
+Score = float | None  # None: the function gave no score for this rollout ("not mine", as TRL's None)
+
+
 @dataclass
 class _Call:
     path: str
-    args: tuple[str, str, str | None]
+    args: tuple[str, str, str | None]  # per rollout: (prompt, completion, answer)
     timeout_s: float
     extra: dict[str, Any] = field(default_factory=dict)  # the prompt's extra data columns (`run.data.extra`)
-    future: Future[float] = field(default_factory=Future)
+    batch: dict[str, Any] | None = None  # batched: TRL's keyword arguments, each a list with one entry per rollout
+    future: Future[Any] = field(default_factory=Future)  # a `Score`, or a list of them for a batched call
+
+    def request(self) -> dict[str, Any]:
+        if self.batch is not None:
+            return {"path": self.path, "batch": self.batch}
+        return {"path": self.path, "args": self.args, "extra": self.extra}
 
 
 class _Worker:
@@ -81,17 +95,18 @@ class _Worker:
             self.stop()
             raise CallFailed(f"its worker could not start: {answer['error']}")
 
-    def call(self, call: _Call) -> float:
-        """Run `call`; raises `CallFailed` for an exception, a timeout or a dead worker."""
+    def call(self, call: _Call) -> Any:
+        """Run `call`: its `Score` (a list of them for a batched call); raises `CallFailed` for an exception, a
+        wrong return, a timeout or a dead worker."""
         try:
-            self._in.write(json.dumps({"path": call.path, "args": call.args, "extra": call.extra}).encode() + b"\n")
+            self._in.write(json.dumps(call.request()).encode() + b"\n")
             self._in.flush()
         except OSError:
             raise CallFailed(self._died()) from None
         answer = self._answer(call.timeout_s, timeout_error=f"timed out after {call.timeout_s:g}s")
         if "error" in answer:
             raise CallFailed(answer["error"])
-        return float(answer["value"])
+        return answer["value"]
 
     def _answer(self, timeout_s: float, timeout_error: str) -> dict[str, Any]:
         """The worker's next answer line, read within `timeout_s`."""
@@ -168,10 +183,17 @@ class FunctionPool:
             thread.start()
 
     def submit(self, path: str, args: tuple[str, str, str | None], timeout_s: float,
-               extra: dict[str, Any] | None = None) -> Future[float]:
+               extra: dict[str, Any] | None = None) -> Future[Score]:
         """Score `fn(prompt, completion, answer)` in a worker; a function with an `extra` parameter (or
         `**kwargs`) also gets `extra=` the prompt's extra data columns."""
-        call = _Call(path, args, timeout_s, extra or {})
+        return self._put(_Call(path, args, timeout_s, extra or {}))
+
+    def submit_batch(self, path: str, kwargs: dict[str, list[Any]], timeout_s: float) -> Future[list[Score]]:
+        """Score a whole batch with one call `fn(**kwargs)` (TRL's signature) in a worker: a list of one `Score`
+        per completion (`kwargs["completions"]`), else `CallFailed` saying what came back."""
+        return self._put(_Call(path, ("", "", None), timeout_s, batch=kwargs))
+
+    def _put(self, call: _Call) -> Future[Any]:
         with self._lock:
             if self._closed:
                 raise RuntimeError("the reward function pool is closed")
@@ -256,14 +278,50 @@ def _worker_main(lifeline: int, paths: list[str]) -> None:
     _send(answers, {"ready": True})
     for line in requests:
         request = json.loads(line)
-        _send(answers, _run_call(functions[request["path"]], request["args"], request.get("extra") or {}))
+        fn = functions[request["path"]]
+        if "batch" in request:
+            _send(answers, _run_batch(fn, request["batch"]))
+        else:
+            _send(answers, _run_call(fn, request["args"], request.get("extra") or {}))
 
 
 def _run_call(fn: Any, args: list[Any], extra: dict[str, Any]) -> dict[str, Any]:
     try:
-        return {"value": float(fn(*args, extra=extra) if extra and _takes_extra(fn) else fn(*args))}
+        value = fn(*args, extra=extra) if extra and _takes_extra(fn) else fn(*args)
     except BaseException as e:  # SystemExit and KeyboardInterrupt too: the call failed, the worker is fine
         return {"error": f"raised {_describe(e)}"}
+    if not _is_score(value):
+        return {"error": f"returned {_show(value)}, expected a number (or None: no score)"}
+    return {"value": None if value is None else float(value)}
+
+
+def _run_batch(fn: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """One batched call; its answer must be a sequence of numbers or None, one per completion."""
+    n = len(kwargs["completions"])
+    try:
+        values = fn(**kwargs)
+    except BaseException as e:
+        return {"error": f"raised {_describe(e)}"}
+    if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__len__") or not hasattr(values, "__iter__"):
+        return {"error": f"returned {_show(values)}, expected a list of {n} numbers (or None), one per completion"}
+    values = list(values)
+    if len(values) != n:
+        return {"error": f"returned {len(values)} scores for a batch of {n} completions"}
+    for i, value in enumerate(values):
+        if not _is_score(value):
+            return {"error": f"returned {_show(value)} at index {i}, expected a number (or None: no score)"}
+    return {"value": [None if v is None else float(v) for v in values]}
+
+
+def _is_score(value: Any) -> bool:
+    """None, or a number (bool, numpy and 0-d tensor scalars too: whatever TRL's `torch.tensor` takes)."""
+    if value is None or isinstance(value, numbers.Real):
+        return True
+    return hasattr(type(value), "__float__") and getattr(value, "ndim", 0) == 0
+
+
+def _show(value: Any) -> str:
+    return f"{type(value).__name__} {value!r}"[:80]
 
 
 def _takes_extra(fn: Any) -> bool:

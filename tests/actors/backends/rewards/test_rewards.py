@@ -138,7 +138,7 @@ def test_raising_or_nan_function_is_a_scored_failure_and_others_still_count():
     assert not res.ok
     assert "reward function 'broken' raised KeyError: 'no such field'" in res.error
     assert "reward function 'not_finite' returned nan" in res.error
-    assert "reward function 'not_a_number' raised TypeError: float() argument" in res.error
+    assert "reward function 'not_a_number' returned dict {'score': 1.0}, expected a number" in res.error
     assert res.components["exact_match"] == 1.0 and res.score == 1.0
     assert r.failures == 1 and r.calls == 1
 
@@ -315,3 +315,78 @@ async def test_real_rewarder_actor_scores_a_hang_and_a_crash_and_stops_its_worke
     assert workers and all(alive(p) for p in workers)
     await actor.stop()
     assert wait_gone(workers) == []
+
+
+# ---- the two signatures: per rollout, and TRL's batched one ---------------------------------------------------
+
+def chat_prompt(answer: str = "7") -> Prompt:
+    return Prompt(prompt_id="p1", text="user: 3+4=", token_ids=[], answer=answer,
+                  messages=[{"role": "system", "content": "add"}, {"role": "user", "content": "3+4="}])
+
+
+def test_signature_is_read_at_load_time_and_a_misfit_named_in_one_line():
+    from composer_mesh.actors.backends.rewards.config import FunctionReward
+
+    assert FunctionReward(path="graders.pyfuncs:trl_reward").style == "batch"
+    assert FunctionReward(path="graders.pyfuncs:trl_needs_column").style == "batch"
+    assert FunctionReward(path="graders.pyfuncs:unit_bonus").style == "rollout"
+    assert FunctionReward(path="composer_mesh.tasks.arithmetic:exact_match").style == "rollout"
+    with pytest.raises(ValidationError, match=r"reward function 'graders.pyfuncs:two_args' fits neither signature: "
+                       r"fn\(prompt, completion, answer\) -> float \(one rollout\) or TRL's fn\(completions, "
+                       r"\*\*kwargs\) -> list\[float\] \(one batch\)") as e:
+        PythonRewarderSettings(functions=[{"path": "graders.pyfuncs:two_args"}])
+    assert "\n" not in str(e.value.errors()[0]["msg"])
+
+
+def test_trl_batched_function_scores_every_rollout_of_a_batch_in_one_call():
+    """The function of issue 25, `def reward(completions, **kwargs)`: it used to fail on every rollout."""
+    r = make(functions=[{"path": "graders.pyfuncs:trl_reward"},
+                        {"path": "graders.pyfuncs:trl_batch_size", "weight": 0}], workers=4)
+    other = Prompt(prompt_id="p2", text="2+2=", token_ids=[], answer="4")
+    results = r.score_batch([(PROMPT, rollout("7;")), (PROMPT, rollout("8;")), (other, rollout("4;"))])
+    assert [x.ok for x in results] == [True, True, True], [x.error for x in results]
+    assert [x.score for x in results] == [1.0, 0.0, 1.0]
+    assert [x.components["trl_batch_size"] for x in results] == [3.0] * 3  # one call for the whole batch
+
+
+def test_trl_arguments_carry_prompts_completion_ids_and_data_columns():
+    r = make(functions=[{"path": "graders.pyfuncs:trl_sees"}, {"path": "graders.pyfuncs:trl_chat", "weight": 0}])
+    prompt = Prompt(prompt_id="p0", text="3+4=", token_ids=[], answer="7", extra={"unit": "kg"})
+    ro = Rollout(prompt_id="p0", prompt_ids=[1], completion_ids=[5, 6, 7], logprobs=[0.0] * 3, weight_version=0,
+                 text="7;")
+    [res] = r.score_batch([(prompt, ro)])
+    assert res.score == len("3+4=") + 3 + len("kg")
+    [chat] = r.score_batch([(chat_prompt(), rollout("7;"))])  # conversational: messages in, messages out
+    assert chat.components["trl_chat"] == 2.0 + 1.0
+
+
+def test_none_is_no_score_from_that_function_and_all_none_is_a_failure():
+    r = make(functions=[{"path": "graders.pyfuncs:trl_only_sevens"}, {"path": "graders.pyfuncs:length_bonus",
+                                                                      "weight": 2.0}])
+    other = Prompt(prompt_id="p2", text="2+2=", token_ids=[], answer="4")
+    seven, four = r.score_batch([(PROMPT, rollout("7;")), (other, rollout("4;"))])
+    assert seven.ok and seven.score == 1.0 + 2 * 0.5 and seven.components == {"trl_only_sevens": 1.0,
+                                                                              "length_bonus": 0.5}
+    assert four.ok and four.score == 2 * 0.5 and four.components == {"length_bonus": 0.5}  # left out of the sum
+    nobody = make(functions=[{"path": "graders.pyfuncs:never_mine"}, {"path": "graders.pyfuncs:trl_only_sevens"}],
+                  failure_score=-1.0)
+    [res] = nobody.score_batch([(other, rollout("4;"))])
+    assert not res.ok and res.score == -1.0
+    assert res.error == "no score: every reward function returned None (never_mine, trl_only_sevens)"
+
+
+@pytest.mark.parametrize(("path", "error"), [
+    ("trl_short", "reward function 'trl_short' returned 1 scores for a batch of 2 completions"),
+    ("trl_text", "reward function 'trl_text' returned str 'high' at index 0, expected a number (or None: no score)"),
+    ("trl_scalar", "reward function 'trl_scalar' returned float 1.0, expected a list of 2 numbers (or None), one "
+                   "per completion"),
+    ("trl_raises", "reward function 'trl_raises' raised ValueError: always"),
+    ("trl_needs_column", "reward function 'trl_needs_column' raised TypeError: trl_needs_column() missing 1 "
+                         "required positional argument: 'solution'"),
+    ("not_a_number", "reward function 'not_a_number' returned dict {'score': 1.0}, expected a number (or None: no "
+                     "score)"),
+])
+def test_a_wrong_return_fails_every_rollout_of_the_call_naming_the_function(path: str, error: str):
+    r = make(functions=[{"path": f"graders.pyfuncs:{path}"}])
+    results = r.score_batch([(PROMPT, rollout("7;")), (PROMPT, rollout("8;"))])
+    assert [(x.ok, x.error) for x in results] == [(False, error)] * 2
