@@ -103,17 +103,38 @@ def report_failure(exc: BaseException, debug: bool = False) -> int:
     return code
 
 
+# ---- --set (validate, plan, run, eval) ---------------------------------------------------------------------
+
+
+def _add_set_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--set", action="append", type=_override, default=[], metavar="KEY=VALUE", dest="set",
+        help="override a topology field, e.g. --set run.steps=20 --set model.warmstart=null (repeatable; the "
+        "value is YAML: 3, true, null, [a, b], {x: 1}); validated like the file, errors name the --set key",
+    )
+
+
+def _override(text: str) -> object:
+    from composer_mesh.topology.overrides import Override, OverrideSyntaxError
+
+    try:
+        return Override.parse(text)
+    except OverrideSyntaxError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 # ---- validate ---------------------------------------------------------------------------------------------
 
 
 def _validate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", help="topology YAML file")
+    _add_set_argument(p)
 
 
 def _validate(args: argparse.Namespace) -> int:
     from composer_mesh.topology import load_topology
 
-    topology = load_topology(args.file)
+    topology = load_topology(args.file, args.set)
     print(f"ok: {args.file}: {topology.summary()}")
     return EXIT_OK
 
@@ -123,6 +144,7 @@ def _validate(args: argparse.Namespace) -> int:
 
 def _plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", help="topology YAML file")
+    _add_set_argument(p)
     p.add_argument(
         "--prices",
         metavar="PRICES.yaml",
@@ -137,7 +159,7 @@ def _plan(args: argparse.Namespace) -> int:
     errors: list[TopologyError] = []
     topology = prices = None
     try:
-        topology = load_topology(args.file)
+        topology = load_topology(args.file, args.set)
     except TopologyError as e:
         errors.append(e)
     if args.prices is not None:
@@ -157,6 +179,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", help="topology YAML file")
+    _add_set_argument(p)
     p.add_argument("--steps", type=_positive_int, help="override run.steps")
     p.add_argument("--run-dir", help="override run.run_dir (metrics.jsonl, plot.png, checkpoint/)")
     p.add_argument(
@@ -181,7 +204,8 @@ def _run(args: argparse.Namespace) -> int:
 
     resume = f"resume with: composer-mesh run {args.file}{f' --run-dir {args.run_dir}' if args.run_dir else ''} --resume"
     try:
-        summary, cause = run_main(args.file, steps=args.steps, run_dir=args.run_dir, resume=args.resume)
+        summary, cause = run_main(args.file, steps=args.steps, run_dir=args.run_dir, resume=args.resume,
+                                  overrides=args.set)
     except Exception as e:  # a failed run that left a checkpoint says how to continue, after its message
         checkpoint = getattr(e, "checkpoint", None)
         if checkpoint is not None:
