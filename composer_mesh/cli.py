@@ -218,6 +218,33 @@ def _run(args: argparse.Namespace) -> int:
     return _STOP_EXIT.get(cause, EXIT_RUN_FAILED)
 
 
+# ---- eval -------------------------------------------------------------------------------------------------
+
+
+def _eval_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("file", help="topology YAML file (its held-out set, sampling, rewards and meshes)")
+    p.add_argument(
+        "--checkpoint", metavar="PATH",
+        help="what to score: a model directory (a run's final checkpoint/, any save_pretrained directory), or a "
+        "full run checkpoint as --resume takes it (a step directory, a checkpoints directory or a run directory: "
+        "its newest); default: the topology's initial policy",
+    )
+    p.add_argument("--output", metavar="FILE", help="append the JSON line to FILE instead of printing it on stdout")
+    _add_set_argument(p)
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from composer_mesh.app.evaluate import main as eval_main
+    from composer_mesh.orchestration.checkpoint import RunCheckpointError
+
+    try:
+        eval_main(args.file, args.checkpoint, args.set, args.output)
+    except RunCheckpointError as e:  # not "cannot resume", as failure_of says it for `run`
+        print(f"composer-mesh: cannot evaluate --checkpoint {args.checkpoint}: {e}", file=sys.stderr)
+        return EXIT_INVALID
+    return EXIT_OK
+
+
 COMMANDS: list[Command] = [
     Command(
         "validate",
@@ -232,6 +259,8 @@ COMMANDS: list[Command] = [
         _plan,
     ),
     Command("run", "launch every mesh of a topology and run the built-in RL loop", _run_args, _run),
+    Command("eval", "score a checkpoint (or the initial policy) on the held-out set, greedy and pass@k, without "
+            "training", _eval_args, _eval),
 ]
 
 
