@@ -83,3 +83,11 @@ def test_run_flags_are_overrides_applied_after_set() -> None:
     topo = load_topology(TINY, [*_sets("run.steps=5", "run.run_dir=a"), *flag_overrides(8, "b/c")])
     assert topo.run.steps == 8 and str(topo.run.run_dir) == "b/c"
     assert load_topology(TINY, flag_overrides(None, "123")).run.run_dir == Path("123")  # a name, not a number
+
+
+def test_a_value_given_twice_is_copied_not_shared() -> None:
+    lora = {"r": 4}
+    sets = [Override("roles.trainer.settings.lora", lora), Override("roles.trainer.settings.lora.r", 2)]
+    assert load_topology(TINY, sets).trainer.settings.lora.r == 2
+    assert lora == {"r": 4}  # the override's own value is untouched: the next load sees it as given
+    assert load_topology(TINY, sets[:1]).trainer.settings.lora.r == 4

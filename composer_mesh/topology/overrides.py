@@ -11,6 +11,7 @@ never at the line of the file it replaced. The value itself is never echoed (it 
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -77,7 +78,7 @@ def _apply_one(data: dict[str, Any], override: Override) -> Loc:
         container, el = _step(node, part, override, walked)
         walked.append(el)
         if i == len(parts) - 1:
-            container[el] = override.value
+            container[el] = copy.deepcopy(override.value)  # later overrides edit the document, not the value
             break
         if isinstance(container, dict) and container.get(el) is None:
             container[el] = {}
