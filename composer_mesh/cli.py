@@ -20,6 +20,10 @@ import sys
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from composer_mesh.topology.overrides import Override
 
 EXIT_OK = 0
 EXIT_INVALID = 1  # a topology / price file that is missing, unreadable, not UTF-8, not YAML or not valid
@@ -114,7 +118,7 @@ def _add_set_argument(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _override(text: str) -> object:
+def _override(text: str) -> Override:
     from composer_mesh.topology.overrides import Override, OverrideSyntaxError
 
     try:
@@ -203,6 +207,7 @@ def _run(args: argparse.Namespace) -> int:
     from composer_mesh.app.runner import main as run_main
 
     resume = f"resume with: composer-mesh run {args.file}{f' --run-dir {args.run_dir}' if args.run_dir else ''} --resume"
+    resume += " and the same --set options" if args.set else ""  # not repeated: a value may be a secret
     try:
         summary, cause = run_main(args.file, steps=args.steps, run_dir=args.run_dir, resume=args.resume,
                                   overrides=args.set)

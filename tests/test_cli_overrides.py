@@ -64,6 +64,8 @@ def test_validate_exits_1_naming_the_key_and_never_echoes_the_value(capsys: pyte
     assert main(["validate", str(LOCAL), "--set", "run.steps=12"]) == EXIT_OK
     assert main(["plan", str(LOCAL), "--set", "run.stepz=1"]) == EXIT_INVALID
     assert "--set run.stepz: unknown key" in capsys.readouterr().err
+    assert main(["run", str(TINY), "--set", "run.max_policy_lag=-1"]) == EXIT_INVALID  # before anything launches
+    assert "--set run.max_policy_lag: Input should be greater than or equal to 0" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("text", ["run.steps", "=3", "run..steps=3", "run.steps=[1", "run.steps=sk-x: {"])
