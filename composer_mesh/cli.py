@@ -239,6 +239,7 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
 
 
 def _eval(args: argparse.Namespace) -> int:
+    from composer_mesh.app.evaluate import NothingToEvaluate
     from composer_mesh.app.evaluate import main as eval_main
     from composer_mesh.orchestration.checkpoint import RunCheckpointError
 
@@ -246,6 +247,9 @@ def _eval(args: argparse.Namespace) -> int:
         eval_main(args.file, args.checkpoint, args.set, args.output)
     except RunCheckpointError as e:  # not "cannot resume", as failure_of says it for `run`
         print(f"composer-mesh: cannot evaluate --checkpoint {args.checkpoint}: {e}", file=sys.stderr)
+        return EXIT_INVALID
+    except NothingToEvaluate as e:
+        print(f"composer-mesh: {args.file}: {e}", file=sys.stderr)
         return EXIT_INVALID
     return EXIT_OK
 

@@ -47,6 +47,10 @@ from composer_mesh.topology import Topology, load_topology
 from composer_mesh.topology.overrides import Override
 
 
+class NothingToEvaluate(ValueError):
+    """`run.eval_prompts` is 0: the held-out set is empty."""
+
+
 @dataclass(frozen=True)
 class EvalTarget:
     """What `--checkpoint PATH` names: `kind` is "initial" (no path), "model" (a save_pretrained directory) or
@@ -163,6 +167,8 @@ def main(path: str, checkpoint: str | None, overrides: Sequence[Override] = (), 
     """`composer-mesh eval`: a table on stderr and one JSON line on stdout (or appended to `output`)."""
     target = EvalTarget.of(checkpoint)
     topology = load_topology(path, [*overrides, *target.overrides()])
+    if topology.run.eval_prompts == 0:
+        raise NothingToEvaluate("run.eval_prompts is 0: no held-out prompt to score (--set run.eval_prompts=N)")
     if target.url is not None:  # the checkpoint must be of this topology's model (the rest may differ: lr, eval size)
         saved = read_checkpoint(target.url).fingerprint
         check_fingerprint(target.url, {"model": saved.get("model")}, {"model": topology.training_fingerprint()["model"]})

@@ -70,6 +70,8 @@ def test_a_path_that_is_no_checkpoint_is_one_line_exit_1(tmp_path: Path, capsys:
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert main(["eval", str(TOPOLOGY), "--set", "run.eval_promptz=3"]) == EXIT_INVALID
     assert "--set run.eval_promptz: unknown key" in capsys.readouterr().err
+    assert main(["eval", str(TOPOLOGY), "--set", "run.eval_prompts=0"]) == EXIT_INVALID
+    assert "run.eval_prompts is 0: no held-out prompt to score" in capsys.readouterr().err
 
 
 def test_a_model_directory_is_the_policy_as_it_is(tmp_path: Path) -> None:
