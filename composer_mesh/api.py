@@ -44,6 +44,7 @@ from composer_mesh.orchestration.schedule import Chunk, GroupResult, StepSchedul
 from composer_mesh.orchestration.scoring import merge_signals
 from composer_mesh.roles import ROLES, Role, RoleMesh
 from composer_mesh.topology import Topology, TopologyError, load_topology
+from composer_mesh.topology.overrides import Override
 
 __all__ = [
     "ROLES",
@@ -56,6 +57,7 @@ __all__ = [
     "LaunchError",
     "LossConfig",
     "MeshFailureError",
+    "Override",
     "Prompt",
     "PromptSource",
     "RLLoop",

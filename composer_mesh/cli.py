@@ -20,6 +20,10 @@ import sys
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from composer_mesh.topology.overrides import Override
 
 EXIT_OK = 0
 EXIT_INVALID = 1  # a topology / price file that is missing, unreadable, not UTF-8, not YAML or not valid
@@ -109,17 +113,38 @@ def report_failure(exc: BaseException, debug: bool = False) -> int:
     return code
 
 
+# ---- --set (validate, plan, run, eval) ---------------------------------------------------------------------
+
+
+def _add_set_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--set", action="append", type=_override, default=[], metavar="KEY=VALUE", dest="set",
+        help="override a topology field, e.g. --set run.steps=20 --set model.warmstart=null (repeatable; the "
+        "value is YAML: 3, true, null, [a, b], {x: 1}); validated like the file, errors name the --set key",
+    )
+
+
+def _override(text: str) -> Override:
+    from composer_mesh.topology.overrides import Override, OverrideSyntaxError
+
+    try:
+        return Override.parse(text)
+    except OverrideSyntaxError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 # ---- validate ---------------------------------------------------------------------------------------------
 
 
 def _validate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", help="topology YAML file")
+    _add_set_argument(p)
 
 
 def _validate(args: argparse.Namespace) -> int:
     from composer_mesh.topology import load_topology
 
-    topology = load_topology(args.file)
+    topology = load_topology(args.file, args.set)
     print(f"ok: {args.file}: {topology.summary()}")
     return EXIT_OK
 
@@ -129,6 +154,7 @@ def _validate(args: argparse.Namespace) -> int:
 
 def _plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", help="topology YAML file")
+    _add_set_argument(p)
     p.add_argument(
         "--prices",
         metavar="PRICES.yaml",
@@ -159,7 +185,7 @@ def _plan(args: argparse.Namespace) -> int:
     errors: list[TopologyError] = []
     topology = prices = None
     try:
-        topology = load_topology(args.file)
+        topology = load_topology(args.file, args.set)
     except TopologyError as e:
         errors.append(e)
     if args.prices is not None:
@@ -179,6 +205,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", help="topology YAML file")
+    _add_set_argument(p)
     p.add_argument("--steps", type=_positive_int, help="override run.steps")
     p.add_argument("--run-dir", help="override run.run_dir (metrics.jsonl, plot.png, checkpoint/)")
     p.add_argument(
@@ -202,8 +229,10 @@ def _run(args: argparse.Namespace) -> int:
     from composer_mesh.app.runner import main as run_main
 
     resume = f"resume with: composer-mesh run {args.file}{f' --run-dir {args.run_dir}' if args.run_dir else ''} --resume"
+    resume += " and the same --set options" if args.set else ""  # not repeated: a value may be a secret
     try:
-        summary, cause = run_main(args.file, steps=args.steps, run_dir=args.run_dir, resume=args.resume)
+        summary, cause = run_main(args.file, steps=args.steps, run_dir=args.run_dir, resume=args.resume,
+                                  overrides=args.set)
     except Exception as e:  # a failed run that left a checkpoint says how to continue, after its message
         checkpoint = getattr(e, "checkpoint", None)
         if checkpoint is not None:
@@ -214,6 +243,37 @@ def _run(args: argparse.Namespace) -> int:
     print(f"composer-mesh: stopped ({summary.stopped}); the full checkpoint is {summary.checkpoint}\n{resume}",
           file=sys.stderr)
     return _STOP_EXIT.get(cause, EXIT_RUN_FAILED)
+
+
+# ---- eval -------------------------------------------------------------------------------------------------
+
+
+def _eval_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("file", help="topology YAML file (its held-out set, sampling, rewards and meshes)")
+    p.add_argument(
+        "--checkpoint", metavar="PATH",
+        help="what to score: a model directory (a run's final checkpoint/, any save_pretrained directory), or a "
+        "full run checkpoint as --resume takes it (a step directory, a checkpoints directory or a run directory: "
+        "its newest); default: the topology's initial policy",
+    )
+    p.add_argument("--output", metavar="FILE", help="append the JSON line to FILE instead of printing it on stdout")
+    _add_set_argument(p)
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from composer_mesh.app.evaluate import NothingToEvaluate
+    from composer_mesh.app.evaluate import main as eval_main
+    from composer_mesh.orchestration.checkpoint import RunCheckpointError
+
+    try:
+        eval_main(args.file, args.checkpoint, args.set, args.output)
+    except RunCheckpointError as e:  # not "cannot resume", as failure_of says it for `run`
+        print(f"composer-mesh: cannot evaluate --checkpoint {args.checkpoint}: {e}", file=sys.stderr)
+        return EXIT_INVALID
+    except NothingToEvaluate as e:
+        print(f"composer-mesh: {args.file}: {e}", file=sys.stderr)
+        return EXIT_INVALID
+    return EXIT_OK
 
 
 COMMANDS: list[Command] = [
@@ -230,6 +290,8 @@ COMMANDS: list[Command] = [
         _plan,
     ),
     Command("run", "launch every mesh of a topology and run the built-in RL loop", _run_args, _run),
+    Command("eval", "score a checkpoint (or the initial policy) on the held-out set, greedy and pass@k, without "
+            "training", _eval_args, _eval),
 ]
 
 

@@ -26,7 +26,7 @@ class Prompt:
 
     prompt_id: str
     text: str
-    token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)  # empty: the model's tokenizer encodes text (or messages)
     answer: str | None = None
     messages: list[dict[str, str]] | None = None
     extra: dict[str, Any] = field(default_factory=dict)

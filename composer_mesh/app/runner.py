@@ -8,7 +8,7 @@ import contextlib
 import math
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ from composer_mesh.orchestration.metrics import RunSummary, StepRecord
 from composer_mesh.orchestration.recovery import RestartsExhausted
 from composer_mesh.roles import RoleMesh
 from composer_mesh.topology import Topology, load_topology
+from composer_mesh.topology.overrides import Override
 
 
 def _fmt(x: float) -> str:
@@ -238,13 +239,21 @@ def print_summary(summary: RunSummary, console: Console) -> None:
     console.print(summary_table(summary))
 
 
-def main(path: str, steps: int | None = None, run_dir: str | None = None,
-         resume: str | bool = False) -> tuple[RunSummary, str | None]:
+def flag_overrides(steps: int | None, run_dir: str | None) -> list[Override]:
+    """`--steps N` / `--run-dir DIR` as the `--set run.steps=N` / `--set run.run_dir=DIR` they stand for (the
+    directory kept a string, not read as YAML)."""
+    return ([Override("run.steps", steps)] if steps is not None else []) + (
+        [Override("run.run_dir", run_dir)] if run_dir is not None else [])
+
+
+def main(path: str, steps: int | None = None, run_dir: str | None = None, resume: str | bool = False,
+         overrides: Sequence[Override] = ()) -> tuple[RunSummary, str | None]:
     """`composer-mesh run`: the summary, and what stopped the run early (a signal's name, "slurm") or None.
 
-    `resume`: True for the newest checkpoint of the run, or a checkpoint / run directory path."""
+    `resume`: True for the newest checkpoint of the run, or a checkpoint / run directory path. `overrides`: the
+    `--set` fields (`--steps` and `--run-dir` are applied after them)."""
     console = Console()
-    topology = apply_overrides(load_topology(path), steps, Path(run_dir) if run_dir else None)
+    topology = load_topology(path, [*overrides, *flag_overrides(steps, run_dir)])
     point = resume_point(topology, resume if isinstance(resume, str) else None) if resume else None
 
     async def session() -> tuple[RunSummary, str | None]:

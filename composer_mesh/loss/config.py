@@ -53,7 +53,8 @@ class LossConfig(BaseModel):
     alpha_sdpo: float = Field(
         1.0,
         description="Weight of channel 2 (self-distillation divergence to a teacher distribution). "
-        "0 switches the channel off globally; it is also off for a batch without teacher inputs.",
+        "0 switches the channel off globally; it is also off for a batch without teacher inputs (a script's "
+        "TrainBatch with no distributions at all gets a TeacherSignalsMissing warning).",
     )
     beta_replay: float = Field(
         1.0,

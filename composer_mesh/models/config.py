@@ -25,6 +25,8 @@ from pydantic import (
     model_validator,
 )
 
+from composer_mesh.tasks.data import DataConfig
+
 DType = Literal["float32", "bfloat16", "float16"]
 LoraSync = Literal["merged", "adapter"]
 
@@ -34,7 +36,8 @@ MATERIALIZE_RECIPE = 2
 
 
 class WarmStartConfig(BaseModel):
-    """Brief supervised fine-tuning on a task's (prompt, target) pairs, done once and cached."""
+    """Brief supervised fine-tuning on (prompt, target) pairs of a task, or of your own data (`data`), done once and
+    cached with the model."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -51,6 +54,24 @@ class WarmStartConfig(BaseModel):
         1, ge=1, description="torch CPU threads during the warm start. 1 is fastest for tiny models on a shared "
         "CPU and makes the result independent of the machine's core count."
     )
+    data: DataConfig | None = Field(
+        None,
+        description="Warm-start from your own data instead of `task`: a data set in `run.data`'s format (same keys). "
+        "Each (prompt, target) pair is a train row's prompt (its chat messages through the tokenizer's chat "
+        "template, as generators see them) and its `answer` column followed by the task's end marker (`task`'s: "
+        "';' for the built-in tasks); point `answer` at your completion column. Held-out rows (the data's eval "
+        "split, chosen by a hash of the prompt) are never trained on; with the source of `run.data` it must hold "
+        "out the same rows.",
+    )
+
+    @model_serializer(mode="wrap")
+    def _omit_no_data(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """A dump leaves out `data: null`, so the cache keys and checkpoint fingerprints of every config written
+        before the field existed stay what they were."""
+        out: dict[str, Any] = handler(self)
+        if out.get("data", 0) is None:
+            del out["data"]
+        return out
 
 
 class ModelConfig(BaseModel):
@@ -138,6 +159,10 @@ class ModelConfig(BaseModel):
         """Stable hash of everything that determines the materialized weights and tokenizer."""
         payload = self.model_dump(mode="json")
         payload["recipe"] = MATERIALIZE_RECIPE
+        if self.warmstart is not None and self.warmstart.data is not None:  # the rows themselves, not their path
+            from composer_mesh.tasks.data import load_prompt_data
+
+            payload["warmstart_data_digest"] = load_prompt_data(self.warmstart.data).digest
         if not self.is_tiny:
             # A local source is identified by its path and the mtimes/sizes of its files.
             src = Path(self.source)

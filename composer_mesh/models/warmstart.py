@@ -1,4 +1,5 @@
-"""Warm start: brief in-process SFT on a task's (prompt, target) pairs, and greedy task accuracy.
+"""Warm start: brief in-process SFT on (prompt, target) pairs of a task or of the user's own data
+(`warmstart.data`: the data's train rows only), and greedy task accuracy.
 
 Used by `composer_mesh.models.loading.materialize` (cached with the model) to make a teacher that already
 knows the task and a weak-but-not-random student. Deterministic for a fixed config and thread count;
@@ -10,10 +11,13 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from composer_mesh.models.chat import prompt_token_ids
 from composer_mesh.models.config import WarmStartConfig
 from composer_mesh.models.sampling import chunks, sample
 from composer_mesh.models.tokenizer import stop_token_ids
@@ -22,8 +26,12 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from composer_mesh.tasks import Task
+    from composer_mesh.tasks.data import DataConfig
 
 IGNORE = -100
+# One SFT example as token ids: (prompt, target); a sampler draws one with the warm start's RNG.
+Pair = tuple[list[int], list[int]]
+PairSampler = Callable[[random.Random], Pair]
 
 
 def task_target(task: Task, answer: str) -> str:
@@ -38,14 +46,54 @@ def _encode(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
+def task_pairs(task: Task, tokenizer: PreTrainedTokenizerBase) -> PairSampler:
+    """Pairs sampled from the task's train split."""
+
+    def draw(rng: random.Random) -> Pair:
+        prompt, answer = task.sample(rng)
+        return _encode(tokenizer, prompt), _encode(tokenizer, task_target(task, answer))
+
+    return draw
+
+
+@dataclass(frozen=True)
+class _RowPrompt:
+    """A data row as `prompt_token_ids` reads a prompt (what generators encode, so the SFT sees the same ids)."""
+
+    prompt_id: str
+    text: str
+    messages: list[dict[str, str]] | None
+
+
+class WarmStartDataError(ValueError):
+    """`warmstart.data` that cannot be trained on (no train rows, a row with no target)."""
+
+
+def data_pairs(data: DataConfig, task: Task, tokenizer: PreTrainedTokenizerBase) -> list[Pair]:
+    """Every train row of `data` as a pair: the held-out rows (`load_prompt_data`'s eval split, by a hash of the
+    prompt) are never among them. The target is the row's answer column followed by the task's end marker."""
+    from composer_mesh.tasks.data import load_prompt_data
+
+    rows = load_prompt_data(data).train
+    if not rows:
+        raise WarmStartDataError("warmstart.data has no train rows (all of them are held out)")
+    pairs = []
+    for i, row in enumerate(rows):
+        if row.answer is None or not row.answer.strip():
+            raise WarmStartDataError(f"warmstart.data: {row.where}: no target (its {data.answer!r} column is empty); "
+                                     "every warm-start row needs one")
+        prompt = prompt_token_ids(tokenizer, _RowPrompt(f"row{i}", row.text, row.messages), checked=False)
+        pairs.append((prompt, _encode(tokenizer, task_target(task, row.answer))))
+    return pairs
+
+
 def sft_batch(
-    task: Task, tokenizer: PreTrainedTokenizerBase, rng: random.Random, batch_size: int
+    draw: PairSampler, tokenizer: PreTrainedTokenizerBase, rng: random.Random, batch_size: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """input_ids, attention_mask, labels (prompt and padding masked with -100), right-padded."""
     rows = []
     for _ in range(batch_size):
-        prompt, answer = task.sample(rng)
-        p, c = _encode(tokenizer, prompt), _encode(tokenizer, task_target(task, answer))
+        p, c = draw(rng)
         rows.append((p + c, [IGNORE] * len(p) + c))
     width = max(len(ids) for ids, _ in rows)
     pad = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
@@ -86,10 +134,31 @@ def _warm_start(
 ) -> dict[str, Any]:
     rng = random.Random(cfg.seed)
     stats: dict[str, Any] = {"task": cfg.task, "steps": cfg.steps}
-    stats["accuracy_before"] = task_accuracy(model, tokenizer, task, n=64, seed=cfg.seed + 1)
+    if cfg.data is not None:  # the user's rows: the task only gives the end marker; accuracy is the task's
+        pairs = data_pairs(cfg.data, task, tokenizer)
+        stats["data_rows"] = len(pairs)
+        draw: PairSampler = lambda r: pairs[r.randrange(len(pairs))]  # noqa: E731
+    else:
+        draw = task_pairs(task, tokenizer)
+        stats["accuracy_before"] = task_accuracy(model, tokenizer, task, n=64, seed=cfg.seed + 1)
     if cfg.steps == 0:
-        stats["accuracy_after"] = stats["accuracy_before"]
+        if "accuracy_before" in stats:
+            stats["accuracy_after"] = stats["accuracy_before"]
         return stats
+    losses = _sft(model, tokenizer, draw, rng, cfg)
+    stats["loss_first"] = round(losses[0], 4)
+    stats["loss_last"] = round(losses[-1], 4)
+    if cfg.data is not None:
+        return stats
+    stats["accuracy_after"] = task_accuracy(model, tokenizer, task, n=64, seed=cfg.seed + 1)
+    if "eval" in getattr(task, "splits", ()):  # problems the SFT never saw (the task's held-out split)
+        stats["heldout_accuracy_after"] = task_accuracy(model, tokenizer, task, n=64, seed=cfg.seed + 1, split="eval")
+    return stats
+
+
+def _sft(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, draw: PairSampler, rng: random.Random,
+         cfg: WarmStartConfig) -> list[float]:
+    """`cfg.steps` AdamW steps on batches of `draw`n pairs; the losses."""
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, cfg.steps))
     model.train()
@@ -97,7 +166,7 @@ def _warm_start(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
         for _ in range(cfg.steps):
-            ids, attn, labels = sft_batch(task, tokenizer, rng, cfg.batch_size)
+            ids, attn, labels = sft_batch(draw, tokenizer, rng, cfg.batch_size)
             logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
             loss = torch.nn.functional.cross_entropy(
                 logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=IGNORE
@@ -109,12 +178,7 @@ def _warm_start(
             losses.append(loss.item())
     model.eval()
     opt.zero_grad(set_to_none=True)
-    stats["loss_first"] = round(losses[0], 4)
-    stats["loss_last"] = round(losses[-1], 4)
-    stats["accuracy_after"] = task_accuracy(model, tokenizer, task, n=64, seed=cfg.seed + 1)
-    if "eval" in getattr(task, "splits", ()):  # problems the SFT never saw (the task's held-out split)
-        stats["heldout_accuracy_after"] = task_accuracy(model, tokenizer, task, n=64, seed=cfg.seed + 1, split="eval")
-    return stats
+    return losses
 
 
 def task_accuracy(

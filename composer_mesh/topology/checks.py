@@ -48,6 +48,8 @@ CROSS_CHECKS: tuple[str, ...] = (
     "Slurm meshes that may share a node (`exclusive: false`, same partition) use different `monarch_port`s",
     "`local` meshes never share a GPU: those without `gpu_offset` / `gpu_devices` take the lowest free GPUs "
     "in mesh order, and pinned ones must not overlap (roles that should share GPUs share one mesh)",
+    "`model.warmstart.data` reading `run.data`'s source (same path or hub dataset and split) holds out the same "
+    "rows: the same prompt/messages column and eval_* settings (its `answer` may differ: the warm-start target)",
     "binding names and import paths resolve to a class with a `Settings` model, and `settings` validate with it",
     "duplicate keys anywhere in the file are errors (YAML would silently keep the last one)",
 )
@@ -292,6 +294,26 @@ def check_lora(parts: Parts) -> Iterator[Problem]:
             )
 
 
+# What chooses a data set's held-out rows (`tasks/data.py`: a hash of each prompt over the rows read).
+_HELD_OUT_FIELDS = ("path", "hub", "hub_config", "format", "split", "prompt", "messages", "eval_path", "eval_split",
+                    "eval_fraction", "eval_size")
+
+
+def check_warmstart_held_out(parts: Parts) -> Iterator[Problem]:
+    """A warm start on `run.data`'s own source must not train on the run's held-out rows: it holds out the same."""
+    run, model = parts.sections.get("run"), parts.sections.get("model")
+    data = getattr(run, "data", None)
+    warm = getattr(getattr(model, "warmstart", None), "data", None)
+    if data is None or warm is None or (data.path, data.hub, data.split) != (warm.path, warm.hub, warm.split):
+        return
+    for name in _HELD_OUT_FIELDS:
+        if getattr(warm, name) != getattr(data, name):
+            yield (("model", "warmstart", "data", name),
+                   f"model.warmstart.data reads run.data's rows but its {name} differs from run.data's: it would "
+                   "hold out other rows, and the warm start could train on the run's held-out prompts; give it "
+                   f"run.data's {name}")
+
+
 CHECKS: tuple[Callable[[Parts], Iterator[Problem]], ...] = (
     check_meshes_used,
     check_gpu_meshes,
@@ -302,6 +324,7 @@ CHECKS: tuple[Callable[[Parts], Iterator[Problem]], ...] = (
     check_diloco_replicas,
     check_replicas_fit_mesh,
     check_lora,
+    check_warmstart_held_out,
 )
 
 

@@ -18,6 +18,7 @@ temperature before any log-prob (generators report log-probs under `softmax(logi
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -30,6 +31,25 @@ from composer_mesh.loss.compose import BatchTotals, HiddenStates, LossBatch, Rep
 from composer_mesh.loss.config import LossConfig
 
 Head = Literal["chunked", "full"]
+
+
+class TeacherSignalsMissing(UserWarning):
+    """A TrainBatch with no `distributions` at all reached a trainer whose loss weights channel 2
+    (`loss.alpha_sdpo > 0`): that step trains without distillation (GRPO, KL and replay only).
+
+    A warning, not an error: a script may mean it (GRPO-only batches against a topology with a teacher), and the
+    built-in loop never sends one: its batches always carry one entry per rollout (None where a teacher with
+    `on_failure: skip` gave none, which is the teacher's own, reported, policy). Only an empty list, the
+    dataclass default a script gets by leaving the field out, is warned about. `warnings.filterwarnings("error",
+    category=TeacherSignalsMissing)` in the trainer makes it an error."""
+
+
+def warn_missing_teacher_signals(batch: TrainBatch, loss: LossConfig) -> None:
+    if loss.alpha_sdpo > 0 and not batch.distributions and batch.rollouts():
+        warnings.warn(TeacherSignalsMissing(
+            f"TrainBatch has no teacher distributions (distributions=[]) while loss.alpha_sdpo={loss.alpha_sdpo}: "
+            "this step trains without distillation (channel 2). Pass the teachers' distributions (one per rollout, "
+            "None where there is none) or set loss.alpha_sdpo: 0 (--set loss.alpha_sdpo=0)"), stacklevel=3)
 
 
 def pad(
@@ -207,6 +227,7 @@ class TrainRows:
         rollouts = batch.rollouts()
         if not rollouts:
             raise ValueError("TrainBatch has no rollouts")
+        warn_missing_teacher_signals(batch, loss)
         dists: list[TokenDistribution | None] = [None] * len(rollouts)
         if loss.alpha_sdpo > 0 and batch.distributions and any(d is not None for d in batch.distributions):
             if len(batch.distributions) != len(rollouts):

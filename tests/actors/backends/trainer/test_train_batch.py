@@ -30,6 +30,9 @@ from composer_mesh.loss.config import LossConfig
 from composer_mesh.models.config import ModelConfig
 from composer_mesh.models.tiny import build_tiny
 
+# These batches leave out teacher distributions on purpose (the default loss weights them): no warning wanted.
+pytestmark = pytest.mark.filterwarnings("ignore::composer_mesh.actors.backends.trainer.train_batch.TeacherSignalsMissing")
+
 
 @pytest.fixture(scope="module")
 def model32():
