@@ -20,8 +20,10 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from composer_mesh.errors import UserInputError
 
-class BindingError(ValueError):
+
+class BindingError(UserInputError, ValueError):
     """A binding name or import path that cannot be resolved to a usable class."""
 
 

@@ -15,7 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from composer_mesh.app.launch import launch
-from composer_mesh.app.preflight import check_models
+from composer_mesh.app.preflight import preflight
 from composer_mesh.orchestration.checkpoint import (
     CheckpointPolicy,
     RunCheckpointError,
@@ -136,11 +136,12 @@ class StopRequests:
 
 async def run_topology(topology: Topology, console: Console | None = None, resume: ResumePoint | None = None,
                        stops: StopRequests | None = None) -> RunSummary:
-    """Check the models (`check_models`), launch every mesh of `topology`, run the loop (from `resume` if
-    given), tear everything down (also on errors). With `stops`, signals and Slurm end-of-job notices stop the
+    """Check everything knowable before launch (`preflight`: env vars, modules, models, prompts, the resume
+    checkpoint), launch every mesh of `topology`, run the loop (from `resume` if given), tear everything down
+    (also on errors). With `stops`, signals and Slurm end-of-job notices stop the
     run with a checkpoint."""
     console = console or Console(stderr=True)
-    check_models(topology)
+    preflight(topology, resume)
     progress = Progress(
         TextColumn("[bold]train[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
         TextColumn("{task.fields[status]}"), console=console, transient=False,

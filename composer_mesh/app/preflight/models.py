@@ -4,11 +4,12 @@ problem named, not after minutes of spawning meshes and building models."""
 
 from __future__ import annotations
 
+from composer_mesh.errors import UserInputError
 from composer_mesh.models.config import ModelConfig
 from composer_mesh.topology.schema import Topology
 
 
-class ModelPreflightError(ValueError):
+class ModelPreflightError(UserInputError, ValueError):
     """Models of a topology that cannot work together (every problem, one per line)."""
 
 
