@@ -21,7 +21,6 @@ from composer_mesh.topology.schema import Topology
 
 # `package.module:Name`: how every field that names your own code spells it.
 _IMPORT_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
-_PYTHON_PATH_FIX = "if it is your own module, add its directory with --python-path DIR or the topology's python_path:"
 
 
 def setup_problems(topology: Topology) -> list[str]:
@@ -82,7 +81,6 @@ def import_problems(tree: dict[str, Any]) -> list[str]:
                 get_task(value)
             elif _IMPORT_PATH.match(value):
                 import_object(value)
-        except UserInputError as e:
-            fix = f"; {_PYTHON_PATH_FIX}" if ":" in value and "cannot import" in str(e) else ""
-            problems.append(f"{where}: {e}{fix}")
+        except UserInputError as e:  # BindingError: says how to add your own module's directory
+            problems.append(f"{where}: {e}")
     return problems
