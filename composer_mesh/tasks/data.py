@@ -196,7 +196,8 @@ def to_row(record: Any, cfg: DataConfig, file: str, row: int) -> DataRow:
 
     def column(name: str) -> Any:
         if name not in record:
-            raise DataRowError(file, row, name, f"missing (the row has {', '.join(map(str, record)) or 'no columns'})")
+            raise DataRowError(file, row, name, f"missing (the row has {', '.join(map(str, record)) or 'no columns'}): "
+                               "fix the row, or map the columns with run.data's prompt, messages, answer, extra")
         return record[name]
 
     messages = None

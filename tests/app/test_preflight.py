@@ -250,3 +250,78 @@ def test_procs_get_the_controllers_python_path(monkeypatch: pytest.MonkeyPatch) 
     assert forwarded_python_path("/mesh") == {"PYTHONPATH": os.pathsep.join(["/mesh", "/a:/b"])}
     monkeypatch.delenv("PYTHONPATH")
     assert forwarded_python_path(None) == {}
+
+
+# ------------------------------------------------------------------------------------------ run, resume
+_RUN_PROBE = """
+import contextlib, io, json, sys, time
+from composer_mesh.cli import main
+out = []
+for argv in json.loads(sys.argv[1]):
+    err, start = io.StringIO(), time.monotonic()
+    with contextlib.redirect_stderr(err):
+        code = main(argv)
+    out.append([code, err.getvalue(), time.monotonic() - start])
+out.append("monarch" in sys.modules)
+print(json.dumps(out))
+"""
+
+
+def checkpoint(tmp_path: Path, topology_path: Path, state: str) -> Path:
+    """A committed run checkpoint for `topology_path`, its trainer replica's state `state`: 'ok' (a real
+    one), 'missing' or 'truncated'."""
+    import torch
+
+    from composer_mesh.actors.backends.trainer.trainer_state import save_trainer_state
+    from composer_mesh.orchestration.checkpoint import CheckpointStore
+    from tests.orchestration.test_run_checkpoint import controller_state
+
+    store = CheckpointStore(str(tmp_path / f"ckpt_{state}"))
+    store.write_controller(controller_state(1, load_topology(topology_path).training_fingerprint()))
+    if state != "missing":
+        model = torch.nn.Linear(4, 2)
+        save_trainer_state(store.trainer_url(1, 0), model, torch.optim.AdamW(model.parameters()), 1, None)
+    if state == "truncated":
+        tensors = Path(store.trainer_url(1, 0)) / "state.safetensors"
+        tensors.write_bytes(tensors.read_bytes()[:-16])
+    store.commit(1, keep=1)
+    return Path(store.step_url(1))
+
+
+def test_resume_from_an_unreadable_trainer_state_stops_before_launch(tmp_path: Path) -> None:
+    from composer_mesh.app.preflight import preflight
+    from composer_mesh.app.runner import resume_point
+    from composer_mesh.orchestration.checkpoint import RunCheckpointError
+
+    path = topology(tmp_path, "task: addition")
+    topo = load_topology(path)
+    good = resume_point(topo, str(checkpoint(tmp_path, path, "ok")))
+    assert any(line.startswith("resume: ") for line in preflight(topo, good))
+    for state, expected in (("missing", "no COMPLETE marker"), ("truncated", "truncated or overwritten")):
+        point = resume_point(topo, str(checkpoint(tmp_path, path, state)))
+        with pytest.raises(RunCheckpointError, match=f"trainer replica 0's state: .*{expected}"):
+            preflight(topo, point)
+
+
+def test_run_stops_before_launch(tmp_path: Path) -> None:
+    """`composer-mesh run` on a missing data file, an unreadable prompt, a missing API key and a checkpoint
+    whose trainer state is half-written: exit 1 and one line each, in seconds, and Monarch never imported."""
+    (tmp_path / "missing").mkdir()
+    no_data = topology(tmp_path / "missing", "data: {path: nowhere.jsonl}")
+    char = topology(tmp_path, model=", tokenizer: char", name="char.yaml")
+    key = topology(tmp_path, "task: addition", name="key.yaml")
+    key.write_text(key.read_text().replace("loss: {alpha_sdpo: 0.0, beta_replay: 0.0}", TEACHER + "loss: {alpha_sdpo: 0.0}"))
+    resume = topology(tmp_path, "task: addition", name="resume.yaml")
+    half = checkpoint(tmp_path, resume, "missing")
+    runs = [["run", str(no_data)], ["run", str(char)], ["run", str(key)], ["run", str(resume), "--resume", str(half)]]
+    env = {k: v for k, v in os.environ.items() if k != "COMPOSER_MESH_TEST_KEY"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", _RUN_PROBE, json.dumps(runs)], capture_output=True, text=True,
+                          cwd=tmp_path, env=env, timeout=300, check=True)
+    *results, monarch_imported = json.loads(done.stdout.splitlines()[-1])
+    expected = ["nowhere.jsonl: no such file or directory", "cannot represent 'What is",
+                "names the environment variable COMPOSER_MESH_TEST_KEY",
+                "cannot resume: trainer replica 0's state"]
+    for (code, err, seconds), want in zip(results, expected):
+        assert code == EXIT_INVALID and want in one_line(err) and seconds < 20, err
+    assert monarch_imported is False
