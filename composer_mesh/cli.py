@@ -157,12 +157,14 @@ def _validate(args: argparse.Namespace) -> int:
     from composer_mesh.topology import load_topology
 
     topology = load_topology(args.file)
+    checked: list[str] = []
     if not args.schema_only:  # what `run` checks before launch, so that `ok` means the run will start
         from composer_mesh.app.preflight import preflight
 
-        for line in preflight(topology):
-            print(f"  checked: {line}")
+        checked = preflight(topology)
     print(f"ok: {args.file}: {topology.summary()}")
+    for line in checked:
+        print(f"  checked: {line}")
     return EXIT_OK
 
 

@@ -9,6 +9,7 @@ import pickle
 from typing import Any
 
 import pytest
+
 from composer_mesh.cli import EXIT_BUG, EXIT_INVALID, EXIT_RUN_FAILED, failure_of, report_failure
 from composer_mesh.errors import UserInputError
 from composer_mesh.models.tokenizer import UnencodableTextError
