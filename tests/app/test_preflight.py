@@ -202,6 +202,10 @@ def test_a_missing_api_key_is_named_never_its_value(tmp_path: Path, capsys: pyte
     monkeypatch.setenv("COMPOSER_MESH_TEST_KEY", "sk-or-secret-value")
     code, err, _ = validate(path, capsys)
     assert code == EXIT_OK and "secret" not in err
+    monkeypatch.delenv("COMPOSER_MESH_TEST_KEY")  # given to the procs by a mesh's env: that is enough
+    mesh = "rewarder:   {backend: local, procs_per_host: 1"
+    path.write_text(path.read_text().replace(mesh, mesh + ", env: {COMPOSER_MESH_TEST_KEY: sk-or-in-yaml}"))
+    assert validate(path, capsys)[0] == EXIT_OK
 
 
 def test_your_own_module_imports_with_python_path(tmp_path: Path, capsys: pytest.CaptureFixture[str],

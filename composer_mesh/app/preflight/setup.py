@@ -19,15 +19,18 @@ from composer_mesh.errors import UserInputError
 from composer_mesh.tasks import get_task
 from composer_mesh.topology.schema import Topology
 
-# `package.module:Name`: how every field that names your own code spells it.
+# `package.module:Name`: how every field that names your own code spells it, and the keys of such fields (other
+# strings may look alike: a Slurm `gres: gpu:h100`).
 _IMPORT_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+_CODE_KEYS = frozenset({"path", "binding"})
 
 
 def setup_problems(topology: Topology) -> list[str]:
     """Every problem with the environment variables, python_path directories, import paths and tasks that
     `topology` names, one line each (empty when all resolve)."""
     tree = topology.model_dump(mode="json")
-    return [*env_var_problems(tree), *python_path_problems(topology), *import_problems(tree)]
+    given = {name for mesh in topology.meshes.values() for name in mesh.env}  # set for a mesh's procs
+    return [*env_var_problems(tree, given), *python_path_problems(topology), *import_problems(tree)]
 
 
 def walk(tree: Any, where: str = "") -> Iterator[tuple[str, str, Any]]:
@@ -42,9 +45,9 @@ def walk(tree: Any, where: str = "") -> Iterator[tuple[str, str, Any]]:
             yield from walk(value, f"{where}[{i}]")
 
 
-def env_var_problems(tree: dict[str, Any]) -> list[str]:
+def env_var_problems(tree: dict[str, Any], given: frozenset[str] | set[str] = frozenset()) -> list[str]:
     """Fields named `*_env` hold environment variable NAMES (a name, or option → name): each must be set and
-    non-empty here, where the procs inherit it from."""
+    non-empty here, where the procs inherit it from, or be `given` to the procs by a mesh's `env:`."""
     problems = []
     for where, key, value in walk(tree):
         if not key.endswith("_env"):
@@ -52,7 +55,7 @@ def env_var_problems(tree: dict[str, Any]) -> list[str]:
         named = {where: value} if isinstance(value, str) else \
             {f"{where}[{k!r}]": v for k, v in value.items()} if isinstance(value, dict) else {}
         for field, name in named.items():
-            if isinstance(name, str) and not os.environ.get(name, "").strip():
+            if isinstance(name, str) and name not in given and not os.environ.get(name, "").strip():
                 problems.append(f"{field} names the environment variable {name}, which is not set (or empty): "
                                 f"export {name} before the run (its value is never printed)")
     return problems
@@ -71,7 +74,8 @@ def python_path_problems(topology: Topology) -> list[str]:
 
 
 def import_problems(tree: dict[str, Any]) -> list[str]:
-    """Every task name (`*.task`) resolves to a task, and every other `pkg.mod:Name` value imports."""
+    """Every task name (`*.task`) resolves to a task, and every `pkg.mod:Name` in a `path` or `binding` field
+    (reward functions, bindings) imports."""
     problems = []
     for where, key, value in walk(tree):
         if not isinstance(value, str):
@@ -79,7 +83,7 @@ def import_problems(tree: dict[str, Any]) -> list[str]:
         try:
             if key == "task":
                 get_task(value)
-            elif _IMPORT_PATH.match(value):
+            elif key in _CODE_KEYS and _IMPORT_PATH.match(value):
                 import_object(value)
         except UserInputError as e:  # BindingError: says how to add your own module's directory
             problems.append(f"{where}: {e}")
