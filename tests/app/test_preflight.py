@@ -136,6 +136,16 @@ def test_prompts_the_tokenizer_cannot_read_name_the_row_and_the_setting(
     assert "model.tokenizer: byte" in line
 
 
+def test_a_prompt_longer_than_the_context_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    path = topology(tmp_path, model=", max_position_embeddings: 16")  # 19-byte prompts + run.max_new_tokens 4
+    code, err, _ = validate(path, capsys)
+    line = one_line(err)
+    assert code == EXIT_INVALID and "rows.jsonl, row " in line and "more than the policy's context of 16" in line
+    assert "raise model.max_position_embeddings" in line
+
+
 def test_a_data_run_on_the_tiny_model_reads_any_text_by_default(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """Without `model.tokenizer`, a run.data run gets the byte tokenizer and validates (every row encoded);
