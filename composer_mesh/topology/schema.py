@@ -326,11 +326,19 @@ class Topology(StrictModel):
     @model_validator(mode="after")
     def _tiny_reads_any_text(self) -> Topology:
         """The tiny model's character tokenizer reads only its task's characters (`0-9+=;` for addition): on a
-        run of your own data or an environment (`run.data`, `run.environment`) a tiny model (the policy, a
-        local teacher) whose `tokenizer` is not set gets the byte tokenizer, which reads any text and has a chat
-        template. A task run keeps the character tokenizer; `tokenizer: char` set in the file is kept."""
-        if self.run.data is None and self.run.environment is None:
+        run of your own data or an environment (`run.data`, `run.environment`) a tiny policy whose `tokenizer`
+        is not set gets the byte tokenizer, which reads any text and has a chat template, and a tiny local
+        teacher whose `tokenizer` is not set gets the policy's (distillation needs one tokenizer). A task run
+        keeps the character tokenizer; a `tokenizer` set in the file is kept."""
+        if (self.run.data is None and self.run.environment is None) or not self.model.is_tiny:
             return self
+        if "tokenizer" not in self.model.model_fields_set:
+            self.model.tokenizer = "byte"
+        for member in self.roles.teachers.members if self.roles.teachers is not None else []:
+            model = getattr(member.settings, "model", None)
+            if isinstance(model, ModelConfig) and model.is_tiny and "tokenizer" not in model.model_fields_set:
+                model.tokenizer = self.model.tokenizer
+        return self
         members = self.roles.teachers.members if self.roles.teachers is not None else []
         models = [self.model, *(getattr(m.settings, "model", None) for m in members)]
         for model in models:

@@ -156,6 +156,10 @@ def test_a_data_run_on_the_tiny_model_reads_any_text_by_default(
     code = main(["validate", str(path)])
     out = capsys.readouterr().out
     assert code == EXIT_OK and "run.data: 11 train row(s), 1 eval row(s), all well-formed; 12 prompt(s) encoded" in out
+    teacher = "  teachers: {mesh: rewarder, members: [{name: t, binding: hf, channels: [distill]}]}\n"
+    path.write_text(path.read_text().replace("loss: {alpha_sdpo: 0.0, beta_replay: 0.0}",
+                                             teacher + "loss: {alpha_sdpo: 1.0, beta_replay: 0.0}"))
+    assert load_topology(path).roles.teachers.members[0].settings.model.tokenizer == "byte"  # the policy's
     local = load_topology(ROOT / "topologies" / "local.yaml")
     assert local.model.tokenizer == "char" and "tokenizer" not in local.model.model_dump()
 
