@@ -24,6 +24,7 @@ from composer_mesh.actors.messages import (
 )
 from composer_mesh.actors.teacher_errors import TeacherFailed, TeacherUnavailable
 from composer_mesh.app.launch import launch
+from composer_mesh.app.preflight import PreflightError, preflight
 from composer_mesh.app.runner import (
     apply_overrides,
     checkpoint_policy,
@@ -31,6 +32,7 @@ from composer_mesh.app.runner import (
     resume_point,
     run_topology,
 )
+from composer_mesh.errors import UserInputError
 from composer_mesh.loss.config import LossConfig
 from composer_mesh.mesh.launch import LaunchError, MeshFailureError
 from composer_mesh.orchestration.checkpoint import CheckpointPolicy, RunCheckpointError
@@ -58,6 +60,7 @@ __all__ = [
     "LossConfig",
     "MeshFailureError",
     "Override",
+    "PreflightError",
     "Prompt",
     "PromptSource",
     "RLLoop",
@@ -84,11 +87,13 @@ __all__ = [
     "TopologyError",
     "TrainBatch",
     "TrainMetrics",
+    "UserInputError",
     "apply_overrides",
     "checkpoint_policy",
     "launch",
     "load_topology",
     "merge_signals",
+    "preflight",
     "print_summary",
     "prompt_source",
     "resume_point",

@@ -20,8 +20,10 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from composer_mesh.errors import UserInputError
 
-class BindingError(ValueError):
+
+class BindingError(UserInputError, ValueError):
     """A binding name or import path that cannot be resolved to a usable class."""
 
 
@@ -36,7 +38,11 @@ def import_object(path: str) -> Any:
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise BindingError(f"cannot import module {module_name!r} of {path!r}: {e}") from e
+        missing = isinstance(e, ModuleNotFoundError) and e.name is not None and \
+            (module_name == e.name or module_name.startswith(e.name + "."))
+        hint = ("; if it is your own module, add its directory with --python-path DIR or the topology's "
+                "python_path: [DIR]") if missing else ""
+        raise BindingError(f"cannot import module {module_name!r} of {path!r}: {e}{hint}") from e
     try:
         return getattr(module, attr)
     except AttributeError:

@@ -54,7 +54,6 @@ def failure_of(exc: BaseException) -> tuple[int, str] | None:
     import asyncio
 
     from composer_mesh.actors.teacher_errors import TeacherFailed
-    from composer_mesh.app.preflight import RewardPreflightError
     from composer_mesh.mesh.launch import LaunchError, MeshFailureError
     from composer_mesh.orchestration.checkpoint import RunCheckpointError
     from composer_mesh.orchestration.reward_health import RewardsFailing
@@ -62,12 +61,15 @@ def failure_of(exc: BaseException) -> tuple[int, str] | None:
 
     if isinstance(exc, TopologyError):  # every problem with its file:line:column
         return EXIT_INVALID, str(exc)
+    user = user_error_of(exc)
+    if user is not None:  # bad input (data, prompts, env vars, a checkpoint): its one line, before launch or in an actor
+        error, remote = user
+        return (EXIT_RUN_FAILED, f"composer-mesh: run failed: {error}") if remote else \
+            (EXIT_INVALID, f"composer-mesh: {error}")
     if isinstance(exc, TeacherFailed):  # a teacher with `on_failure: stop` was unavailable
         return EXIT_RUN_FAILED, f"composer-mesh: run stopped: {exc}"
     if isinstance(exc, RewardsFailing):  # every rollout's reward failed in too many steps in a row
         return EXIT_RUN_FAILED, f"composer-mesh: run stopped: {exc}"
-    if isinstance(exc, RewardPreflightError):  # found before launch: nothing ran
-        return EXIT_INVALID, f"composer-mesh: {exc}"
     if isinstance(exc, RunCheckpointError):  # a checkpoint that is missing, half-written, corrupted or foreign
         return EXIT_INVALID, f"composer-mesh: cannot resume: {exc}"
     if isinstance(exc, MeshFailureError):
@@ -82,6 +84,30 @@ def failure_of(exc: BaseException) -> tuple[int, str] | None:
         return EXIT_INTERRUPTED, "composer-mesh: interrupted"
     if isinstance(exc, asyncio.CancelledError):
         return EXIT_TERMINATED, "composer-mesh: stopped (the run was cancelled, e.g. by SIGTERM)"
+    return None
+
+
+def user_error_of(exc: BaseException) -> tuple[BaseException, bool] | None:
+    """The `UserInputError` that `exc` is or carries (through Monarch's `ActorError.exception`, explicit causes
+    and exception groups), and whether it was raised inside an actor (after launch); None if there is none.
+    Implicit contexts are not followed: a bug raised while handling a user error is still a bug."""
+    from composer_mesh.errors import UserInputError
+
+    seen: set[int] = set()
+    todo: list[tuple[BaseException, bool]] = [(exc, False)]
+    while todo:
+        error, remote = todo.pop(0)
+        if id(error) in seen:
+            continue
+        seen.add(id(error))
+        if isinstance(error, UserInputError):
+            return error, remote
+        inner = getattr(error, "exception", None)  # monarch.actor.ActorError: the endpoint's own exception
+        if isinstance(inner, BaseException):
+            todo.append((inner, True))
+        if error.__cause__ is not None:
+            todo.append((error.__cause__, remote))
+        todo += [(e, remote) for e in getattr(error, "exceptions", ()) if isinstance(e, BaseException)]
     return None
 
 
@@ -136,16 +162,37 @@ def _override(text: str) -> Override:
 # ---- validate ---------------------------------------------------------------------------------------------
 
 
+def _python_path_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--python-path", action="append", default=[], metavar="DIR",
+        help="a directory holding your own modules (reward functions, tasks, bindings): put first on sys.path and "
+        "on every proc's PYTHONPATH (repeatable; the topology's python_path: does the same)",
+    )
+
+
 def _validate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", help="topology YAML file")
     _add_set_argument(p)
+    _python_path_arg(p)
+    p.add_argument(
+        "--schema-only", action="store_true",
+        help="check the file alone, not what it names (env vars, modules, data, tokenizer: what `run` checks "
+        "before launch)",
+    )
 
 
 def _validate(args: argparse.Namespace) -> int:
     from composer_mesh.topology import load_topology
 
     topology = load_topology(args.file, args.set)
+    checked: list[str] = []
+    if not args.schema_only:  # what `run` checks before launch, so that `ok` means the run will start
+        from composer_mesh.app.preflight import preflight
+
+        checked = preflight(topology)
     print(f"ok: {args.file}: {topology.summary()}")
+    for line in checked:
+        print(f"  checked: {line}")
     return EXIT_OK
 
 
@@ -155,6 +202,7 @@ def _validate(args: argparse.Namespace) -> int:
 def _plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", help="topology YAML file")
     _add_set_argument(p)
+    _python_path_arg(p)
     p.add_argument(
         "--prices",
         metavar="PRICES.yaml",
@@ -206,6 +254,7 @@ def _plan(args: argparse.Namespace) -> int:
 def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", help="topology YAML file")
     _add_set_argument(p)
+    _python_path_arg(p)
     p.add_argument("--steps", type=_positive_int, help="override run.steps")
     p.add_argument("--run-dir", help="override run.run_dir (metrics.jsonl, plot.png, checkpoint/)")
     p.add_argument(
@@ -318,6 +367,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `composer-mesh` console script; returns the exit code."""
     args = build_parser().parse_args(argv)
+    if getattr(args, "python_path", None):
+        from composer_mesh.topology.load import add_python_path
+
+        add_python_path(args.python_path)
     try:
         return int(args.handler(args))
     except SystemExit:

@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from composer_mesh.app.launch import launch
-from composer_mesh.app.preflight import check_models, check_rewards
+from composer_mesh.app.preflight import preflight
 from composer_mesh.app.progress import clock, open_progress
 from composer_mesh.orchestration.checkpoint import (
     CheckpointPolicy,
@@ -163,12 +163,12 @@ class RewardFailureNotices:
 
 async def run_topology(topology: Topology, console: Console | None = None, resume: ResumePoint | None = None,
                        stops: StopRequests | None = None) -> RunSummary:
-    """Check the models (`check_models`), launch every mesh of `topology`, run the loop (from `resume` if
-    given), tear everything down (also on errors). With `stops`, signals and Slurm end-of-job notices stop the
+    """Check everything knowable before launch (`preflight`: env vars, modules, models, prompts, the resume
+    checkpoint), launch every mesh of `topology`, run the loop (from `resume` if given), tear everything down
+    (also on errors). With `stops`, signals and Slurm end-of-job notices stop the
     run with a checkpoint."""
     console = console or Console()
-    check_models(topology)
-    check_rewards(topology)
+    preflight(topology, resume)
     done = resume.state.step if resume is not None else 0
     with open_progress(console, topology.run.steps, done, topology.run.progress) as progress:
         progress.set_status("launching meshes…")

@@ -9,10 +9,12 @@ uses it; `composer_mesh.envs.config` holds the section and stays import-cheap.
 
 from __future__ import annotations
 
-from composer_mesh.envs.base import Environment, EnvironmentStateError
+from composer_mesh.envs.base import Environment, EnvironmentConfigError, EnvironmentStateError
 from composer_mesh.envs.config import EnvironmentConfig
+from composer_mesh.tasks.data import DataRow
 
-__all__ = ["Environment", "EnvironmentStateError", "load_environment"]
+__all__ = ["Environment", "EnvironmentConfigError", "EnvironmentStateError", "load_environment",
+           "sample_environment_rows"]
 
 
 def load_environment(cfg: EnvironmentConfig, seed: int) -> Environment:
@@ -31,3 +33,14 @@ def load_environment(cfg: EnvironmentConfig, seed: int) -> Environment:
 
         return VerifiersEnvironment(cfg, cfg.seed if cfg.seed is not None else seed)
     raise ValueError(f"run.environment: unknown kind {cfg.kind!r}")
+
+
+def sample_environment_rows(cfg: EnvironmentConfig, seed: int, n: int) -> list[DataRow] | None:
+    """A few train prompts of `run.environment`, drawn cheaply for the check before launch (dataset name,
+    config, the tokenizer reading them); None for kinds whose prompts need a server or a whole environment
+    built (openenv, verifiers): those are checked when the run starts."""
+    if cfg.kind == "reasoning_gym":
+        from composer_mesh.envs.reasoning_gym import sample_rows
+
+        return sample_rows(cfg, cfg.seed if cfg.seed is not None else seed, n)
+    return None

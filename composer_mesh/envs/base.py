@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Protocol
 
+from composer_mesh.errors import UserInputError
 from composer_mesh.tasks.data import DataRow
+
+
+class EnvironmentConfigError(UserInputError, ValueError):
+    """A `run.environment` section the library refuses: an unknown dataset name, a config it rejects."""
 
 
 class EnvironmentStateError(ValueError):

@@ -22,7 +22,7 @@ import json
 import logging
 from typing import TYPE_CHECKING, Any
 
-from composer_mesh.envs.base import StreamPosition
+from composer_mesh.envs.base import EnvironmentConfigError, StreamPosition
 from composer_mesh.envs.config import EVAL_SEED_OFFSET, ReasoningGymConfig, library_missing
 from composer_mesh.tasks.data import DataRow
 
@@ -60,7 +60,7 @@ def _dataset(name: str, config_json: str, seed: int, size: int) -> ProceduralDat
     try:
         return reasoning_gym.create_dataset(name, **json.loads(config_json), seed=seed, size=size)
     except (ValueError, TypeError, AssertionError) as e:  # unknown name, unknown field, a failed validate()
-        raise ValueError(f"run.environment: reasoning-gym cannot create dataset {name!r} with config "
+        raise EnvironmentConfigError(f"run.environment: reasoning-gym cannot create dataset {name!r} with config "
                          f"{config_json}: {type(e).__name__}: {e}") from e
 
 
@@ -76,6 +76,24 @@ def messages_for(cfg: ReasoningGymConfig, question: str) -> list[dict[str, str]]
         out.append({"role": "system", "content": SYSTEM_PROMPTS.get(cfg.system_prompt, cfg.system_prompt)})
     out.append({"role": "user", "content": question})
     return out
+
+
+def entry_row(cfg: ReasoningGymConfig, entry: dict[str, Any], seed: int, size: int, index: int) -> DataRow:
+    """A prompt row for `entry` (index `index` of the dataset with `seed` and `size`), its locator as extra."""
+    question, answer = str(entry["question"]), entry.get("answer")
+    where = {"dataset": cfg.dataset, "config": cfg.config, "seed": seed, "size": size, "index": index}
+    return DataRow(text=question, answer=None if answer is None else str(answer),
+                   messages=messages_for(cfg, question), extra={EXTRA_KEY: where},
+                   where=f"reasoning-gym {cfg.dataset}, seed {seed}, index {index}")
+
+
+def sample_rows(cfg: ReasoningGymConfig, seed: int, n: int) -> list[DataRow]:
+    """The first `n` train entries as rows, without building the eval set: what the check before launch
+    encodes with the policy's tokenizer (a bad dataset name or config fails here as it would at the start)."""
+    config = _canonical(cfg.config)
+    _dataset(cfg.dataset, config, seed, cfg.size)
+    return [entry_row(cfg, _entry(cfg.dataset, config, seed, cfg.size, i), seed, cfg.size, i)
+            for i in range(min(n, cfg.size))]
 
 
 class ReasoningGymEnvironment(StreamPosition):
@@ -105,12 +123,7 @@ class ReasoningGymEnvironment(StreamPosition):
         return question_hash(question) in self.eval_hashes
 
     def row(self, entry: dict[str, Any], seed: int, size: int, index: int) -> DataRow:
-        """A prompt row for `entry` (index `index` of the dataset with `seed` and `size`), its locator as extra."""
-        question, answer = str(entry["question"]), entry.get("answer")
-        where = {"dataset": self.cfg.dataset, "config": self.cfg.config, "seed": seed, "size": size, "index": index}
-        return DataRow(text=question, answer=None if answer is None else str(answer),
-                       messages=messages_for(self.cfg, question), extra={EXTRA_KEY: where},
-                       where=f"reasoning-gym {self.cfg.dataset}, seed {seed}, index {index}")
+        return entry_row(self.cfg, entry, seed, size, index)
 
     def _eval_set(self) -> list[DataRow]:
         if self.cfg.eval_size == 0:
@@ -142,8 +155,8 @@ class ReasoningGymEnvironment(StreamPosition):
                 self.skipped += 1
                 streak += 1
                 if streak > self.cfg.size:
-                    raise ValueError(f"run.environment: every train entry of {self.name} asks an eval question; "
-                                     "lower eval_size or raise size")
+                    raise EnvironmentConfigError(f"run.environment: every train entry of {self.name} asks an eval "
+                                                 "question; lower eval_size or raise size")
                 continue
             streak = 0
             out.append(self.row(entry, self.seed, self.cfg.size, index))

@@ -474,7 +474,16 @@ def _bootstrap_command(mesh: str, spec: MeshSpec, gpu_devices: list[int] | None,
     env[runtime.ENV_GPUS_PER_PROC] = str(spec.gpus_per_proc)
     if gpu_devices is not None:  # a local mesh: its share of this host's GPUs
         env[runtime.ENV_GPU_DEVICES] = ",".join(map(str, gpu_devices))
+    env.update(forwarded_python_path(env.get("PYTHONPATH")))
     return default_bootstrap_cmd().with_env(env)
+
+
+def forwarded_python_path(mesh_path: str | None) -> dict[str, str]:
+    """PYTHONPATH for a proc: the mesh's own `env` entry, then the controller's (which holds the topology's
+    `python_path:` and `--python-path` directories), so every proc imports the user's modules as the controller
+    does, on any backend."""
+    parts = [p for p in (mesh_path, os.environ.get("PYTHONPATH")) if p]
+    return {"PYTHONPATH": os.pathsep.join(parts)} if parts else {}
 
 
 async def _start_meshes(launched: LaunchedMeshes) -> None:

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from composer_mesh.errors import UserInputError
 from composer_mesh.models.tokenizer import encode_checked
 
 if TYPE_CHECKING:
@@ -32,7 +33,7 @@ class ChatPrompt(Protocol):
     messages: list[dict[str, str]] | None
 
 
-class NoChatTemplateError(ValueError):
+class NoChatTemplateError(UserInputError, ValueError):
     """A chat (messages) prompt was given to a model whose tokenizer has no chat template."""
 
 

@@ -93,7 +93,8 @@ class ModelConfig(BaseModel):
         "char",
         description="Tiny model: 'char' (one id per character of the task's alphabet, no chat template) or 'byte' "
         "(256 byte ids + <|endoftext|>, <|im_start|>, <|im_end|> and a Qwen-style chat template: reads any text "
-        "and chat prompts, e.g. of run.environment).",
+        "and chat prompts). Unset: 'char' for a task run, 'byte' for a run on run.data or run.environment (a tiny "
+        "teacher's: the policy's).",
     )
     hidden_size: int = Field(64, ge=8, description="Tiny model: hidden (embedding) size.")
     num_layers: int = Field(2, ge=1, description="Tiny model: number of transformer layers.")

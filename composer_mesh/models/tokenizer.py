@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from composer_mesh.errors import UserInputError
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
@@ -107,14 +109,21 @@ def tiny_tokenizer(config: ModelConfig) -> PreTrainedTokenizerFast:
     return build_tokenizer(alphabet)
 
 
+class UnencodableTextError(UserInputError, ValueError):
+    """A prompt the model's tokenizer cannot represent (e.g. words given to the tiny model's character
+    tokenizer): the input does not fit the model, which is the user's to fix, not a bug."""
+
+
 def encode_checked(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
-    """Encode without special tokens; raise if the ids do not decode back to `text` (characters not covered)."""
+    """Encode without special tokens; raise UnencodableTextError if the ids do not decode back to `text`
+    (characters not covered)."""
     ids = list(tokenizer.encode(text, add_special_tokens=False))
     back = tokenizer.decode(ids)
     if back != text:
         missing = sorted({ch for ch in text if ch not in back})
-        raise ValueError(
-            f"the tokenizer cannot represent {text!r} (round trip gives {back!r}; characters not covered: {missing})"
+        shown = text if len(text) <= 60 else text[:57] + "..."
+        raise UnencodableTextError(
+            f"the tokenizer cannot represent {shown!r} (characters not covered: {''.join(missing)!r})"
         )
     return ids
 

@@ -19,6 +19,7 @@ from typing import Any
 
 from composer_mesh.actors.messages import Prompt
 from composer_mesh.envs import Environment, EnvironmentStateError, load_environment
+from composer_mesh.errors import UserInputError
 from composer_mesh.orchestration.config import RunConfig
 from composer_mesh.tasks import Task, get_task
 from composer_mesh.tasks.data import DataRow, PromptData, load_prompt_data
@@ -28,7 +29,7 @@ log = logging.getLogger("composer_mesh.prompts")
 EVAL_SEED_OFFSET = 10_000  # a task's eval set is sampled with seed + this (the same prompts every evaluation)
 
 
-class PromptSourceError(ValueError):
+class PromptSourceError(UserInputError, ValueError):
     """A prompt source that cannot give what is asked: no eval split, or a checkpoint of another stream."""
 
 

@@ -23,6 +23,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from composer_mesh.errors import UserInputError
+
 Format = Literal["auto", "jsonl", "parquet", "disk"]
 _SUFFIXES: dict[str, Format] = {".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet", ".pq": "parquet"}
 _HELD_OUT_SALT = "composer-mesh/held-out\0"
@@ -87,7 +89,7 @@ class DataConfig(BaseModel):
         return self.messages or self.prompt or "prompt"
 
 
-class DataError(ValueError):
+class DataError(UserInputError, ValueError):
     """Data that cannot be read: a missing file, an unknown format, an absent split or cached dataset."""
 
 
@@ -175,9 +177,15 @@ def read_rows(cfg: DataConfig, path: str | None, split: str) -> list[DataRow]:
         name = path
         records = {"jsonl": _jsonl_records, "parquet": _parquet_records}[fmt](path) if fmt != "disk" \
             else _disk_records(path, split)
-    rows = [to_row(record, cfg, name, number) for number, record in records]
+    try:
+        rows = [to_row(record, cfg, name, number) for number, record in records]
+    except IsADirectoryError:
+        raise DataError(f"{name}: a directory, not a {cfg.format} file: give a file, or data.format: disk for a "
+                        "`datasets.save_to_disk` directory") from None
+    except OSError as e:
+        raise DataError(f"{name}: cannot be read: {e.strerror or e}") from None
     if not rows:
-        raise DataError(f"{name}: no rows")
+        raise DataError(f"{name}: no rows (the data is empty): give a file with at least one row")
     return rows
 
 
@@ -188,7 +196,8 @@ def to_row(record: Any, cfg: DataConfig, file: str, row: int) -> DataRow:
 
     def column(name: str) -> Any:
         if name not in record:
-            raise DataRowError(file, row, name, f"missing (the row has {', '.join(map(str, record)) or 'no columns'})")
+            raise DataRowError(file, row, name, f"missing (the row has {', '.join(map(str, record)) or 'no columns'}): "
+                               "fix the row, or map the columns with run.data's prompt, messages, answer, extra")
         return record[name]
 
     messages = None
@@ -234,8 +243,13 @@ def _format(path: str, fmt: Format) -> Literal["jsonl", "parquet", "disk"]:
 
 
 def _jsonl_records(path: str) -> Iterator[tuple[int, Any]]:
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise DataRowError(path, number, None, "not UTF-8 text: is it a JSON Lines file? (a Parquet file is "
+                                   "named .parquet, or set data.format)") from None
             if not line.strip():
                 continue
             try:
@@ -246,8 +260,15 @@ def _jsonl_records(path: str) -> Iterator[tuple[int, Any]]:
 
 def _parquet_records(path: str) -> Iterator[tuple[int, Any]]:
     pq = _require("pyarrow.parquet", "pyarrow")
+    import pyarrow
+
+    try:
+        file = pq.ParquetFile(path)
+    except (pyarrow.ArrowException, OSError) as e:
+        raise DataError(f"{path}: not a Parquet file ({e}): give a JSON Lines file a .jsonl name, or set "
+                        "data.format to the file's format (jsonl, parquet, disk)") from None
     number = 0
-    for batch in pq.ParquetFile(path).iter_batches():
+    for batch in file.iter_batches():
         for record in batch.to_pylist():
             number += 1
             yield number, record

@@ -24,6 +24,7 @@ from pydantic import (
     SerializeAsAny,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 
 from composer_mesh.actors.configs import (
@@ -280,6 +281,12 @@ class Topology(StrictModel):
     """A validated topology file. Sections are instances of their owners' config models."""
 
     name: SlurmJobName = Field(description="Run name (used in Slurm job names and logs).")
+    python_path: list[str] = Field(
+        default_factory=list,
+        description="Directories holding your own modules (reward functions, tasks, bindings named 'pkg.mod:Name'), "
+        "relative to this file: put first on sys.path before the file's import paths are resolved, and on "
+        "PYTHONPATH for every proc of the run. The command line's --python-path DIR does the same.",
+    )
     model: Annotated[ModelConfig, _DEFAULTS_WHEN_NULL] = Field(
         default_factory=dict,  # type: ignore[arg-type]  # validated into the defaults (validate_default)
         validate_default=True,
@@ -316,6 +323,29 @@ class Topology(StrictModel):
     def source(self) -> Path | None:
         """The file this topology was loaded from, if any."""
         return self._source
+
+    @model_validator(mode="after")
+    def _tiny_reads_any_text(self) -> Topology:
+        """The tiny model's character tokenizer reads only its task's characters (`0-9+=;` for addition): on a
+        run of your own data or an environment (`run.data`, `run.environment`) a tiny policy whose `tokenizer`
+        is not set gets the byte tokenizer, which reads any text and has a chat template, and a tiny local
+        teacher whose `tokenizer` is not set gets the policy's (distillation needs one tokenizer). A task run
+        keeps the character tokenizer; a `tokenizer` set in the file is kept."""
+        if (self.run.data is None and self.run.environment is None) or not self.model.is_tiny:
+            return self
+        if "tokenizer" not in self.model.model_fields_set:
+            self.model.tokenizer = "byte"
+        for member in self.roles.teachers.members if self.roles.teachers is not None else []:
+            model = getattr(member.settings, "model", None)
+            if isinstance(model, ModelConfig) and model.is_tiny and "tokenizer" not in model.model_fields_set:
+                model.tokenizer = self.model.tokenizer
+        return self
+        members = self.roles.teachers.members if self.roles.teachers is not None else []
+        models = [self.model, *(getattr(m.settings, "model", None) for m in members)]
+        for model in models:
+            if isinstance(model, ModelConfig) and model.is_tiny and "tokenizer" not in model.model_fields_set:
+                model.tokenizer = "byte"
+        return self
 
     def training_fingerprint(self) -> dict[str, Any]:
         """What a checkpoint must match to be resumed under this topology: the model, the loss, the trainer and

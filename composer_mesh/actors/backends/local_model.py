@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from composer_mesh.errors import UserInputError
+
 if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedTokenizerBase
@@ -21,6 +23,11 @@ def as_model_config(model: Any) -> ModelConfig:
     from composer_mesh.models.config import ModelConfig
 
     return model if isinstance(model, ModelConfig) else ModelConfig.model_validate(model)
+
+
+class PromptTooLongError(UserInputError, ValueError):
+    """A prompt that leaves no room for `run.max_new_tokens` in the model's context: the data or the setting
+    is the user's to change."""
 
 
 def prompt_ids(
@@ -45,9 +52,9 @@ def prompt_ids(
             f"{who}: prompt {prompt.prompt_id!r} has token ids {bad[:5]} outside the model's vocabulary [0, {vocab_size})"
         )
     if context is not None and len(ids) + max_new_tokens > context:
-        raise ValueError(f"{who}: prompt {prompt.prompt_id!r} is {len(ids)} tokens; with max_new_tokens="
-                         f"{max_new_tokens} that is more than the model's context of {context} tokens (shorten the "
-                         "prompt or run.max_new_tokens)")
+        raise PromptTooLongError(f"{who}: prompt {prompt.prompt_id!r} is {len(ids)} tokens; with max_new_tokens="
+                                 f"{max_new_tokens} that is more than the model's context of {context} tokens "
+                                 "(shorten the prompt or run.max_new_tokens)")
     return ids
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from typing import Any
 
 from monarch.actor import Actor, context, endpoint
@@ -66,6 +67,7 @@ class ProbeActor(Actor):
             "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
             "probe_env": {k: v for k, v in os.environ.items() if k.startswith("PROBE_")},
             "config": self.config_type,
+            "sys_path": list(sys.path),
         }
 
     @endpoint

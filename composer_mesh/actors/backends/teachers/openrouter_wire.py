@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from composer_mesh.actors.backends.teachers.config import OpenRouterSettings
+from composer_mesh.errors import UserInputError
 
 # OpenRouter: 408 timeout, 429 rate limit, 502 upstream down/invalid, 503 no provider available; any 5xx.
 _RETRYABLE_STATUS = frozenset({408, 429})
@@ -34,7 +35,7 @@ class OpenRouterError(RuntimeError):
         self.retryable = retryable
 
 
-class OpenRouterConfigError(OpenRouterError):
+class OpenRouterConfigError(OpenRouterError, UserInputError):
     """Missing key or unusable settings: fails before any request is made."""
 
 

@@ -156,6 +156,39 @@ def read_trainer_state(url: str) -> TrainerSnapshot:
     return TrainerSnapshot(tensors, meta)
 
 
+def check_trainer_state(url: str) -> None:
+    """What `read_trainer_state` would refuse, found without reading the tensors (a large model's state is
+    gigabytes): the marker, `state.json` and its format, and the safetensors header of `state.safetensors`
+    against the file's size. Raises TrainerStateError naming the file."""
+    state = _state_dir(url)
+    try:
+        if state.marker() is None:
+            raise TrainerStateError(f"{url}: no {_MARKER} marker: not a trainer state, or one that was never finished")
+        meta = state.read_json("state.json")
+        _check_safetensors(FsspecBlobs(url), "state.safetensors")
+    except StorageError as e:
+        raise TrainerStateError(str(e)) from e
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+        raise TrainerStateError(f"{url}: unreadable trainer state: {type(e).__name__}: {e}") from e
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise TrainerStateError(f"{url}/state.json: format {meta.get('format') if isinstance(meta, dict) else meta!r}, "
+                                f"expected {FORMAT}")
+
+
+def _check_safetensors(blobs: FsspecBlobs, name: str) -> None:
+    """A safetensors file's header (8-byte length, JSON) parses and its tensors end where the file does."""
+    path = blobs.path(name)
+    with blobs.fs.open(path, "rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        if not 2 <= length <= 100 * 2**20:
+            raise ValueError(f"{name}: not a safetensors file (header length {length})")
+        header = json.loads(f.read(length))
+    ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
+    expected, size = 8 + length + max(ends, default=0), int(blobs.fs.size(path))
+    if size != expected:
+        raise ValueError(f"{name}: {size} bytes, its header describes {expected} (truncated or overwritten)")
+
+
 def restore_trainer_state(
     url: str, snapshot: TrainerSnapshot, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     *, trainable_only: bool = False,

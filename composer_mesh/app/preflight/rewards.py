@@ -1,0 +1,39 @@
+"""The `python` rewarder's functions called once on a sample prompt of the run, before launch: a function that
+raises, hangs or returns the wrong type (a TRL-style function under the per-rollout signature, say) is named here,
+not found as a failed reward on every rollout of every step."""
+
+from __future__ import annotations
+
+from composer_mesh.app.preflight.errors import PreflightError
+from composer_mesh.topology.schema import Topology
+
+
+class RewardPreflightError(PreflightError):
+    """Reward functions that fail on a sample prompt of the run (one per line, each naming the function)."""
+
+
+def check_rewards(topology: Topology) -> None:
+    """Call each of the `python` rewarder's functions once on the run's first train prompt, in a worker process
+    with its timeout (`check_reward_functions`), so a function that raises, hangs or returns the wrong type is
+    named before launch, not found as a failure on every rollout. Skipped for an OpenEnv environment (scoring
+    replays episodes on its server) and when the prompts cannot be read (the data checks name that)."""
+    from composer_mesh.actors.backends.rewards.config import PythonRewarderSettings
+
+    settings = topology.rewarder.bound().settings
+    env = topology.run.environment
+    if not isinstance(settings, PythonRewarderSettings) or not settings.functions or (env and env.kind == "openenv"):
+        return
+    from composer_mesh.actors.backends.rewards.rewards import check_reward_functions
+    from composer_mesh.orchestration.prompts import prompt_source
+
+    try:
+        source = prompt_source(topology.run)
+    except Exception:  # a data problem: reported by the data checks, or by the run itself
+        return
+    try:
+        [sample] = source.take(1)
+    finally:
+        source.close()
+    problems = check_reward_functions(settings, sample)
+    if problems:
+        raise RewardPreflightError("reward functions fail on a sample prompt of the run:\n  " + "\n  ".join(problems))

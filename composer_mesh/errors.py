@@ -1,0 +1,32 @@
+"""`UserInputError`: the base of every error that a user's input causes (a topology field, a data file, an
+environment variable, a prompt) as opposed to a bug.
+
+Why a module of its own at the bottom of the layers: such errors are raised in every layer (data rows in
+`tasks`, prompts in `models`, API keys in `actors`, checks in `app`), often inside an actor, and the command line
+must tell them from bugs wherever they arrive from: directly before launch, or wrapped in Monarch's `ActorError`
+after crossing a process boundary. One base class lets `composer_mesh.cli.failure_of` print such an error as its
+one line (no traceback, no "it is a bug"), without knowing every layer's exception types.
+
+A `UserInputError` survives pickling whatever its subclass's `__init__` takes (Monarch pickles an endpoint's
+exception to send it to the caller; an exception whose `__init__` needs more than its message would otherwise
+fail to unpickle and arrive as another error).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class UserInputError(Exception):
+    """An error caused by the user's input: its message names what is wrong, where, and the fix, in one line."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _rebuild, (type(self), self.args, dict(self.__dict__))
+
+
+def _rebuild(cls: type[UserInputError], args: tuple[Any, ...], state: dict[str, Any]) -> UserInputError:
+    """The unpickled copy of a `UserInputError`: its class, `args` and attributes, without calling `__init__`."""
+    error = cls.__new__(cls)
+    error.args = args
+    error.__dict__.update(state)
+    return error
