@@ -231,7 +231,7 @@ def test_your_own_module_imports_with_python_path(tmp_path: Path, capsys: pytest
     monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
     mine = tmp_path / "mine"
     mine.mkdir()
-    (mine / "my_rewards_pf.py").write_text("def score(prompt, completion):\n    return 1.0\n")
+    (mine / "my_rewards_pf.py").write_text("def score(prompt, completion, answer):\n    return 1.0\n")
     path = topology(tmp_path, "task: addition", reward="my_rewards_pf:score")
     code, err, _ = validate(path, capsys)  # reward functions import with the file: an error at its line
     assert code == EXIT_INVALID and "Traceback" not in err

@@ -76,9 +76,9 @@ def test_a_reward_failing_on_every_rollout_stops_the_run(tmp_path: Path, capsys:
     path = topology_file(tmp_path, 'functions: [{path: "graders.pyfuncs:trl_service_down"}]',
                          "  stop_after_failed_reward_steps: 2\n")
     assert cli.main(["run", str(path), "--run-dir", str(tmp_path / "run"), "--steps", "6"]) == cli.EXIT_RUN_FAILED
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
     error = "reward function 'trl_service_down' raised ConnectionError: grader service at localhost:9 refused the connection"
-    assert f"step 1: 8/8 rollouts' rewards failed: {error}" in err  # shown as it happens
+    assert f"step 1: 8/8 rollouts' rewards failed: {error}" in out  # shown as it happens, with the progress
     assert (f"composer-mesh: run stopped: every rollout's reward failed in 2 consecutive steps (steps 1-2); last "
             f"error: {error} (fix the reward, or set run.stop_after_failed_reward_steps: 0 to train on)") in err
     assert "Traceback" not in err
