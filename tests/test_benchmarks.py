@@ -127,3 +127,26 @@ def test_bench_lora_quick_measures_full_and_lora_side_by_side(tmp_path: Path) ->
     assert all(m["step_s"] > 0 for m in modes.values())
     assert merged["trainable"] < full["trainable"] and merged["state_mib"] < full["state_mib"]
     assert merged["publish_mib"] == full["publish_mib"] and adapter["publish_mib"] < merged["publish_mib"]
+
+
+@pytest.mark.bench
+@pytest.mark.slow  # ~40-60 s on 2 cores: one run of the main job (seed 0, 20 steps)
+def test_bench_local_seeds_quick_reports_held_out_numbers(tmp_path: Path) -> None:
+    stdout, result = run_quick("bench_local_seeds.py", tmp_path / "bench_local_seeds.json", 400,
+                               "--out", str(tmp_path / "out"))
+    assert "greedy before: median" in stdout and "wall s: median" in stdout
+    assert result["hardware"] and result["steps"] == 20 and [r["seed"] for r in result["rows"]] == [0]
+    row = result["rows"][0]
+    assert row["status"] == "ok" and row["wall_s"] > 0, row
+    assert [(e["when"], e["step"]) for e in row["evals"]] == [("before", 0), ("after", 20)]
+    assert all(0 <= e["greedy"] <= 1 and 0 <= e["pass_at_k"] <= 1 and e["k"] == 4 for e in row["evals"])
+    assert result["summary"]["greedy_after"] == [row["evals"][-1]["greedy"]]
+    assert yaml_seed(tmp_path / "out" / "seed0.yaml") == (0, 0)
+
+
+def yaml_seed(path: Path) -> tuple[int, int]:
+    """(model.seed, run.seed) of a topology copy the benchmark wrote."""
+    import yaml
+
+    data = yaml.safe_load(path.read_text())
+    return data["model"]["seed"], data["run"]["seed"]

@@ -127,7 +127,8 @@ class RunConfig(BaseModel):
     )
     eval_prompts: int = Field(
         64, ge=0, description="Held-out prompts (the prompt source's eval set, never trained on) evaluated before "
-        "and after training and every `eval_every` steps (0: no evaluation).")
+        "and after training and every `eval_every` steps (0: no evaluation). A task that lists its eval split "
+        "(addition: 20 problems) gives each problem at most once, so at most that many.")
     eval_every: int = Field(0, ge=0, description="Also evaluate every this many steps while training (0: only "
                             "before and after). Runs on generator 0 between its chunks; the event says which "
                             "weight version it saw.")

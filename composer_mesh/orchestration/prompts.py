@@ -119,15 +119,22 @@ class TaskPrompts(PromptSource):
                 "run.eval_prompts: 0")
 
     def eval_prompts(self, n: int) -> list[Prompt]:
+        """A task that lists its eval split (`problems("eval")`) gives each problem at most once, in an order
+        shuffled by `seed + EVAL_SEED_OFFSET` (all of them when `n` is at least the split's size), so an accuracy
+        counts every held-out problem once; other tasks give `n` samples of their eval split."""
         if n == 0:
             return []
         self.check_eval()
         rng = random.Random(self.seed + EVAL_SEED_OFFSET)
-        out = []
-        for i in range(n):
-            text, answer = self.task.sample(rng, "eval")
-            out.append(Prompt(prompt_id=f"eval{i}", text=text, token_ids=[], answer=answer))
-        return out
+        listed = getattr(self.task, "problems", None)
+        if callable(listed):
+            problems = list(listed("eval"))
+            rng.shuffle(problems)
+            pairs = problems[:n]
+        else:
+            pairs = [self.task.sample(rng, "eval") for _ in range(n)]
+        return [Prompt(prompt_id=f"eval{i}", text=text, token_ids=[], answer=answer)
+                for i, (text, answer) in enumerate(pairs)]
 
     def state(self) -> dict[str, Any]:
         version, internal, gauss = self.rng.getstate()

@@ -30,6 +30,13 @@ class AdditionTask:
         a, b = rng.choice(self.pairs[split])
         return f"{a}+{b}=", str(a + b)
 
+    def problems(self, split: str) -> list[tuple[str, str]]:
+        """Every (prompt, answer) of `split`, once each: the held-out evaluation scores each eval problem once
+        rather than a sample that repeats some and misses others."""
+        if split not in self.pairs:
+            raise ValueError(f"addition has splits {list(self.pairs)}, not {split!r}")
+        return [(f"{a}+{b}=", str(a + b)) for a, b in self.pairs[split]]
+
     def reward(self, prompt: str, completion: str, answer: str | None) -> float:
         return exact_match(prompt, completion, answer)
 

@@ -14,7 +14,9 @@ class Task(Protocol):
 
     def sample(self, rng: random.Random, split: str = "train") -> tuple[str, str]:
         """One (prompt text, reference answer) of `split`. A task with a held-out split lists its names in an
-        optional `splits` attribute ("train", "eval"); the two must be disjoint by construction."""
+        optional `splits` attribute ("train", "eval"); the two must be disjoint by construction. A task whose
+        eval split is a finite list may also have `problems(split) -> list[(prompt, answer)]`: the held-out
+        evaluation then scores each of those problems once instead of sampling."""
 
     def reward(self, prompt: str, completion: str, answer: str | None) -> float:
         """Score in [0, 1] for a completion."""

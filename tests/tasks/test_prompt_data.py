@@ -23,6 +23,7 @@ from composer_mesh.orchestration.prompts import (
     TaskPrompts,
     prompt_source,
 )
+from composer_mesh.tasks.arithmetic import AdditionTask
 from composer_mesh.tasks.data import (
     DataConfig,
     DataError,
@@ -262,6 +263,22 @@ def test_a_task_source_trains_and_evaluates_on_disjoint_splits():
     assert [p.prompt_id for p in held[:2]] == ["eval0", "eval1"]
     assert held == source.eval_prompts(40)  # the same prompts every evaluation
     assert not trained & {p.text for p in held}
+
+
+def test_a_task_listing_its_eval_split_scores_each_held_out_problem_once():
+    """Addition lists its 20 held-out problems: asking for more gives each once (an accuracy counts every problem
+    with the same weight), asking for fewer gives a seeded subset, and none is ever a training problem."""
+    task = AdditionTask()
+    held_out = {f"{a}+{b}=" for a, b in task.pairs["eval"]}
+    source = TaskPrompts("addition", seed=3)
+    texts = [p.text for p in source.eval_prompts(64)]
+    assert sorted(texts) == sorted(held_out)  # all 20, no repeats
+    assert all(p.answer == str(sum(map(int, p.text[:-1].split("+")))) for p in source.eval_prompts(64))
+    assert [p.text for p in source.eval_prompts(5)] == texts[:5]
+    assert [p.text for p in TaskPrompts("addition", seed=4).eval_prompts(64)] != texts  # the order follows the seed
+    assert not {p.text for p in source.take(2000)} & held_out
+    with pytest.raises(ValueError, match="splits"):
+        task.problems("test")
 
 
 def test_a_task_without_splits_trains_but_refuses_an_eval():

@@ -4,6 +4,7 @@ settings from here)."""
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from pydantic import Field
@@ -21,6 +22,15 @@ class HFTrainerSettings(TorchSettings):
     device: str = Field("cpu", description="torch device of the policy: 'cpu', 'cuda', 'cuda:<index>' or 'mps'.")
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads in the trainer process.")
     lr: float = Field(1e-3, gt=0, description="AdamW learning rate of the inner optimizer.")
+    lr_decay_steps: int | None = Field(
+        None, ge=1,
+        description="Cosine-decay the learning rate from `lr` to `lr * lr_min_ratio` over this many optimizer "
+        "steps, then hold it there (e.g. run.steps, so the last steps make small moves and the final weights do not "
+        "land on a noisy step). null = constant `lr`. The schedule follows the trainer's step, so --resume continues it.",
+    )
+    lr_min_ratio: float = Field(
+        0.1, ge=0, le=1, description="The decayed learning rate as a fraction of `lr` (with `lr_decay_steps`)."
+    )
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW betas.")
     grad_clip: float | None = Field(1.0, gt=0, description="Clip the global gradient norm to this (None: off).")
@@ -67,3 +77,13 @@ class HFTrainerSettings(TorchSettings):
         "channel 2 are computed from them chunk by chunk (no [tokens x vocab] tensor). 'full': the model's own "
         "forward computes logits for every position (needed for heads that transform logits, e.g. soft-capping).",
     )
+
+
+def scheduled_lr(settings: HFTrainerSettings, step: int) -> float:
+    """The learning rate of optimizer step `step` (0-based): `lr`, cosine-decayed over `lr_decay_steps` to
+    `lr * lr_min_ratio` when that is set. A pure function of the step, so a resumed trainer continues the schedule."""
+    if settings.lr_decay_steps is None:
+        return settings.lr
+    frac = min(step, settings.lr_decay_steps) / settings.lr_decay_steps
+    floor = settings.lr * settings.lr_min_ratio
+    return floor + (settings.lr - floor) * 0.5 * (1 + math.cos(math.pi * frac))

@@ -27,7 +27,11 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import torch
 from pydantic import BaseModel
 
-from composer_mesh.actors.backends.trainer.config import HF_TRAINER_CAPABILITIES, HFTrainerSettings
+from composer_mesh.actors.backends.trainer.config import (
+    HF_TRAINER_CAPABILITIES,
+    HFTrainerSettings,
+    scheduled_lr,
+)
 from composer_mesh.actors.backends.trainer.train_batch import (
     StudentPass,
     TrainRows,
@@ -197,6 +201,10 @@ class HFTrainer:
         if s.grad_clip is not None:
             params = [p for group in self.optimizer.param_groups for p in group["params"]]
             metrics["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, s.grad_clip))
+        if s.lr_decay_steps is not None:
+            metrics["lr"] = scheduled_lr(s, self.step)
+            for group in self.optimizer.param_groups:
+                group["lr"] = metrics["lr"]
         self.optimizer.step()  # with DiLoCo: every sync_every steps, the outer step happens inside this call
         if self.diloco is not None:
             metrics["diloco/outer_step"] = float(self.diloco.outer_step)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -220,3 +221,26 @@ def test_attn_implementation_is_applied():
     trainer = HFTrainer(HFTrainerSettings(attn_implementation="eager"))
     trainer.start(MODEL, LossConfig())
     assert trainer.model.config._attn_implementation == "eager"
+
+
+def test_lr_decay_follows_the_trainer_step_and_holds_at_its_floor():
+    """`lr_decay_steps` cosine-decays the learning rate each step from `lr` to `lr * lr_min_ratio`, then holds it;
+    the optimizer really uses it (AdamW's first step moves each weight by about lr), and without it lr is constant."""
+    from composer_mesh.actors.backends.trainer.config import scheduled_lr
+
+    settings = HFTrainerSettings(lr=1e-2, lr_decay_steps=4, lr_min_ratio=0.1)
+    lrs = [scheduled_lr(settings, step) for step in range(7)]
+    assert lrs[0] == pytest.approx(1e-2) and lrs[2] == pytest.approx(0.55e-2) and lrs[4:] == pytest.approx([1e-3] * 3)
+    assert all(a > b for a, b in itertools.pairwise(lrs[:5]))
+    assert scheduled_lr(HFTrainerSettings(lr=1e-2), 1000) == 1e-2
+    trainer = HFTrainer(settings)
+    trainer.start(MODEL, LossConfig(alpha_sdpo=0.0, beta_replay=0.0))
+    batch = make_batch(trainer, with_teacher=False)
+    trainer.step = 4  # as a resumed trainer: the schedule continues from its step
+    before = {k: v.clone() for k, v in trainer.named_weights().items()}
+    m = trainer.train_step(batch)
+    assert m.metrics["lr"] == pytest.approx(1e-3) and trainer.optimizer.param_groups[0]["lr"] == pytest.approx(1e-3)
+    moved = max(float((v - before[k]).abs().max()) for k, v in trainer.named_weights().items())
+    assert 0.5e-3 < moved < 1.5e-3  # an AdamW first step of ~lr, not of the undecayed 1e-2
+    with pytest.raises(ValueError, match="lr_min_ratio"):
+        HFTrainerSettings(lr_min_ratio=2)
