@@ -175,7 +175,7 @@ def main(path: str, checkpoint: str | None, overrides: Sequence[Override] = (), 
     check_models(topology)
     result = asyncio.run(evaluate_target(topology, target))
     report = EvalReport(topology=path, checkpoint=target.url or target.path, kind=target.kind, step=target.step,
-                        prompts=topology.run.eval_prompts, greedy=result.greedy, pass_at_k=result.pass_at_k,
+                        prompts=result.prompts, greedy=result.greedy, pass_at_k=result.pass_at_k,
                         k=result.k, weight_version=result.weight_version)
     _print_table(report, Console(stderr=True))
     if output is None:

@@ -23,6 +23,7 @@ class Evaluation:
     pass_at_k: float | None
     k: int
     weight_version: int
+    prompts: int = 0  # how many held-out prompts were scored: fewer than asked when the eval set is smaller
 
 
 @dataclass(frozen=True)
@@ -75,13 +76,13 @@ class Evaluator:
         greedy = [rw.score for g in scored[0] for rw in g.rewards]
         passed = [any(rw.score >= 1.0 for rw in g.rewards) for g in scored[1]] if cfg.pass_k else []
         return Evaluation(sum(greedy) / len(greedy), sum(passed) / len(passed) if passed else None,
-                          cfg.pass_k, results[0][0])
+                          cfg.pass_k, results[0][0], len(prompts))
 
     async def run(self, writer: MetricsWriter, when: str, step: int) -> Evaluation:
         """Evaluate the run's held-out prompts and write the `eval` event (`when`: before, during, after)."""
         result = await self.evaluate(self.cfg.prompts, self.cfg.seed)
         writer.write_event("eval", when=when, step=step, reward=result.greedy, pass_at_k=result.pass_at_k,
-                           k=result.k, weight_version=result.weight_version)
+                           k=result.k, weight_version=result.weight_version, prompts=result.prompts)
         if when == "before":
             self.before = result.greedy
         return result

@@ -127,6 +127,6 @@ def summarize(run: RunConfig, writer: MetricsWriter, schedule: StepScheduler, t_
         train_seconds=session[-1].elapsed_s - end.train_start if session else 0.0,
         zero_variance_groups=schedule.zero_variance_groups, resumed_from=end.resumed or None,
         stopped=end.stopped if end.last < run.steps else None, checkpoint=end.checkpoint,
-        eval_prompts=run.eval_prompts, pass_k=before.get("k") or after.get("k") or None,
+        eval_prompts=after.get("prompts") or before.get("prompts") or run.eval_prompts, pass_k=before.get("k") or after.get("k") or None,
         pass_before=before.get("pass_at_k"), pass_after=after.get("pass_at_k"),
     )

@@ -41,8 +41,17 @@ async def test_the_before_event_is_written_and_kept_for_the_checkpoint() -> None
     writer, ev = FakeWriter(), evaluator(FakeGenerators(version=3), pass_k=0)
     await ev.run(writer, "before", 0)  # type: ignore[arg-type]
     assert writer.events == [("eval", {"when": "before", "step": 0, "reward": 2 / 3, "pass_at_k": None, "k": 0,
-                                       "weight_version": 3})]
+                                       "weight_version": 3, "prompts": 3})]
     assert ev.before == 2 / 3
+
+
+async def test_an_eval_set_smaller_than_asked_reports_how_many_prompts_it_scored() -> None:
+    """addition holds out 20 problems and scores each once even when `run.eval_prompts` asks for 64: the event
+    and the summary say 20, not 64."""
+    ev = evaluator(FakeGenerators(), pass_k=0)
+    ev.eval_prompts = lambda n: prompts(0, min(n, 2))
+    result = await ev.evaluate(3, seed=7)
+    assert result.prompts == 2 and result.greedy == 0.5  # p0 scores 1, p1 scores 0
 
 
 async def test_evaluations_during_training_run_every_eval_every_steps_but_not_at_the_last() -> None:
