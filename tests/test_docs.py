@@ -68,14 +68,19 @@ def run_block(block: Block, cwd: Path) -> subprocess.CompletedProcess[str]:
                           timeout=TIMEOUT_S)
 
 
-@pytest.mark.parametrize("block", RUNNABLE, ids=[b.id for b in RUNNABLE])
+LAUNCH_SCRIPT = blocks(ROOT / "docs" / "launch.md")[0]
+# The launch.md script launches meshes and trains a step (about a minute): the slow tier runs it.
+PARAMS = [pytest.param(b, id=b.id, marks=[pytest.mark.slow] if b == LAUNCH_SCRIPT else []) for b in RUNNABLE]
+
+
+@pytest.mark.parametrize("block", PARAMS)
 def test_every_unmarked_python_block_runs(block: Block, tmp_path: Path) -> None:
     for module in OPTIONAL:
         if re.search(rf"^\s*(import|from) {module}\b", block.code, re.M) and importlib.util.find_spec(module) is None:
             pytest.skip(f"{block.id} imports {module}, not installed here (an optional extra)")
     result = run_block(block, tmp_path)
     assert result.returncode == 0, f"{block.id} failed (exit {result.returncode}):\n{result.stderr[-3000:]}"
-    if block == blocks(ROOT / "docs" / "launch.md")[0]:  # the minimal script trained one step and said so
+    if block == LAUNCH_SCRIPT:  # the minimal script trained one step and said so
         assert re.search(r"^reward \d\.\d\d, loss -?\d+\.\d{4}, weights v2$", result.stdout, re.M), result.stdout
 
 

@@ -34,6 +34,7 @@ async def _run(run_dir: Path) -> tuple[Topology, dict[str, dict]]:
     return topo, _evals(run_dir)
 
 
+@pytest.mark.slow  # a run, then eval launching the trainer and generators: about 2 min
 async def test_eval_of_a_run_checkpoint_is_the_runs_eval_at_that_step(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     topo, events = await _run(run_dir)
@@ -45,7 +46,7 @@ async def test_eval_of_a_run_checkpoint_is_the_runs_eval_at_that_step(tmp_path: 
         after["reward"], after["pass_at_k"], after["k"], after["weight_version"])
 
 
-@pytest.mark.slow  # a run and two evaluations: 1-4 min (the run checkpoint's case above is the default tier's)
+@pytest.mark.slow  # a run and two evaluations: 1-4 min
 async def test_eval_of_the_final_model_and_of_the_initial_policy_are_the_runs_evals(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     topo, events = await _run(run_dir)

@@ -10,10 +10,13 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 TOPOLOGY = ROOT / "tests" / "orchestration" / "slim_run.yaml"
 
 
+@pytest.mark.slow  # a real run through the CLI, piped: about a minute
 def test_piped_run_prints_progress_lines_as_it_goes(tmp_path: Path) -> None:
     topology = tmp_path / "run.yaml"
     topology.write_text(TOPOLOGY.read_text() + "  progress: {every_steps: 1}\n")  # the run: section is last

@@ -63,6 +63,7 @@ def steps(run_dir: Path) -> list[dict]:
     return [r for r in rows if "event" not in r]
 
 
+@pytest.mark.slow  # a real run: 35-45 s
 def test_trl_batched_function_trains_with_a_reward(tmp_path: Path):
     """The function of issue 25 (`def reward(completions, **kwargs)`): every rollout used to fail, reward 0."""
     path = topology_file(tmp_path, 'functions: [{path: "graders.pyfuncs:trl_digits"}]')
@@ -72,6 +73,7 @@ def test_trl_batched_function_trains_with_a_reward(tmp_path: Path):
     assert all(r["reward_failures"] == 0 and r["reward"] > 0 for r in records), records
 
 
+@pytest.mark.slow  # a real run: 35-45 s
 def test_a_reward_failing_on_every_rollout_stops_the_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
     path = topology_file(tmp_path, 'functions: [{path: "graders.pyfuncs:trl_service_down"}]',
                          "  stop_after_failed_reward_steps: 2\n")
