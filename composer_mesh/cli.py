@@ -216,16 +216,6 @@ def _plan_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _plan_hours(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of hours, got {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number of hours, got {text}")
-    return value
-
-
 def _plan(args: argparse.Namespace) -> int:
     from composer_mesh.topology import TopologyError, load_topology
     from composer_mesh.topology.plan import load_prices, make_plan, render_plan
@@ -264,14 +254,23 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+def _positive(cast: Callable[[str], float], what: str) -> Callable[[str], float]:
+    """An argparse type: `text` as a finite number > 0 (`what` names it in the error)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = cast(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not 0 < value < float("inf"):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text}")
+        return value
+
+    return parse
+
+
+_positive_int = _positive(int, "a positive integer")
+_plan_hours = _positive(float, "a positive number of hours")
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -6,7 +6,6 @@ directory is a one-line validation error."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -105,23 +104,6 @@ def test_a_bad_directory_is_a_one_line_error(tmp_path: Path, model_dir: Path):
         RewardModelSettings(path=str(model_dir), device="gpu")
     assert json.loads((model_dir / "config.json").read_text())["architectures"] == ["Qwen2ForSequenceClassification"]
 
-
-@pytest.fixture
-def rewarder_procs() -> Iterator[object]:
-    """One Monarch proc, like a rewarder mesh's; a fault fails the test instead of exiting pytest."""
-    import monarch.actor
-    from monarch.actor import this_host
-
-    from composer_mesh.mesh import runtime
-
-    faults: list[object] = []
-    previous_hook = monarch.actor.unhandled_fault_hook
-    monarch.actor.unhandled_fault_hook = faults.append
-    procs = this_host().spawn_procs(per_host={"procs": 1}, name="reward_model", bootstrap=runtime.proc_setup)
-    yield procs
-    procs.stop().get()
-    monarch.actor.unhandled_fault_hook = previous_hook
-    assert faults == []
 
 
 async def test_a_real_rewarder_actor_scores_groups_with_the_model(rewarder_procs, model_dir: Path):

@@ -276,23 +276,6 @@ def test_workers_exit_when_the_rewarders_process_is_killed(tmp_path: Path):
     assert wait_gone([worker, child]) == []
 
 
-@pytest.fixture
-def rewarder_procs() -> Iterator[object]:
-    """One Monarch proc, like a rewarder mesh's; a fault fails the test instead of exiting pytest."""
-    import monarch.actor
-    from monarch.actor import this_host
-
-    from composer_mesh.mesh import runtime
-
-    faults: list[object] = []
-    previous_hook = monarch.actor.unhandled_fault_hook
-    monarch.actor.unhandled_fault_hook = faults.append
-    procs = this_host().spawn_procs(per_host={"procs": 1}, name="rewarder_pool", bootstrap=runtime.proc_setup)
-    yield procs
-    procs.stop().get()
-    monarch.actor.unhandled_fault_hook = previous_hook
-    assert faults == []
-
 
 async def test_real_rewarder_actor_scores_a_hang_and_a_crash_and_stops_its_workers(rewarder_procs):
     """On a Monarch proc (threads running: workers must not be forked from it): one request mixes a good call,
