@@ -306,6 +306,7 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--output", metavar="FILE", help="append the JSON line to FILE instead of printing it on stdout")
     _add_set_argument(p)
+    _python_path_arg(p)
 
 
 def _eval(args: argparse.Namespace) -> int:

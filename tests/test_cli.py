@@ -284,3 +284,10 @@ def test_exit_codes_are_documented() -> None:
         if name.startswith("EXIT_"):
             assert f"| {getattr(cli, name)} |" in section, name
     assert "--debug" in section
+
+
+@pytest.mark.parametrize("command", ["validate", "plan", "run", "eval"])
+def test_every_command_that_reads_a_topology_takes_python_path_and_set(command: str) -> None:
+    """Each of them may import the user's own modules (reward functions, tasks, bindings) and take overrides."""
+    args = cli.build_parser().parse_args([command, "t.yaml", "--python-path", "src", "--set", "run.steps=3"])
+    assert args.python_path == ["src"] and [(o.key, o.value) for o in args.set] == [("run.steps", 3)]
