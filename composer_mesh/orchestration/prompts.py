@@ -164,7 +164,7 @@ class DataPrompts(PromptSource):
     def take(self, n: int) -> list[Prompt]:
         out = []
         for _ in range(n):
-            out.append(self._prompt(f"p{self.count}", self.data.train[self._row(self.count)]))
+            out.append(self.row_prompt(f"p{self.count}", self.data.train[self._row(self.count)]))
             self.count += 1
         return out
 
@@ -177,7 +177,7 @@ class DataPrompts(PromptSource):
     def eval_prompts(self, n: int) -> list[Prompt]:
         if n > 0:
             self.check_eval()
-        return [self._prompt(f"eval{i}", row) for i, row in enumerate(self.data.eval[:n])]
+        return [self.row_prompt(f"eval{i}", row) for i, row in enumerate(self.data.eval[:n])]
 
     def epoch_order(self, epoch: int) -> list[int]:
         """The train rows' order in `epoch`: a permutation seeded by the source's seed and the epoch."""
@@ -192,7 +192,8 @@ class DataPrompts(PromptSource):
         return self._order[at]
 
     @staticmethod
-    def _prompt(prompt_id: str, row: DataRow) -> Prompt:
+    def row_prompt(prompt_id: str, row: DataRow) -> Prompt:
+        """The prompt of a data or environment row, its extra columns included (rewards may read them)."""
         return Prompt(prompt_id=prompt_id, text=row.text, token_ids=[], answer=row.answer,
                       messages=row.messages, extra=dict(row.extra))
 
@@ -219,7 +220,7 @@ class EnvironmentPrompts(PromptSource):
         self.count = 0
 
     def take(self, n: int) -> list[Prompt]:
-        out = [DataPrompts._prompt(f"p{self.count + i}", row) for i, row in enumerate(self.env.train_rows(n))]
+        out = [DataPrompts.row_prompt(f"p{self.count + i}", row) for i, row in enumerate(self.env.train_rows(n))]
         self.count += len(out)
         return out
 
@@ -232,7 +233,7 @@ class EnvironmentPrompts(PromptSource):
     def eval_prompts(self, n: int) -> list[Prompt]:
         if n > 0:
             self.check_eval()
-        return [DataPrompts._prompt(f"eval{i}", row) for i, row in enumerate(self.env.eval_rows(n))]
+        return [DataPrompts.row_prompt(f"eval{i}", row) for i, row in enumerate(self.env.eval_rows(n))]
 
     def state(self) -> dict[str, Any]:
         return {"kind": self.kind, "count": self.count, **self.env.state()}

@@ -46,7 +46,8 @@ def preflight(topology: Topology, resume: ResumePoint | None = None) -> list[str
     passed.append("environment variables, python_path, import paths and tasks resolve")
     check_models(topology)
     passed.append("models: tokenizers, heads and context fit together")
-    passed.append(check_prompts(topology))
-    check_rewards(topology)
+    checked, sample = check_prompts(topology)
+    passed.append(checked)
+    check_rewards(topology, sample)
     passed.append("reward functions: each called once on a sample prompt")
     return passed

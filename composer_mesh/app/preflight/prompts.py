@@ -31,13 +31,17 @@ class PromptSample:
     prompt: Prompt
 
 
-def check_prompts(topology: Topology) -> str:
+def check_prompts(topology: Topology) -> tuple[str, Prompt | None]:
     """Resolve the run's prompt source and encode a sample of its prompts with the policy's tokenizer. Raises
     the source's own `UserInputError` (DataError, PromptSourceError, ...) or PreflightError naming the first
-    prompt that cannot be encoded or does not fit the context. Returns what was checked, in a few words."""
+    prompt that cannot be encoded or does not fit the context. Returns what was checked, in a few words, and
+    the first prompt read (None when the source is only read once the run starts), so the reward check does
+    not open the source again."""
     samples, checked = prompt_samples(topology)
     encode_samples(topology, samples)
-    return f"{checked}; {len(samples)} prompt(s) encoded by the policy's tokenizer" if samples else checked
+    if not samples:
+        return checked, None
+    return f"{checked}; {len(samples)} prompt(s) encoded by the policy's tokenizer", samples[0].prompt
 
 
 def prompt_samples(topology: Topology) -> tuple[list[PromptSample], str]:
@@ -63,8 +67,7 @@ def prompt_samples(topology: Topology) -> tuple[list[PromptSample], str]:
 
 
 def _row_sample(index: int, row: DataRow) -> PromptSample:
-    prompt = Prompt(prompt_id=f"row{index}", text=row.text, token_ids=[], answer=row.answer, messages=row.messages)
-    return PromptSample(row.where or f"row {index + 1}", prompt)
+    return PromptSample(row.where or f"row {index + 1}", DataPrompts.row_prompt(f"row{index}", row))
 
 
 def encode_samples(topology: Topology, samples: list[PromptSample]) -> None:
