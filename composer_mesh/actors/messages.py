@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from composer_mesh.actors.teacher_topk import AUTO, TopK
+from composer_mesh.tasks.episode import EPISODE_STATUSES, EpisodeStatus
 
 
 @dataclass
@@ -28,8 +29,14 @@ class Prompt:
     text: str
     token_ids: list[int] = field(default_factory=list)  # empty: the model's tokenizer encodes text (or messages)
     answer: str | None = None
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    # Agentic prompts: JSON schemas of the tools declared to the chat template when `messages` are rendered.
+    tools: list[dict[str, Any]] | None = None
+    # A turn of an episode: `token_ids` are the exact conversation so far; these environment messages (tool
+    # results, a user turn) are rendered by the model's chat template as the suffix that bridges from the last
+    # assistant turn to the next one, and appended to `token_ids` (`models.chat.bridge_token_ids`).
+    bridge_messages: list[dict[str, Any]] | None = None
 
 
 @dataclass
@@ -39,6 +46,35 @@ class GenerationRequest:
     max_new_tokens: int = 16
     temperature: float = 1.0
     seed: int | None = None
+    # One seed per prompt (samples_per_prompt must be 1): a batch of episodes' turns keeps each turn's seed
+    # whatever else is in the request. None: row i samples with `seed + i`.
+    seeds: list[int] | None = None
+
+
+@dataclass
+class Turn:
+    """One span `[start, end)` of an episode's `completion_ids`: sampled by the policy, or added by the
+    environment (tool results, user turns, the chat template's bridge between them).
+
+    `weight_version` is the oldest weights that sampled a policy turn (None for environment spans); `reward` a
+    per-turn reward the environment gave after the turn (None: none)."""
+
+    start: int
+    end: int
+    policy: bool
+    weight_version: int | None = None
+    reward: float | None = None
+
+
+def turn_mask(turns: list[Turn] | None, length: int) -> list[int]:
+    """1 on the tokens of policy turns, 0 on the environment's; all 1 without turns (a single completion)."""
+    if turns is None:
+        return [1] * length
+    mask = [0] * length
+    for t in turns:
+        if t.policy:
+            mask[t.start : t.end] = [1] * (t.end - t.start)
+    return mask
 
 
 @dataclass
@@ -59,8 +95,16 @@ class Rollout:
     finish_reason: str = "length"
     generator: str = ""
     token_versions: list[int] | None = None
+    # An episode: the spans of `completion_ids` in order (policy turns and environment additions; the
+    # environment's tokens carry log-prob 0.0 and are never trained on). None: one policy turn, a completion.
+    turns: list[Turn] | None = None
+    status: EpisodeStatus = "done"
 
     def __post_init__(self) -> None:
+        if self.status not in EPISODE_STATUSES:
+            raise ValueError(f"Rollout {self.prompt_id!r}: status {self.status!r} is not one of {EPISODE_STATUSES}")
+        if self.turns is not None:
+            check_turns(self)
         if len(self.completion_ids) != len(self.logprobs):
             raise ValueError(
                 f"Rollout {self.prompt_id!r}: completion_ids has {len(self.completion_ids)} tokens "
@@ -77,6 +121,30 @@ class Rollout:
                     f"Rollout {self.prompt_id!r}: weight_version {self.weight_version} is not the oldest of "
                     f"token_versions (min {min(self.token_versions)})"
                 )
+
+
+    def loss_mask(self) -> list[int]:
+        """1 on every policy token of `completion_ids`, 0 on the environment's (all 1 for a completion)."""
+        return turn_mask(self.turns, len(self.completion_ids))
+
+    @property
+    def policy_tokens(self) -> int:
+        return sum(self.loss_mask())
+
+
+def check_turns(r: Rollout) -> None:
+    """Turns tile `completion_ids` from 0 in order; policy turns carry versions no older than the rollout's."""
+    assert r.turns is not None
+    at = 0
+    for i, t in enumerate(r.turns):
+        if t.start != at or t.end < t.start:
+            raise ValueError(f"Rollout {r.prompt_id!r}: turn {i} spans [{t.start}, {t.end}), expected to start at {at}")
+        if t.policy and t.weight_version is not None and t.weight_version < r.weight_version:
+            raise ValueError(f"Rollout {r.prompt_id!r}: turn {i} has weight_version {t.weight_version}, older than "
+                             f"the rollout's {r.weight_version} (the oldest turn's)")
+        at = t.end
+    if at != len(r.completion_ids):
+        raise ValueError(f"Rollout {r.prompt_id!r}: turns cover {at} of {len(r.completion_ids)} completion tokens")
 
 
 @dataclass
@@ -162,6 +230,13 @@ class TeacherTrace:
     text: str
     completion_ids: list[int]
     reward: float | None = None  # the rewarder's score of `text`; a replay pair needs it above the rejected's
+    # A teacher's episode (it played the same task): the spans of `completion_ids`; only its policy turns are
+    # trained on. None: one completion.
+    turns: list[Turn] | None = None
+
+    def loss_mask(self) -> list[int]:
+        """1 on the teacher's own tokens, 0 on the environment's (all 1 for a completion)."""
+        return turn_mask(self.turns, len(self.completion_ids))
 
 
 @dataclass
