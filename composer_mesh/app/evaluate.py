@@ -41,6 +41,8 @@ from composer_mesh.orchestration.evaluation import EvalConfig, Evaluation, Evalu
 from composer_mesh.orchestration.mesh_ports import MeshRoles
 from composer_mesh.orchestration.prompts import prompt_source
 from composer_mesh.orchestration.resume import last_line
+from composer_mesh.orchestration.rollout.base import RolloutServices
+from composer_mesh.orchestration.rollout.choose import rollout_factory
 from composer_mesh.orchestration.scoring import Scoring, ScoringConfig
 from composer_mesh.roles import RoleMesh
 from composer_mesh.topology import Topology, load_topology
@@ -143,8 +145,10 @@ async def evaluate_target(topology: Topology, target: EvalTarget) -> Evaluation:
             if target.url is not None:
                 await _load_run_weights(mesh, roles, target.url)
             scoring = Scoring(ScoringConfig.of(topology.run, topology.loss), roles.rewarder, None)
-            evaluator = Evaluator(EvalConfig.of(topology.run), roles.generators, scoring.score, prompts.eval_prompts,
-                                  lambda: 0, asyncio.ensure_future)
+            services = RolloutServices(roles.generators, scoring, asyncio.ensure_future, lambda reason: None)
+            driver = rollout_factory(topology.run, prompts)(services)
+            evaluator = Evaluator(EvalConfig.of(topology.run), driver.evaluate, prompts.eval_prompts, lambda: 0,
+                                  asyncio.ensure_future)
             return await evaluator.evaluate(topology.run.eval_prompts, topology.run.seed)
     finally:
         prompts.close()

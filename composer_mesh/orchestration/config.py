@@ -59,6 +59,34 @@ class ProgressConfig(BaseModel):
                            "(a step slower than this gets a line of its own).")
 
 
+class RolloutConfig(BaseModel):
+    """How a prompt becomes training data (`run.rollout`): one completion (`single_turn`), or an episode of
+    turns played against `run.environment` (`multi_turn`: the policy calls tools, the environment answers, until
+    it is done or a limit ends it). See docs/agentic.md."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["single_turn", "multi_turn"] = Field(
+        "single_turn", description="single_turn: one completion per sample, scored by the rewarder. multi_turn: "
+        "one episode per sample, played against run.environment (which must be one that plays episodes) and "
+        "scored by it; run.max_new_tokens caps each policy turn.")
+    max_turns: int = Field(8, ge=1, description="multi_turn: policy turns per episode; an episode still going "
+                           "after them ends with status truncated_turns.")
+    max_context: int | None = Field(
+        None, ge=8, description="multi_turn: longest episode in tokens (prompt + every turn); a turn that would not "
+        "fit with run.max_new_tokens more ends it (truncated_context). null: the model's context length.")
+    step_timeout_s: float = Field(60.0, gt=0, description="multi_turn: seconds for the environment to answer one "
+                                  "turn (tools included); past it the episode ends with status error_timeout.")
+    episode_timeout_s: float | None = Field(
+        None, gt=0, description="multi_turn: wall-clock seconds of one episode (generation included); past it the "
+        "episode ends with status truncated_time. null: no limit.")
+    environment_retries: int = Field(
+        0, ge=0, description="multi_turn: an episode whose environment failed (an exception, a dead server) is "
+        "played again from its start with the same seed up to this many times; after that it is trained on "
+        "with status error_environment and reward 0 (not scored: `RewardResult.ok` false).")
+    max_episodes: int = Field(256, ge=1, description="multi_turn: episodes in flight at once over all generators.")
+
+
 class RunConfig(BaseModel):
     """Steps, batch shape and policy-lag bound of the built-in async RL loop."""
 
@@ -74,6 +102,9 @@ class RunConfig(BaseModel):
         "{kind: reasoning_gym, dataset, config, ...}; score with composer_mesh.envs.reasoning_gym:score. "
         "See docs/reasoning_gym.md."
     )
+    rollout: RolloutConfig = Field(
+        default_factory=RolloutConfig, description="One completion per sample, or multi-turn episodes against "
+        "run.environment (`RolloutConfig`); see docs/agentic.md.")
     steps: int = Field(40, ge=1, description="Optimizer steps (trainer `train_step` calls) in the run.")
     prompts_per_step: int = Field(8, ge=1, description="Prompts in one training batch (GRPO groups per step).")
     samples_per_prompt: int = Field(4, ge=2, description="Completions sampled per prompt (GRPO group size).")

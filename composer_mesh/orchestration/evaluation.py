@@ -8,10 +8,13 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-from composer_mesh.actors.messages import GenerationRequest, Prompt, RolloutGroup, ScoredGroup
+from composer_mesh.actors.messages import Prompt, ScoredGroup
 from composer_mesh.orchestration.config import RunConfig
 from composer_mesh.orchestration.metrics import MetricsWriter
-from composer_mesh.orchestration.ports import Generators
+
+# (prompts, samples per prompt, temperature, seed) -> (weight version, scored groups): the rollout driver's
+# `evaluate` (single completions, or episodes), on generator 0.
+SampleScored = Callable[[list[Prompt], int, float, int], Awaitable[tuple[int, list[ScoredGroup]]]]
 
 
 @dataclass(frozen=True)
@@ -31,29 +34,26 @@ class EvalConfig:
     prompts: int  # held-out prompts per evaluation (0: none)
     seed: int
     pass_k: int  # completions per prompt for pass@k (0: greedy only)
-    max_new_tokens: int
     temperature: float
     every: int  # also evaluate every this many steps while training (0: before and after only)
     steps: int  # the run's last step (evaluated "after", not "during")
 
     @classmethod
     def of(cls, run: RunConfig) -> EvalConfig:
-        return cls(prompts=run.eval_prompts, seed=run.seed, pass_k=run.eval_pass_k, max_new_tokens=run.max_new_tokens,
+        return cls(prompts=run.eval_prompts, seed=run.seed, pass_k=run.eval_pass_k,
                    temperature=run.temperature, every=run.eval_every, steps=run.steps)
 
 
 class Evaluator:
-    """Runs evaluations on generator 0 and writes them as `eval` events. `eval_prompts(n)`: the prompt source's
-    eval set; `score`: scoring's rewards; `version()`: the trainer's version (reported when nothing is
-    evaluated); `spawn`: the run's background tasks (evaluations during training)."""
+    """Runs evaluations on generator 0 and writes them as `eval` events. `sample`: the rollout driver's
+    `evaluate` (samples and scores); `eval_prompts(n)`: the prompt source's eval set; `version()`: the trainer's
+    version (reported when nothing is evaluated); `spawn`: the run's background tasks (evaluations during
+    training)."""
 
-    def __init__(self, cfg: EvalConfig, generators: Generators,
-                 score: Callable[[list[RolloutGroup]], Awaitable[list[ScoredGroup]]],
-                 eval_prompts: Callable[[int], list[Prompt]], version: Callable[[], int],
-                 spawn: Callable[[Coroutine[Any, Any, Any]], asyncio.Task[Any]]) -> None:
+    def __init__(self, cfg: EvalConfig, sample: SampleScored, eval_prompts: Callable[[int], list[Prompt]],
+                 version: Callable[[], int], spawn: Callable[[Coroutine[Any, Any, Any]], asyncio.Task[Any]]) -> None:
         self.cfg = cfg
-        self.generators = generators
-        self.score = score
+        self.sample = sample
         self.eval_prompts = eval_prompts
         self.version = version
         self.spawn = spawn
@@ -65,18 +65,14 @@ class Evaluator:
         if n == 0:
             return Evaluation(float("nan"), None, 0, self.version())
         cfg, prompts = self.cfg, self.eval_prompts(n)
-        requests = [GenerationRequest(prompts=prompts, samples_per_prompt=1, max_new_tokens=cfg.max_new_tokens,
-                                      temperature=0.0, seed=seed)]
+        version, greedy_groups = await self.sample(prompts, 1, 0.0, seed)
+        scored = [greedy_groups]
         if cfg.pass_k:
-            requests.append(GenerationRequest(prompts=prompts, samples_per_prompt=cfg.pass_k,
-                                              max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                                              seed=seed + 1))
-        results = [await self.generators.generate_versioned(0, r) for r in requests]
-        scored = [await self.score(groups) for _, groups in results]
+            scored.append((await self.sample(prompts, cfg.pass_k, cfg.temperature, seed + 1))[1])
         greedy = [rw.score for g in scored[0] for rw in g.rewards]
         passed = [any(rw.score >= 1.0 for rw in g.rewards) for g in scored[1]] if cfg.pass_k else []
         return Evaluation(sum(greedy) / len(greedy), sum(passed) / len(passed) if passed else None,
-                          cfg.pass_k, results[0][0], len(prompts))
+                          cfg.pass_k, version, len(prompts))
 
     async def run(self, writer: MetricsWriter, when: str, step: int) -> Evaluation:
         """Evaluate the run's held-out prompts and write the `eval` event (`when`: before, during, after)."""

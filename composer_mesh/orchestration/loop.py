@@ -40,6 +40,7 @@ from composer_mesh.orchestration.resume import ResumePoint, RunState
 from composer_mesh.orchestration.reward_health import RewardHealth, RewardHealthConfig
 from composer_mesh.orchestration.rollout import single_turn
 from composer_mesh.orchestration.rollout.base import RolloutFactory, RolloutServices
+from composer_mesh.orchestration.rollout.choose import rollout_factory
 from composer_mesh.orchestration.schedule import StepScheduler, StepTimes
 from composer_mesh.orchestration.scoring import Scoring, ScoringConfig
 from composer_mesh.orchestration.spares import WarmSpares
@@ -53,7 +54,7 @@ class RLLoop:
     (default: the run config's); `resume`: a checkpoint to continue from (`ResumePoint`, read and checked
     before launching). `request_stop` ends the run at the next checkpointable step, with a checkpoint.
     `prompts`: the prompt source (default: `prompt_source(run)`; build it before launching to catch bad data
-    early). `rollout`: the rollout driver's factory (default: `single_turn.factory`). `events`: told each event
+    early). `rollout`: the rollout driver's factory (default: `run.rollout.kind`'s, `rollout/choose.py`). `events`: told each event
     of metrics.jsonl as it is written (evaluations, stops), as `progress` is told each step's record."""
 
     def __init__(self, mesh: RoleMesh, run: RunConfig, loss: LossConfig,
@@ -76,9 +77,9 @@ class RLLoop:
         self.trainers = TrainerReplicas(mesh, self.recovery, diloco, lambda: self.versions.first)
         self.scoring = Scoring(ScoringConfig.of(run, loss), self.roles.rewarder, self.roles.teachers)
         services = RolloutServices(self.roles.generators, self.scoring, self.background.spawn, self.request_stop)
-        self.rollout = (rollout or single_turn.factory(run))(services)
-        self.evaluator = Evaluator(EvalConfig.of(run), self.roles.generators, self.scoring.score,
-                                   self.prompts.eval_prompts, lambda: self.versions.current, self.background.spawn)
+        self.rollout = (rollout or rollout_factory(run, self.prompts))(services)
+        self.evaluator = Evaluator(EvalConfig.of(run), self.rollout.evaluate, self.prompts.eval_prompts,
+                                   lambda: self.versions.current, self.background.spawn)
         self.commits = CheckpointCommits(self.store, self.checkpoints.keep, self.trainers, self.background)
         self.state = RunState(self.versions, self.prompts, self.scoring, self.gate, self.recovery, self.checkpoints,
                               len(self.trainers), lambda: self.evaluator.before)

@@ -19,6 +19,7 @@ from typing import Any
 
 from composer_mesh.actors.messages import Prompt
 from composer_mesh.envs import Environment, EnvironmentStateError, load_environment
+from composer_mesh.envs.session import EpisodeEnvironment
 from composer_mesh.errors import UserInputError
 from composer_mesh.orchestration.config import RunConfig
 from composer_mesh.tasks import Task, get_task
@@ -58,6 +59,10 @@ class PromptSource(ABC):
 
     def close(self) -> None:  # noqa: B027  (a hook: only an environment's source holds anything)
         """Release what the source holds (an environment's server); the run calls it once it ends."""
+
+    def episode_environment(self) -> EpisodeEnvironment | None:
+        """The environment that plays this source's prompts as episodes (`run.rollout.kind: multi_turn`), if any."""
+        return None
 
     def _check_kind(self, state: dict[str, Any]) -> None:
         if state.get("kind") != self.kind:
@@ -248,6 +253,9 @@ class EnvironmentPrompts(PromptSource):
 
     def close(self) -> None:
         self.env.close()
+
+    def episode_environment(self) -> EpisodeEnvironment | None:
+        return self.env if callable(getattr(self.env, "session", None)) else None  # type: ignore[return-value]
 
 
 def _has_splits(task: Task) -> bool:

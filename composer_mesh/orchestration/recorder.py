@@ -11,6 +11,7 @@ from typing import Any
 from composer_mesh.actors.messages import TrainMetrics
 from composer_mesh.loss.config import LossConfig
 from composer_mesh.orchestration.config import RunConfig
+from composer_mesh.orchestration.episode_metrics import episode_metrics
 from composer_mesh.orchestration.metrics import MetricsWriter, RunSummary, StepRecord, window_mean
 from composer_mesh.orchestration.pipeline import LagGate, StepDone
 from composer_mesh.orchestration.schedule import StepScheduler
@@ -72,7 +73,8 @@ class StepRecorder:
                  "sampling/backfilled_groups": float(schedule.backfilled_groups),
                  "sampling/short_step": float(done.plan.short),
                  "replay/traces_scored": float(self.sources.traces_scored()),
-                 "sampling/generators": float(len({r.generator for r in rollouts})), **self.sources.faults()}
+                 "sampling/generators": float(len({r.generator for r in rollouts})), **self.sources.faults(),
+                 **episode_metrics([g for b in done.batches for g in b.groups])}
         record = self._record(done, since, timing, extra, len(rollouts))
         record.prompts = [g.group.prompt.prompt_id for b in done.batches for g in b.groups]
         failed = [rw.error or "(no error given)" for b in done.batches for g in b.groups for rw in g.rewards

@@ -75,20 +75,24 @@ class Scoring:
             times.score_s += time.perf_counter() - t0
         return scored
 
-    async def signals(self, groups: list[RolloutGroup], first: int, times: StepTimes | None = None) -> TeacherSignals:
+    async def signals(self, groups: list[RolloutGroup], first: int, times: StepTimes | None = None,
+                      traces: bool = True) -> TeacherSignals:
         """Channel-2 distributions and channel-3 traces for `groups` (prompts from stream index `first` on: the
-        traces' sampling seed, so they do not depend on which request reaches the teachers first)."""
+        traces' sampling seed, so they do not depend on which request reaches the teachers first). `traces`
+        False: distributions only (episodes get their replay traces by a teacher playing the task)."""
         rollouts = [r for g in groups for r in g.rollouts]
         if self.teachers is None or not groups:
             return TeacherSignals(distributions=[None] * len(rollouts))
         cfg = self.cfg
         request = TeacherRequest(
             rollouts=rollouts if cfg.distributions else [],
-            prompts=[g.prompt for g in groups] if cfg.traces else [],
+            prompts=[g.prompt for g in groups] if cfg.traces and traces else [],
             top_k=cfg.teacher_top_k,
             max_new_tokens=cfg.max_new_tokens,
             seed=row_seed(cfg.seed, first, 1),
         )
+        if not request.rollouts and not request.prompts:
+            return TeacherSignals(distributions=[None] * len(rollouts))
         t0 = time.perf_counter()
         answers = await self.teachers.signals(request)
         if times is not None:

@@ -9,15 +9,22 @@ from typing import Any
 from orchestration.fakes import FakeGenerators, FakeRewarder, FakeWriter, prompts
 
 from composer_mesh.orchestration.evaluation import EvalConfig, Evaluator
+from composer_mesh.orchestration.rollout.base import RolloutServices
+from composer_mesh.orchestration.rollout.single_turn import SingleTurnConfig, SingleTurnRollout
+from composer_mesh.orchestration.scoring import Scoring, ScoringConfig
 
 
 def evaluator(gens: FakeGenerators, every: int = 0, pass_k: int = 4,
               spawned: list[Any] | None = None) -> Evaluator:
-    cfg = EvalConfig(prompts=3, seed=7, pass_k=pass_k, max_new_tokens=2, temperature=0.9, every=every, steps=10)
+    cfg = EvalConfig(prompts=3, seed=7, pass_k=pass_k, temperature=0.9, every=every, steps=10)
     # Greedy: p0 and p2 score 1, p1 scores 0. Sampled: only sample 3 of p1 passes.
     rewarder = FakeRewarder(lambda pid, i: float(pid in ("p0", "p2") or i == 3))
     spawn = (spawned.append if spawned is not None else asyncio.create_task)
-    return Evaluator(cfg, gens, rewarder.score, lambda n: prompts(0, n), lambda: 42, spawn)  # type: ignore[arg-type]
+    scoring = Scoring(ScoringConfig(seed=7, max_new_tokens=2, teacher_top_k="auto", distributions=False, traces=False),
+                      rewarder, None)  # type: ignore[arg-type]
+    driver = SingleTurnRollout(SingleTurnConfig(samples_per_prompt=2, max_new_tokens=2, temperature=0.9, seed=7),
+                               RolloutServices(gens, scoring, spawn, lambda reason: None))  # type: ignore[arg-type]
+    return Evaluator(cfg, driver.evaluate, lambda n: prompts(0, n), lambda: 42, spawn)  # type: ignore[arg-type]
 
 
 async def test_greedy_reward_pass_at_k_and_the_version_generator_0_evaluated() -> None:

@@ -24,6 +24,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from composer_mesh.actors.messages import Prompt, ScoredGroup
 from composer_mesh.orchestration.ports import Generators
 from composer_mesh.orchestration.schedule import Chunk, GroupResult, StepTimes
 from composer_mesh.orchestration.scoring import Scoring
@@ -59,6 +60,12 @@ class RolloutServices:
 class RolloutDriver(Protocol):
     async def drive(self, index: int, chunks: ChunkSource) -> None:
         """Generator `index`'s share of the run: take chunks and finish them, until the run cancels it."""
+        ...
+
+    async def evaluate(self, prompts: list[Prompt], samples: int, temperature: float,
+                       seed: int) -> tuple[int, list[ScoredGroup]]:
+        """`samples` rollouts of each held-out prompt on generator 0 at `temperature` (0: greedy), scored, and
+        the weight version they were sampled with (the `Evaluator` asks; nothing here is trained on)."""
         ...
 
 

@@ -73,6 +73,14 @@ class SingleTurnRollout:
         except RestartsExhausted as e:
             self.stop(str(e))
 
+    async def evaluate(self, prompts: list[Prompt], samples: int, temperature: float,
+                       seed: int) -> tuple[int, list[ScoredGroup]]:
+        """`samples` completions of each prompt on generator 0, scored by the rewarder."""
+        request = GenerationRequest(prompts=prompts, samples_per_prompt=samples, max_new_tokens=self.cfg.max_new_tokens,
+                                    temperature=temperature, seed=seed)
+        version, groups = await self.generators.generate_versioned(0, request)
+        return version, await self.scoring.score(groups)
+
     async def _complete_chunk(self, chunk: Chunk, groups: list[RolloutGroup], chunks: ChunkSource) -> None:
         try:
             await chunks.finish(chunk, await self.complete(chunk, groups, chunks))

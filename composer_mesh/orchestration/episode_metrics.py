@@ -1,0 +1,34 @@
+"""A step's episode metrics: how episodes ended, how long they were, what their environment counted.
+
+Why in the step record: a policy that learns to break tool calls on purpose, or an environment whose server
+keeps failing, shows up first as a change in these numbers (statuses, tool errors per episode), not in the
+reward. Counters come from each episode's `RewardResult.components` (what its environment's `StepResult.info`
+summed, e.g. `tool_calls`, `tool_errors`), means are per episode. A step of single completions has none.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from composer_mesh.actors.messages import ScoredGroup
+from composer_mesh.tasks.episode import EPISODE_STATUSES
+
+
+def episode_metrics(groups: list[ScoredGroup]) -> dict[str, float]:
+    """`episode/*` means over the step's episodes and the fraction ending with each status ({} for no episode)."""
+    pairs = [(r, rw) for g in groups for r, rw in zip(g.group.rollouts, g.rewards) if r.turns is not None]
+    if not pairs:
+        return {}
+    n = len(pairs)
+    statuses = Counter(r.status for r, _ in pairs)
+    counters: Counter[str] = Counter()
+    for _, rw in pairs:
+        counters.update(rw.components)
+    policy = sum(r.policy_tokens for r, _ in pairs)
+    out = {
+        "episode/policy_tokens": policy / n,
+        "episode/env_tokens": sum(len(r.completion_ids) for r, _ in pairs) / n - policy / n,
+        **{f"episode/status_{s}": statuses[s] / n for s in EPISODE_STATUSES},
+        **{f"episode/{k}": v / n for k, v in sorted(counters.items())},
+    }
+    return out

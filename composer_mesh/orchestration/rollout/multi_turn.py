@@ -1,0 +1,195 @@
+"""The multi-turn rollout driver (`run.rollout.kind: multi_turn`): every sample is an episode played against
+`run.environment`, many at once.
+
+How the work flows. One intake task takes the admitted chunks from the scheduler and starts an episode per
+prompt and sample (at most `run.rollout.max_episodes` in flight). An episode puts each policy turn on a queue
+shared by the generators (`turns.TurnQueue`); every generator's `drive` task takes all waiting turns as one
+request, so a turn goes to whichever generator is free and episodes waiting on tools cost no generator time.
+A chunk whose episodes are all done is scored by its environment's rewards, sent to the teachers for channel-2
+distributions over every turn, and handed back to the scheduler like a single-turn chunk.
+
+Determinism: episode j of stream prompt i has the seed a single completion of that row would have
+(`row_seed`), its environment session is made from (prompt, seed), and its turn k samples with seed + k·2^48
+(`episode.TURN_SEED_STRIDE`), so which generator takes a turn and what shares its request changes nothing; at
+`max_policy_lag: 0` a seed gives the same run. Lag: the scheduler admits a step only once the generators hold
+the weights the lag bound allows, and versions only grow, so every turn of an admitted episode is within the
+bound when trained on (the rollout's `weight_version` is its oldest turn's).
+
+Recovery: a generator whose proc dies has the request re-issued on its replacement with the same prompts and
+seeds (`ports.Generators`), i.e. the same token prefix; a chunk lost to a resume is played again from its prompts
+with the same seeds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+from composer_mesh.actors.messages import Prompt, RolloutGroup, ScoredGroup, TrainBatch
+from composer_mesh.envs.session import EpisodeEnvironment
+from composer_mesh.orchestration.config import RunConfig
+from composer_mesh.orchestration.ports import Generators, RestartsExhausted
+from composer_mesh.orchestration.rollout.base import ChunkSource, RolloutFactory, RolloutServices
+from composer_mesh.orchestration.rollout.episode import Episode, EpisodeLimits, TurnSampler, play_episode
+from composer_mesh.orchestration.rollout.single_turn import group_results, spread
+from composer_mesh.orchestration.rollout.turns import TurnQueue, TurnRequest, TurnSampling, deliver, fail
+from composer_mesh.orchestration.schedule import Chunk, GroupResult, row_seed
+
+log = logging.getLogger("composer_mesh.rollout")
+
+
+@dataclass(frozen=True)
+class MultiTurnConfig:
+    """The run's settings an episode driver uses (`run:` and `run.rollout:`)."""
+
+    samples_per_prompt: int
+    seed: int
+    limits: EpisodeLimits
+    sampling: TurnSampling
+    max_episodes: int
+    environment_retries: int
+    dynamic_sampling: bool = False
+
+    @classmethod
+    def of(cls, run: RunConfig, context: int | None = None) -> MultiTurnConfig:
+        return cls(samples_per_prompt=run.samples_per_prompt, seed=run.seed,
+                   limits=EpisodeLimits.of(run, context),
+                   sampling=TurnSampling(run.max_new_tokens, run.temperature),
+                   max_episodes=run.rollout.max_episodes, environment_retries=run.rollout.environment_retries,
+                   dynamic_sampling=run.dynamic_sampling)
+
+
+class MultiTurnRollout:
+    """`RolloutDriver` of episodes: an intake of chunks, episodes in flight, generators serving their turns."""
+
+    def __init__(self, cfg: MultiTurnConfig, services: RolloutServices, environment: EpisodeEnvironment) -> None:
+        self.cfg, self.environment = cfg, environment
+        self.generators, self.scoring = services.generators, services.scoring
+        self.spawn, self.stop = services.spawn, services.stop
+        self.queue = TurnQueue()
+        self._intake: asyncio.Task[None] | None = None
+        self._slots: asyncio.Semaphore | None = None
+
+    async def drive(self, index: int, chunks: ChunkSource) -> None:
+        """Generator `index` samples waiting turns until the run cancels it (the first call starts the intake)."""
+        if self._intake is None:
+            self._slots = asyncio.Semaphore(self.cfg.max_episodes)
+            self._intake = self.spawn(self._take_chunks(chunks))
+        try:
+            while True:
+                turns = await self.queue.take(self.cfg.max_episodes)
+                await self._sample(index, turns, chunks)
+        except RestartsExhausted as e:
+            self.stop(str(e))
+
+    async def _sample(self, index: int, turns: list[TurnRequest], chunks: ChunkSource) -> None:
+        t0 = time.perf_counter()
+        try:
+            groups = await self.generators.generate(index, self.cfg.sampling.request(turns))
+        except BaseException as e:
+            fail(turns, e)
+            raise
+        deliver(turns, groups)
+        share = (time.perf_counter() - t0) / len(turns)
+        for step, n in Counter(t.step for t in turns).items():
+            chunks.times(step).generate_s += share * n
+
+    async def _take_chunks(self, chunks: ChunkSource) -> None:
+        while True:
+            chunk = await chunks.next_chunk()
+            self.spawn(self._play_chunk(chunk, chunks))
+
+    async def _play_chunk(self, chunk: Chunk, chunks: ChunkSource) -> None:
+        try:
+            groups = await asyncio.gather(*(self._play_group(p, chunk.first + i, chunk.step)
+                                            for i, p in enumerate(chunk.prompts)))
+            await chunks.finish(chunk, await self._complete(chunk, list(groups), chunks))
+        except RestartsExhausted as e:
+            self.stop(str(e))
+
+    async def _play_group(self, prompt: Prompt, index: int, step: int) -> ScoredGroup:
+        """The prompt's `samples_per_prompt` episodes, scored by their environment."""
+        first = row_seed(self.cfg.seed, index, self.cfg.samples_per_prompt)
+        episodes = await asyncio.gather(*(self._play(prompt, first + j, step)
+                                          for j in range(self.cfg.samples_per_prompt)))
+        return ScoredGroup(RolloutGroup(prompt, [e.rollout for e in episodes]), [e.reward_result() for e in episodes])
+
+    async def _play(self, prompt: Prompt, seed: int, step: int) -> Episode:
+        """One episode (played again from its start, same seed, while its environment fails and retries last)."""
+        assert self._slots is not None
+        async with self._slots:
+            for attempt in range(self.cfg.environment_retries + 1):
+                episode = await play_in_session(self.environment, prompt, seed, self.cfg.limits,
+                                                lambda p, s: self.queue.sample(p, s, step))
+                if episode.rollout.status != "error_environment":
+                    break
+                if attempt < self.cfg.environment_retries:
+                    log.warning("episode %s: playing it again (%d of %d)", prompt.prompt_id, attempt + 1,
+                                self.cfg.environment_retries)
+            return episode
+
+    async def _complete(self, chunk: Chunk, scored: list[ScoredGroup], chunks: ChunkSource) -> list[GroupResult]:
+        """Teacher distributions over the episodes (channel 2), then one result per prompt. With dynamic sampling
+        only groups whose rewards differ are sent to the teachers (the scheduler sets the others aside)."""
+        times = chunks.times(chunk.step)
+        asked = [i for i, g in enumerate(scored)
+                 if not self.cfg.dynamic_sampling or len({r.score for r in g.rewards}) > 1]
+        signals = await self.scoring.signals([scored[i].group for i in asked], chunk.first, times, traces=False)
+        return group_results(chunk, TrainBatch(scored, spread(scored, asked, signals), []))
+
+    async def evaluate(self, prompts: list[Prompt], samples: int, temperature: float,
+                       seed: int) -> tuple[int, list[ScoredGroup]]:
+        """`samples` episodes of each prompt on generator 0 at `temperature` (0: greedy), scored by the
+        environment; the oldest weight version any of their turns used."""
+        queue, versions = TurnQueue(), []
+        sampling = TurnSampling(self.cfg.sampling.max_new_tokens, temperature)
+        server = asyncio.ensure_future(serve_turns(self.generators, 0, queue, sampling, versions))
+        try:
+            groups = await asyncio.gather(*(
+                _episodes(self.environment, p, [seed + i * samples + j for j in range(samples)], self.cfg.limits,
+                          lambda pr, s: queue.sample(pr, s, 0))
+                for i, p in enumerate(prompts)))
+        finally:
+            server.cancel()
+        return min(versions, default=0), list(groups)
+
+
+async def play_in_session(environment: EpisodeEnvironment, prompt: Prompt, seed: int, limits: EpisodeLimits,
+                          sample: TurnSampler) -> Episode:
+    """One episode in a fresh session of `environment`, closed whatever happens."""
+    session = environment.session(prompt, seed)
+    try:
+        return await play_episode(session, prompt, seed, limits, sample)
+    finally:
+        try:
+            await session.close()
+        except Exception as e:  # a session that fails to close costs a warning, not the run
+            log.warning("episode %s: closing its environment session failed: %s", prompt.prompt_id, e)
+
+
+async def _episodes(environment: EpisodeEnvironment, prompt: Prompt, seeds: list[int], limits: EpisodeLimits,
+                    sample: TurnSampler) -> ScoredGroup:
+    episodes = await asyncio.gather(*(play_in_session(environment, prompt, s, limits, sample) for s in seeds))
+    return ScoredGroup(RolloutGroup(prompt, [e.rollout for e in episodes]), [e.reward_result() for e in episodes])
+
+
+async def serve_turns(generators: Generators, index: int, queue: TurnQueue, sampling: TurnSampling,
+                      versions: list[int]) -> None:
+    """Generator `index` samples `queue`'s turns until cancelled, noting the weight version of each request."""
+    while True:
+        turns = await queue.take(len(queue) or 1)
+        try:
+            version, groups = await generators.generate_versioned(index, sampling.request(turns))
+        except BaseException as e:
+            fail(turns, e)
+            raise
+        versions.append(version)
+        deliver(turns, groups)
+
+
+def factory(run: RunConfig, environment: EpisodeEnvironment, context: int | None = None) -> RolloutFactory:
+    """The episode driver for `run` against `environment` (`context`: the model's longest sequence)."""
+    return lambda services: MultiTurnRollout(MultiTurnConfig.of(run, context), services, environment)

@@ -1,0 +1,259 @@
+"""The multi-turn driver replayed against fakes: a token-in/token-out generator fake, a scripted environment.
+
+What is checked: an episode is one Rollout whose turns tile its completion (policy spans with the sampler's
+log-probs and versions, environment spans with 0.0); each turn is sent as the exact conversation so far; the
+limits end episodes with their statuses; an environment failure is data (and retried when asked); turns of
+concurrent episodes share requests without changing a token; chunks come back scored with teacher
+distributions and no single-turn traces; evaluation plays greedy episodes on generator 0."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from orchestration.fakes import FakeChunks, FakeTeachers, prompts
+
+from composer_mesh.actors.messages import GenerationRequest, Prompt, Rollout, RolloutGroup
+from composer_mesh.envs.session import Observation, StepResult
+from composer_mesh.orchestration.config import RunConfig
+from composer_mesh.orchestration.rollout.base import RolloutServices
+from composer_mesh.orchestration.rollout.episode import TURN_SEED_STRIDE, EpisodeLimits, TokenDrift, play_episode
+from composer_mesh.orchestration.rollout.multi_turn import MultiTurnConfig, MultiTurnRollout
+from composer_mesh.orchestration.schedule import Chunk, row_seed
+from composer_mesh.orchestration.scoring import Scoring, ScoringConfig
+
+BRIDGE = 900  # the fake template renders each environment message as one token 900 + len(content)
+
+
+class TurnGenerators:
+    """`ports.Generators` speaking token in, token out: a turn's prompt ids are its `token_ids` plus one token per
+    bridge message; it samples 2 tokens that are a function of the turn's seed (as the real samplers are)."""
+
+    def __init__(self, n: int = 1, version: int = 1, drift: bool = False) -> None:
+        self.n, self.version, self.drift = n, version, drift
+        self.requests: list[tuple[int, GenerationRequest]] = []
+
+    def __len__(self) -> int:
+        return self.n
+
+    def _turn(self, p: Prompt, seed: int, index: int) -> Rollout:
+        if p.bridge_messages is None:
+            ids = [1, 2, 3]  # the opening conversation through the "template"
+        else:
+            sent = list(p.token_ids[:-1]) + [p.token_ids[-1] + 1] if self.drift else list(p.token_ids)
+            ids = sent + [BRIDGE + len(str(m["content"])) for m in p.bridge_messages]
+        tokens = [seed % 97, (seed >> 48) % 97]
+        return Rollout(p.prompt_id, ids, tokens, [-0.5, -0.25], self.version, text=f"seed{seed}",
+                       generator=f"generator{index}")
+
+    async def generate(self, index: int, request: GenerationRequest) -> list[RolloutGroup]:
+        self.requests.append((index, request))
+        await asyncio.sleep(0)
+        assert request.seeds is not None and request.samples_per_prompt == 1
+        return [RolloutGroup(p, [self._turn(p, s, index)]) for p, s in zip(request.prompts, request.seeds)]
+
+    async def generate_versioned(self, index: int, request: GenerationRequest) -> tuple[int, list[RolloutGroup]]:
+        return self.version, await self.generate(index, request)
+
+
+class Counting:
+    """A session that wants `calls` tool turns, then an answer: each turn before gets a tool message back;
+    reward 1 at the end. `fail_at` raises on that step; `slow_at` sleeps there."""
+
+    def __init__(self, calls: int = 2, fail_at: int | None = None, slow_at: int | None = None) -> None:
+        self.calls, self.fail_at, self.slow_at = calls, fail_at, slow_at
+        self.steps: list[str] = []
+        self.closed = False
+
+    async def reset(self) -> Observation:
+        return Observation([{"role": "user", "content": "go"}], tools=[{"type": "function"}])
+
+    async def step(self, action: str) -> StepResult:
+        self.steps.append(action)
+        k = len(self.steps)
+        if k == self.fail_at:
+            raise ConnectionError("server gone")
+        if k == self.slow_at:
+            await asyncio.sleep(10)
+        if k <= self.calls:
+            return StepResult([{"role": "tool", "content": "x" * k}], info={"tool_calls": 1.0})
+        return StepResult(reward=1.0, done=True)
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+class Env:
+    name = "counting"
+
+    def __init__(self, **session: Any) -> None:
+        self.kw, self.sessions = session, []
+
+    def session(self, prompt: Any, seed: int) -> Counting:
+        s = Counting(**self.kw)
+        self.sessions.append(s)
+        return s
+
+
+def limits(**kw: Any) -> EpisodeLimits:
+    base = {"max_turns": 8, "max_new_tokens": 2, "max_context": None, "step_timeout_s": 5.0, "episode_timeout_s": None}
+    return EpisodeLimits(**{**base, **kw})
+
+
+async def play(session: Counting, gens: TurnGenerators, seed: int = 5, **kw: Any) -> Any:
+    async def sample(p: Prompt, s: int) -> Rollout:
+        return (await gens.generate(0, GenerationRequest([p], 1, 2, seeds=[s])))[0].rollouts[0]
+
+    return await play_episode(session, Prompt("p0", "q"), seed, limits(**kw), sample)
+
+
+async def test_an_episode_is_one_rollout_whose_turns_tile_it() -> None:
+    gens = TurnGenerators(version=3)
+    ep = await play(Counting(calls=2), gens)
+    r = ep.rollout
+    assert r.status == "done" and ep.reward == 1.0 and ep.info == {"tool_calls": 2.0}
+    assert r.prompt_ids == [1, 2, 3]
+    # policy (2 tokens), bridge (1 token), policy, bridge, policy
+    assert [(t.start, t.end, t.policy) for t in r.turns or []] == [
+        (0, 2, True), (2, 3, False), (3, 5, True), (5, 6, False), (6, 8, True)]
+    assert r.completion_ids[2] == BRIDGE + 1 and r.completion_ids[5] == BRIDGE + 2
+    assert r.loss_mask() == [1, 1, 0, 1, 1, 0, 1, 1]
+    assert r.logprobs == [-0.5, -0.25, 0.0, -0.5, -0.25, 0.0, -0.5, -0.25]
+    assert [t.reward for t in r.turns or [] if t.policy] == [None, None, 1.0]
+    # every turn after the first was sent as the exact ids of the conversation so far, with its seed
+    sent = [req.prompts[0] for _, req in gens.requests]
+    assert sent[1].token_ids == r.prompt_ids + r.completion_ids[:2]
+    assert sent[2].token_ids == r.prompt_ids + r.completion_ids[:5]
+    assert [req.seeds for _, req in gens.requests] == [[5], [5 + TURN_SEED_STRIDE], [5 + 2 * TURN_SEED_STRIDE]]
+    assert sent[0].tools == [{"type": "function"}] and sent[0].messages == [{"role": "user", "content": "go"}]
+
+
+async def test_a_generator_that_re_tokenizes_the_conversation_is_refused() -> None:
+    with pytest.raises(TokenDrift, match="exact ids"):
+        await play(Counting(calls=2), TurnGenerators(drift=True))
+
+
+@pytest.mark.parametrize(("session", "kw", "status"), [
+    (Counting(calls=5), {"max_turns": 3}, "truncated_turns"),
+    (Counting(calls=5), {"max_context": 3 + 2 + 34 + 2}, "truncated_context"),  # turn 2 fits, turn 3 does not
+    (Counting(calls=5, slow_at=2), {"step_timeout_s": 0.05}, "error_timeout"),
+    (Counting(calls=5, slow_at=2), {"episode_timeout_s": 0.05}, "truncated_time"),
+    (Counting(calls=5, fail_at=2), {}, "error_environment"),
+])
+async def test_limits_and_failures_end_an_episode_with_their_status(session: Counting, kw: dict[str, Any],
+                                                                    status: str) -> None:
+    ep = await play(session, TurnGenerators(), **kw)
+    assert ep.rollout.status == status
+    result = ep.reward_result()
+    assert result.ok is (status != "error_environment")
+    if status == "error_environment":
+        assert "ConnectionError: server gone" in (result.error or "")
+    assert ep.rollout.turns and ep.rollout.turns[-1].policy  # what was played is kept, ending on a policy turn
+
+
+def driver(gens: TurnGenerators, env: Env, run: RunConfig | None = None, teachers: Any = None,
+           spawned: list[asyncio.Task[Any]] | None = None) -> MultiTurnRollout:
+    run = run or RunConfig(samples_per_prompt=2, max_new_tokens=2, seed=3)
+    scoring = Scoring(ScoringConfig(seed=3, max_new_tokens=2, teacher_top_k="auto", distributions=True, traces=True),
+                      None, teachers)  # type: ignore[arg-type]
+    tasks = spawned if spawned is not None else []
+
+    def spawn(coro: Any) -> asyncio.Task[Any]:
+        tasks.append(asyncio.ensure_future(coro))
+        return tasks[-1]
+
+    return MultiTurnRollout(MultiTurnConfig.of(run), RolloutServices(gens, scoring, spawn, print), env)  # type: ignore[arg-type]
+
+
+async def run_chunks(gens: TurnGenerators, env: Env, chunks: list[Chunk], teachers: Any = None,
+                     run: RunConfig | None = None) -> FakeChunks:
+    source, tasks = FakeChunks(chunks), []
+    d = driver(gens, env, run, teachers, tasks)
+    tasks += [asyncio.ensure_future(d.drive(i, source)) for i in range(gens.n)]
+    try:
+        await asyncio.wait_for(source.done.wait(), 10)
+    finally:
+        for t in tasks:
+            t.cancel()
+    return source
+
+
+async def test_chunks_come_back_as_scored_episodes_with_teacher_distributions_only() -> None:
+    teachers = FakeTeachers()
+    source = await run_chunks(TurnGenerators(), Env(calls=1), [Chunk(1, 0, prompts(0, 2))], teachers)
+    results = source.finished[0]
+    assert [r.index for r in results] == [0, 1]
+    for r in results:
+        assert [rw.score for rw in r.group.rewards] == [1.0, 1.0]
+        assert all(rw.components == {"tool_calls": 1.0, "turns": 2.0} for rw in r.group.rewards)
+        assert len(r.distributions) == 2 and all(d is not None for d in r.distributions)
+        assert r.traces == []
+    assert [req.prompts for req in teachers.requests] == [[]]  # no single-turn traces for episodes
+    assert source.step_times[1].generate_s > 0
+
+
+async def test_concurrent_episodes_share_requests_and_batching_changes_no_token() -> None:
+    chunks = [Chunk(1, 0, prompts(0, 2)), Chunk(1, 2, prompts(2, 2))]
+    one, two = TurnGenerators(n=1), TurnGenerators(n=2)
+    a = await run_chunks(one, Env(calls=2), [*chunks])
+    b = await run_chunks(two, Env(calls=2), [*chunks])
+    assert max(len(req.prompts) for _, req in one.requests) > 1  # turns of several episodes in one request
+    assert {i for i, _ in two.requests} == {0, 1}  # both generators served turns
+    for first in (0, 2):
+        ids_a = [r.completion_ids for g in a.finished[first] for r in g.group.group.rollouts]
+        ids_b = [r.completion_ids for g in b.finished[first] for r in g.group.group.rollouts]
+        assert ids_a == ids_b
+    # episode j of stream prompt i samples its first turn with the row's seed, as a single completion would
+    seeds = {s for _, req in one.requests for s in req.seeds or []}
+    assert {row_seed(3, i, 2) + j for i in range(4) for j in range(2)} <= seeds
+
+
+async def test_an_episode_spanning_a_weight_update_counts_its_lag_from_the_oldest_turn() -> None:
+    gens = TurnGenerators(version=4)
+
+    async def sample(p: Prompt, s: int) -> Rollout:
+        out = (await gens.generate(0, GenerationRequest([p], 1, 2, seeds=[s])))[0].rollouts[0]
+        gens.version += 1  # the next turn is sampled with newer weights
+        return out
+
+    ep = await play_episode(Counting(calls=2), Prompt("p0", "q"), 1, limits(), sample)
+    assert [t.weight_version for t in ep.rollout.turns or [] if t.policy] == [4, 5, 6]
+    assert ep.rollout.weight_version == 4
+
+
+async def test_failed_environments_are_played_again_from_the_start_when_retries_allow() -> None:
+    env = Env(calls=1, fail_at=1)
+    run = RunConfig(samples_per_prompt=2, max_new_tokens=2, seed=3, rollout={"kind": "multi_turn",
+                                                                               "environment_retries": 2})
+    source = await run_chunks(TurnGenerators(), env, [Chunk(1, 0, prompts(0, 1))], run=run)
+    rewards = source.finished[0][0].group.rewards
+    assert [rw.ok for rw in rewards] == [False, False]
+    assert len(env.sessions) == 2 * 3 and all(s.closed for s in env.sessions)  # each sample: 1 + 2 retries
+
+
+async def test_evaluation_plays_greedy_episodes_on_generator_0() -> None:
+    gens = TurnGenerators(n=2, version=7)
+    d = driver(gens, Env(calls=1))
+    version, groups = await d.evaluate(prompts(0, 3), 1, 0.0, seed=11)
+    assert version == 7 and [len(g.rewards) for g in groups] == [1, 1, 1]
+    assert all(rw.score == 1.0 for g in groups for rw in g.rewards)
+    assert {i for i, _ in gens.requests} == {0}
+    assert all(req.temperature == 0.0 for _, req in gens.requests)
+
+
+async def test_a_steps_episode_metrics_count_statuses_tokens_and_the_environments_counters() -> None:
+    from composer_mesh.actors.messages import ScoredGroup
+    from composer_mesh.orchestration.episode_metrics import episode_metrics
+
+    done = await play(Counting(calls=2), TurnGenerators())
+    cut = await play(Counting(calls=5), TurnGenerators(), max_turns=2)
+    group = ScoredGroup(RolloutGroup(Prompt("p0", "q"), [done.rollout, cut.rollout]),
+                        [done.reward_result(), cut.reward_result()])
+    m = episode_metrics([group])
+    assert m["episode/status_done"] == 0.5 and m["episode/status_truncated_turns"] == 0.5
+    assert m["episode/status_error_environment"] == 0.0
+    assert m["episode/turns"] == (3 + 2) / 2 and m["episode/tool_calls"] == (2 + 2) / 2
+    assert m["episode/policy_tokens"] == (6 + 4) / 2 and m["episode/env_tokens"] == (2 + 1) / 2
+    single = ScoredGroup(RolloutGroup(Prompt("p1", "q"), [Rollout("p1", [1], [2], [-0.1], 1)]), [done.reward_result()])
+    assert episode_metrics([single]) == {}
