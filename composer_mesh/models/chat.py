@@ -49,6 +49,10 @@ class TemplateToolsError(UserInputError, ValueError):
     the model would be trained to call tools it was never shown."""
 
 
+class BadMessageError(UserInputError, ValueError):
+    """An environment message that is not a chat message (a mapping with a string 'role')."""
+
+
 class TemplateBridgeError(UserInputError, ValueError):
     """The model's chat template cannot render environment messages as a suffix of the conversation so far
     (it re-renders earlier turns, e.g. drops the reasoning of earlier assistant turns, or has no single
@@ -236,7 +240,7 @@ def _bridge_error(tokenizer: Any, model: str, why: str) -> TemplateBridgeError:
 def _check_messages(messages: list[dict[str, Any]]) -> None:
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
-            raise UserInputError(f"environment message {i} is not a chat message with a 'role': {m!r:.80}")
+            raise BadMessageError(f"environment message {i} is not a chat message with a 'role': {m!r:.80}")
 
 
 def _bridge_split(
