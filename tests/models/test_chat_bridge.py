@@ -104,7 +104,7 @@ def test_bridge_of_tool_results_and_a_user_turn_on_the_byte_template():
     tool = [{"role": "tool", "name": "calculator", "content": "5"}]
     assert bridge_text(tok, tool, tools=TOOLS) == "\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n"
     assert bridge_token_ids(tok, tool, tools=TOOLS) == (
-        [10, 257] + list(b"tool\n5") + [258, 10, 257] + list(b"assistant\n"))
+        [10, 257, *b"tool\n5", 258, 10, 257, *b"assistant\n"])
     two = [{"role": "tool", "content": "5"}, {"role": "tool", "content": "7"}]
     assert bridge_text(tok, two) == "\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>tool\n7<|im_end|>\n<|im_start|>assistant\n"
     user = [{"role": "user", "content": "go on"}]
@@ -154,8 +154,8 @@ def test_prompt_ids_continue_a_turn_and_keep_the_checks():
     tool = [{"role": "tool", "content": "84"}]
     turn = Prompt("e0", "", token_ids=so_far, tools=TOOLS, bridge_messages=tool)
     ids = prompt_ids(turn, tok, 259, "gen")
-    assert ids == so_far + [258] + bridge_token_ids(tok, tool, tools=TOOLS)  # cut turn: end token added once
-    ended = Prompt("e0", "", token_ids=so_far + [258], tools=TOOLS, bridge_messages=tool)
+    assert ids == [*so_far, 258, *bridge_token_ids(tok, tool, tools=TOOLS)]  # cut turn: end token added once
+    ended = Prompt("e0", "", token_ids=[*so_far, 258], tools=TOOLS, bridge_messages=tool)
     assert prompt_ids(ended, tok, 259, "gen") == ids
     with pytest.raises(ValueError, match="gen: prompt 'e0' has bridge_messages but no token_ids"):
         prompt_ids(Prompt("e0", "", bridge_messages=tool), tok, 259, "gen")
@@ -169,8 +169,8 @@ def test_prompt_ids_continue_a_turn_and_keep_the_checks():
 def test_a_template_that_rewrites_earlier_turns_is_refused_by_name():
     tok = byte_tokenizer(trl_chat_template("qwen3"))  # drops the reasoning of turns before the last query
     tok.name_or_path = "org/qwen3-like"
-    with pytest.raises(TemplateBridgeError, match="model 'org/qwen3-like'.*renders the earlier turns differently"
-                                                  ".*prefix-preserving chat template"):
+    with pytest.raises(TemplateBridgeError, match=r"model 'org/qwen3-like'.*renders the earlier turns differently"
+                                                  r".*prefix-preserving chat template"):
         bridge_token_ids(tok, [{"role": "tool", "content": "5"}])
     tok.chat_template = trl_chat_template("qwen3_training")  # TRL's prefix-preserving variant bridges
     assert bridge_text(tok, [{"role": "tool", "content": "5"}]).endswith("<|im_start|>assistant\n")
@@ -195,7 +195,7 @@ def test_no_template_bad_messages_and_tools_that_are_not_rendered():
     with pytest.raises(ValueError, match="environment message 0 is not a chat message"):
         bridge_token_ids(byte_tokenizer(), [{"content": "no role"}])
     prompt = Prompt("t0", "", messages=CONVERSATION[:1], tools=TOOLS)
-    with pytest.raises(TemplateToolsError, match="prompt 't0' declares tools.*does not render them"):
+    with pytest.raises(TemplateToolsError, match=r"prompt 't0' declares tools.*does not render them"):
         prompt_token_ids(byte_tokenizer(OLD_BYTE_TEMPLATE), prompt)
     with pytest.raises(TemplateToolsError, match="prompt 't1' declares tools but is given as text"):
         prompt_token_ids(byte_tokenizer(), Prompt("t1", "hi", tools=TOOLS))
@@ -206,7 +206,7 @@ def test_no_template_bad_messages_and_tools_that_are_not_rendered():
 def test_seeds_need_one_sample_per_prompt_and_one_seed_each():
     prompts = [Prompt("a", "x"), Prompt("b", "y")]
     check_generation_request(GenerationRequest(prompts, samples_per_prompt=1, seeds=[1, 2]))
-    with pytest.raises(ValueError, match="seeds .* needs samples_per_prompt == 1, got 4"):
+    with pytest.raises(ValueError, match=r"seeds \(one seed per prompt\) needs samples_per_prompt == 1, got 4"):
         check_generation_request(GenerationRequest(prompts, samples_per_prompt=4, seeds=[1, 2]))
     with pytest.raises(ValueError, match="has 1 seeds for 2 prompts"):
         check_generation_request(GenerationRequest(prompts, samples_per_prompt=1, seeds=[1]))

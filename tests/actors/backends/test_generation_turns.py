@@ -132,7 +132,7 @@ def assert_seed_keeps_a_prompts_tokens_whatever_the_batch(gen) -> None:
     alone = sample([target], [42])["t"]
     # (hf's max_batch is 3: the target is in the first batch, then in the second, with different neighbours)
     assert sample([others[0], target, others[1]], [7, 42, 8])["t"] == alone
-    assert sample(others + [target], [1, 2, 3, 4, 42])["t"] == alone
+    assert sample([*others, target], [1, 2, 3, 4, 42])["t"] == alone
     assert sample([target], [43])["t"] != alone  # the seed is what decides
 
 
