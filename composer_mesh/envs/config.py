@@ -210,9 +210,10 @@ class VerifiersConfig(BaseModel):
 
 # ---- the calculator tool-use task (composer_mesh.envs.calculator) ---------------------------------------
 class CalculatorConfig(BaseModel):
-    """Multiply two numbers through a `calculator` tool (`run.environment: {kind: calculator}`): a tool-use task
-    played as episodes, small enough for the tiny byte-level model to learn on CPU. The prompt is the product
-    alone (e.g. `47*83`); reward 1 when the final answer is the product, else 0. See docs/agentic.md."""
+    """A tool-use task played as episodes: multiply two numbers through a `calculator` tool (docs/agentic.md).
+
+    Small enough for the tiny byte-level model to learn on CPU. The prompt is the product alone (e.g. `47*83`);
+    reward 1 when the final answer is the product, else 0."""
 
     model_config = ConfigDict(extra="forbid")
 

@@ -72,7 +72,7 @@ class RunConfig(BaseModel):
     environment: EnvironmentConfig | None = Field(
         None, description="Prompts and scoring from an environment library instead of `task`/`data`: "
         "{kind: reasoning_gym, dataset, config, ...}; score with composer_mesh.envs.reasoning_gym:score. "
-        "See docs/reasoning_gym.md."
+        "See docs/reasoning_gym.md. {kind: calculator}: a tool-use task played as episodes (docs/agentic.md)."
     )
     steps: int = Field(40, ge=1, description="Optimizer steps (trainer `train_step` calls) in the run.")
     prompts_per_step: int = Field(8, ge=1, description="Prompts in one training batch (GRPO groups per step).")
