@@ -1,5 +1,5 @@
 """Environments: prompt sets that bring their own scoring from an outside library (reasoning-gym, OpenEnv,
-verifiers).
+verifiers), or built in and played as tool-using episodes (the calculator task).
 
 An environment (`run.environment`) gives the controller's prompt source a train stream and a fixed eval set of
 `DataRow`s that share no question, and puts in each row's `extra` what its reward function needs, so the
@@ -32,6 +32,10 @@ def load_environment(cfg: EnvironmentConfig, seed: int) -> Environment:
         from composer_mesh.envs.verifiers import VerifiersEnvironment
 
         return VerifiersEnvironment(cfg, cfg.seed if cfg.seed is not None else seed)
+    if cfg.kind == "calculator":
+        from composer_mesh.envs.calculator import CalculatorEnvironment
+
+        return CalculatorEnvironment(cfg, cfg.seed if cfg.seed is not None else seed)
     raise ValueError(f"run.environment: unknown kind {cfg.kind!r}")
 
 
@@ -43,4 +47,8 @@ def sample_environment_rows(cfg: EnvironmentConfig, seed: int, n: int) -> list[D
         from composer_mesh.envs.reasoning_gym import sample_rows
 
         return sample_rows(cfg, cfg.seed if cfg.seed is not None else seed, n)
+    if cfg.kind == "calculator":
+        from composer_mesh.envs.calculator import sample_rows as calculator_rows
+
+        return calculator_rows(cfg, cfg.seed if cfg.seed is not None else seed, n)
     return None

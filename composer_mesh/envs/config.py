@@ -208,5 +208,41 @@ class VerifiersConfig(BaseModel):
         return {"id": self.env, "taskset": {**fields, "id": self.taskset}}
 
 
+# ---- the calculator tool-use task (composer_mesh.envs.calculator) ---------------------------------------
+class CalculatorConfig(BaseModel):
+    """A tool-use task played as episodes: multiply two numbers through a `calculator` tool (docs/agentic.md).
+
+    Small enough for the tiny byte-level model to learn on CPU. The prompt is the product alone (e.g. `47*83`);
+    reward 1 when the final answer is the product, else 0."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["calculator"] = Field(description="Which environment: 'calculator' (built in, no library).")
+    min_digits: int = Field(2, ge=1, le=9, description="Fewest digits of an operand.")
+    max_digits: int = Field(3, ge=1, le=9, description="Most digits of an operand (each operand draws its digit "
+                            "count uniformly from min_digits..max_digits, then its value among the numbers of that "
+                            "many digits, 1-digit ones being 1..9).")
+    eval_size: int = Field(64, ge=0, description="Distinct held-out problems (from their own seed; a train problem "
+                           "with the same operands, in either order, is skipped). run.eval_prompts scores the first.")
+    seed: int | None = Field(None, ge=0, description="Seed of the train stream (eval: its own); null: run.seed.")
+    system_prompt: str | None = Field(None, description="A system message before each problem; null: none (every "
+                                      "prompt byte is a token for the tiny model).")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> CalculatorConfig:
+        if self.min_digits > self.max_digits:
+            raise ValueError(f"run.environment: min_digits {self.min_digits} > max_digits {self.max_digits}")
+        if 2 * self.eval_size > self.problems():
+            raise ValueError(f"run.environment: eval_size {self.eval_size} holds out more than half of the "
+                             f"{self.problems()} distinct problems of {self.min_digits}..{self.max_digits} digits")
+        return self
+
+    def problems(self) -> int:
+        """How many distinct problems (unordered operand pairs) there are."""
+        n = 10 ** self.max_digits - 10 ** (self.min_digits - 1)  # operands 10^(min-1) .. 10^max - 1
+        return n * (n + 1) // 2
+
+
 # The `run.environment` section: one model per environment kind, told apart by `kind`.
-EnvironmentConfig = Annotated[ReasoningGymConfig | OpenEnvConfig | VerifiersConfig, Field(discriminator="kind")]
+EnvironmentConfig = Annotated[ReasoningGymConfig | OpenEnvConfig | VerifiersConfig | CalculatorConfig,
+                              Field(discriminator="kind")]

@@ -100,7 +100,7 @@ class RunConfig(BaseModel):
     environment: EnvironmentConfig | None = Field(
         None, description="Prompts and scoring from an environment library instead of `task`/`data`: "
         "{kind: reasoning_gym, dataset, config, ...}; score with composer_mesh.envs.reasoning_gym:score. "
-        "See docs/reasoning_gym.md."
+        "See docs/reasoning_gym.md. {kind: calculator}: a tool-use task played as episodes (docs/agentic.md)."
     )
     rollout: RolloutConfig = Field(
         default_factory=RolloutConfig, description="One completion per sample, or multi-turn episodes against "

@@ -198,9 +198,10 @@ class DataPrompts(PromptSource):
 
     @staticmethod
     def row_prompt(prompt_id: str, row: DataRow) -> Prompt:
-        """The prompt of a data or environment row, its extra columns included (rewards may read them)."""
+        """The prompt of a data or environment row, its extra columns included (rewards may read them), and the
+        tool schemas of an environment whose episodes call tools."""
         return Prompt(prompt_id=prompt_id, text=row.text, token_ids=[], answer=row.answer,
-                      messages=row.messages, extra=dict(row.extra))
+                      messages=row.messages, extra=dict(row.extra), tools=row.tools)
 
     def state(self) -> dict[str, Any]:
         return {"kind": self.kind, "count": self.count, "seed": self.seed, "digest": self.data.digest}

@@ -112,6 +112,7 @@ class DataRow:
     messages: list[dict[str, str]] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     where: str = field(default="", compare=False)  # "file, row N", for messages about the row
+    tools: list[dict[str, Any]] | None = None  # an environment's tool schemas (becomes Prompt.tools)
 
     @property
     def key(self) -> str:
