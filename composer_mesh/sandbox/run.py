@@ -15,6 +15,7 @@ How a command is contained (docs/sandbox.md):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -143,10 +144,8 @@ async def _feed(writer: asyncio.StreamWriter | None, data: bytes | None) -> None
 
 
 def _kill_group(pid: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 async def run_sandboxed(config: SandboxConfig, workdir: Path, argv: list[str], *, stdin: str | None = None,
