@@ -52,6 +52,8 @@ class SandboxBox:
         target = Path(os.path.realpath(root / relative))
         if target == root or not target.is_relative_to(root):
             raise BoxPathError(f"path {relative!r} leads out of the work dir")
+        if target.exists() and not target.is_file() and not target.is_dir():  # a FIFO would block the host
+            raise BoxPathError(f"path {relative!r} is not a regular file")
         return target
 
     def write(self, relative: str, text: str) -> str:
@@ -107,6 +109,16 @@ class SandboxPool:
                 return await run_sandboxed(self.config, workdir, argv, stdin=stdin, uid=uid)
             finally:
                 self._free.append(slot)
+
+
+def copy_work_dir(source: Path, target: Path) -> None:
+    """Copy an episode's work dir (regular files, directories and symlinks as links, nothing else: a FIFO the
+    episode made would block the copy) into `target`."""
+    def special(base: str, names: list[str]) -> set[str]:
+        return {n for n in names if not os.path.islink(p := os.path.join(base, n))
+                and not os.path.isfile(p) and not os.path.isdir(p)}
+
+    shutil.copytree(source, target, symlinks=True, ignore=special, dirs_exist_ok=True)
 
 
 def _chown_tree(root: Path, uid: int) -> None:

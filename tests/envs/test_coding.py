@@ -123,6 +123,12 @@ async def test_a_solution_cannot_forge_the_graders_report(fizz: CodingSession) -
     assert (await fizz.step(call("submit"))).reward == 0.5
 
 
+async def test_grading_copies_only_files_dirs_and_links(fizz: CodingSession) -> None:
+    fixed = call("write_file", path="solution.py", content=TASKS["fizzbuzz"].reference)
+    await fizz.step(call("run_python", code="import os; os.mkfifo('pipe'); os.symlink('/etc', 'etc')") + fixed)
+    assert (await fizz.step(call("submit"))).reward == 1.0  # a FIFO in the work dir does not block the grader
+
+
 async def test_last_turn_is_graded_as_truncated(fizz: CodingSession) -> None:
     fixed = call("write_file", path="solution.py", content=TASKS["fizzbuzz"].reference)
     results = [await fizz.step(call("run_tests")) for _ in range(3)] + [await fizz.step(fixed)]

@@ -109,8 +109,8 @@ async def test_trainer_environment_does_not_leak(box: SandboxBox, monkeypatch: p
 
 
 async def test_paths_stay_in_the_work_dir(box: SandboxBox) -> None:
-    await box.run_python("import os; os.symlink('/etc/hostname', 'leak')")
-    for bad in ("../x", "/etc/passwd", "leak", "a/../../x"):
+    await box.run_python("import os; os.symlink('/etc/hostname', 'leak'); os.mkfifo('fifo')")
+    for bad in ("../x", "/etc/passwd", "leak", "a/../../x", "fifo"):
         assert box.write(bad, "x").startswith("error: ") and box.read(bad).startswith("error: "), bad
     assert box.write("pkg/mod.py", "X = 1\n") == "wrote 6 characters to pkg/mod.py"
     assert box.read("pkg/mod.py") == "X = 1\n"

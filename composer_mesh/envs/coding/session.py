@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import inspect
 import secrets
-import shutil
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +21,7 @@ from composer_mesh.envs.coding.catalog import TASKS, CodingTask, split_ids
 from composer_mesh.envs.coding.config import CodingConfig
 from composer_mesh.envs.session import EpisodePrompt, Message, Observation, StepResult
 from composer_mesh.errors import UserInputError
-from composer_mesh.sandbox.pool import SandboxBox, SandboxPool
+from composer_mesh.sandbox.pool import SandboxBox, SandboxPool, copy_work_dir
 from composer_mesh.sandbox.run import SandboxResult, check_available
 from composer_mesh.tasks.episode import EpisodeStatus
 
@@ -56,7 +55,7 @@ def count_passed(result: SandboxResult, tag: str, names: list[str]) -> int:
 async def grade(pool: SandboxPool, task: CodingTask, workdir: Path) -> Grade:
     """Run `task`'s hidden tests against a copy of `workdir` in a fresh sandbox session."""
     async with pool.session() as judge:
-        await asyncio.to_thread(shutil.copytree, workdir, judge.workdir, symlinks=True, dirs_exist_ok=True)
+        await asyncio.to_thread(copy_work_dir, workdir, judge.workdir)
         judge.write(f"{HIDDEN}.py", task.hidden_tests)
         tag = secrets.token_hex(16)
         result = await judge.run([judge.python, "-I", "-S", "-c", RUNNER, HIDDEN], stdin=tag + "\n")
