@@ -49,6 +49,7 @@ from pydantic import Field
 
 from composer_mesh.envs.base import StreamPosition
 from composer_mesh.envs.config import ClientSettings, OpenEnvConfig, ServerCommand
+from composer_mesh.envs.session import EnvSession, EpisodePrompt
 from composer_mesh.tasks.arithmetic import AdditionTask, exact_match
 from composer_mesh.tasks.data import DataRow
 
@@ -119,10 +120,17 @@ class EpisodeClient:
         """One episode in its own session: reset with `reset`, then one step with `action`."""
         return self._run("episode", lambda env: _episode(env, reset, action))
 
-    def _run(self, what: str, play: Callable[[GenericEnvClient], Awaitable[T]]) -> T:
-        return _run_sync(self._with_retries(what, play))
+    async def opened(self, what: str, play: Callable[[GenericEnvClient], Awaitable[T]]) -> tuple[GenericEnvClient, T]:
+        """Open a session and `play` its start (e.g. the reset), with the retries; the session stays open for the
+        caller (a multi-step episode's next steps), who closes it. Only the start is retried: once an episode
+        has stepped, a new session would not be the same episode."""
+        return await self._with_retries(what, play, keep_open=True)  # type: ignore[return-value]
 
-    async def _with_retries(self, what: str, play: Callable[[GenericEnvClient], Awaitable[T]]) -> T:
+    def _run(self, what: str, play: Callable[[GenericEnvClient], Awaitable[T]]) -> T:
+        return _run_sync(self._with_retries(what, play))  # type: ignore[arg-type]
+
+    async def _with_retries(self, what: str, play: Callable[[GenericEnvClient], Awaitable[T]], *,
+                            keep_open: bool = False) -> T | tuple[GenericEnvClient, T]:
         from openenv.core.generic_client import GenericEnvClient
 
         s, attempt = self.settings, 0
@@ -145,6 +153,8 @@ class EpisodeClient:
                             attempt, s.max_retries + 1, reason, _describe(e), delay)
                 await asyncio.sleep(delay)
             else:
+                if keep_open:
+                    return env, result
                 await env.close()  # the closing handshake: the server ends the session now
                 return result
 
@@ -427,6 +437,19 @@ class OpenEnvEnvironment(StreamPosition):
 
     def eval_rows(self, n: int) -> list[DataRow]:
         return self.eval[:n]
+
+    def session(self, prompt: EpisodePrompt, seed: int) -> EnvSession:
+        """`prompt` played as a multi-step episode (`EpisodeEnvironment`): a session on the server reset with the
+        prompt's own reset arguments (its `extra["openenv"]`, which hold the seed the prompt was drawn with), so
+        the same prompt is the same episode. `seed` is not sent: the server's draws are fixed by that reset seed,
+        and another seed would be another problem."""
+        from composer_mesh.envs.openenv_session import OpenEnvSession
+
+        replay = prompt.extra.get(EXTRA_KEY)
+        if not isinstance(replay, dict) or not isinstance(replay.get("reset"), dict):
+            raise ValueError(f"prompt {prompt.prompt_id} has no extra['openenv'] reset arguments: only prompts of an "
+                             "openenv run.environment can be played as its episodes")
+        return OpenEnvSession(self.client, self.cfg, replay["reset"], expected=prompt.text)
 
     def _digest(self) -> str:
         fields = {"seed", "reset", "split_field", "prompt_field", "messages_field", "system_prompt", "eval_size"}
