@@ -49,7 +49,6 @@ from pydantic import Field
 
 from composer_mesh.envs.base import StreamPosition
 from composer_mesh.envs.config import ClientSettings, OpenEnvConfig, ServerCommand
-from composer_mesh.envs.session import EnvSession, EpisodePrompt
 from composer_mesh.tasks.arithmetic import AdditionTask, exact_match
 from composer_mesh.tasks.data import DataRow
 
@@ -437,19 +436,6 @@ class OpenEnvEnvironment(StreamPosition):
 
     def eval_rows(self, n: int) -> list[DataRow]:
         return self.eval[:n]
-
-    def session(self, prompt: EpisodePrompt, seed: int) -> EnvSession:
-        """`prompt` played as a multi-step episode (`EpisodeEnvironment`): a session on the server reset with the
-        prompt's own reset arguments (its `extra["openenv"]`, which hold the seed the prompt was drawn with), so
-        the same prompt is the same episode. `seed` is not sent: the server's draws are fixed by that reset seed,
-        and another seed would be another problem."""
-        from composer_mesh.envs.openenv_session import OpenEnvSession
-
-        replay = prompt.extra.get(EXTRA_KEY)
-        if not isinstance(replay, dict) or not isinstance(replay.get("reset"), dict):
-            raise ValueError(f"prompt {prompt.prompt_id} has no extra['openenv'] reset arguments: only prompts of an "
-                             "openenv run.environment can be played as its episodes")
-        return OpenEnvSession(self.client, self.cfg, replay["reset"], expected=prompt.text)
 
     def _digest(self) -> str:
         fields = {"seed", "reset", "split_field", "prompt_field", "messages_field", "system_prompt", "eval_size"}

@@ -36,7 +36,9 @@ from pydantic import Field
 
 from composer_mesh.envs.config import OpenEnvConfig
 from composer_mesh.envs.openenv import (
+    EXTRA_KEY,
     EpisodeClient,
+    OpenEnvEnvironment,
     OpenEnvError,
     OpenEnvServerError,
     OpenEnvTimeout,
@@ -47,7 +49,7 @@ from composer_mesh.envs.openenv import (
     _step,
     prompt_of,
 )
-from composer_mesh.envs.session import Message, Observation, StepResult
+from composer_mesh.envs.session import EpisodePrompt, Message, Observation, StepResult
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -192,6 +194,21 @@ class OpenEnvSession:
             await asyncio.wait_for(env.close(), self.client.settings.connect_timeout_s)
         except Exception:
             _drop(env)
+
+
+class OpenEnvEpisodes(OpenEnvEnvironment):
+    """An OpenEnv server's prompts (the same train stream and eval set as `OpenEnvEnvironment`) played as
+    multi-step episodes (`EpisodeEnvironment`); `load_environment` makes one when `run.environment.episodes`."""
+
+    def session(self, prompt: EpisodePrompt, seed: int) -> OpenEnvSession:
+        """`prompt` as an episode: a session reset with the prompt's own reset arguments (its `extra["openenv"]`,
+        which hold the seed the prompt was drawn with), so the same prompt is the same episode. `seed` is not
+        sent: the server's draws are fixed by that reset seed, and another seed would be another problem."""
+        replay = prompt.extra.get(EXTRA_KEY)
+        if not isinstance(replay, dict) or not isinstance(replay.get("reset"), dict):
+            raise ValueError(f"prompt {prompt.prompt_id} has no extra['openenv'] reset arguments: only prompts of an "
+                             "openenv run.environment can be played as its episodes")
+        return OpenEnvSession(self.client, self.cfg, replay["reset"], expected=prompt.text)
 
 
 # ---------------------------------------------------------------------------------------------- tools

@@ -15,16 +15,22 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from composer_mesh.envs import load_environment
 from composer_mesh.envs.openenv import (
     EnvServer,
     OpenEnvConfig,
-    OpenEnvEnvironment,
     OpenEnvError,
     OpenEnvServerError,
     OpenEnvUnavailable,
     ServerCommand,
 )
-from composer_mesh.envs.openenv_session import NO_TOOL_CALL, OpenEnvSession, OpenEnvStepTimeout, lookup_problem
+from composer_mesh.envs.openenv_session import (
+    NO_TOOL_CALL,
+    OpenEnvEpisodes,
+    OpenEnvSession,
+    OpenEnvStepTimeout,
+    lookup_problem,
+)
 from composer_mesh.envs.session import StepResult
 from composer_mesh.orchestration.prompts import EnvironmentPrompts
 from envs.test_openenv import free_port, uvicorn
@@ -120,7 +126,8 @@ def config(url: str, **fields: object) -> OpenEnvConfig:
 
 def session(url: str, seed: int = 3, **fields: object) -> OpenEnvSession:
     """A session on a train prompt of `url` drawn as the run draws it (its prompt source), reset with `seed`."""
-    env = OpenEnvEnvironment(config(url, seed=seed, **fields), seed=0)
+    env = load_environment(config(url, seed=seed, **fields), seed=0)
+    assert isinstance(env, OpenEnvEpisodes)
     prompt = EnvironmentPrompts(env).take(1)[0]
     made = env.session(prompt, seed=0)
     assert isinstance(made, OpenEnvSession)
@@ -257,7 +264,7 @@ async def test_a_server_killed_mid_episode_raises_from_step(tmp_path: Path) -> N
 
 
 async def test_a_prompt_is_replayed_with_its_own_reset_and_checked(servers: str) -> None:
-    env = OpenEnvEnvironment(config(f"{servers}/guess", eval_size=1), seed=0)
+    env = OpenEnvEpisodes(config(f"{servers}/guess", eval_size=1), seed=0)
     prompt = EnvironmentPrompts(env).take(1)[0]
     moved = type(prompt)(**{**prompt.__dict__, "text": "another prompt"})
     with pytest.raises(OpenEnvError, match=r"reset .* to another prompt than the episode's"):
