@@ -24,6 +24,10 @@ def load_environment(cfg: EnvironmentConfig, seed: int) -> Environment:
         from composer_mesh.envs.reasoning_gym import ReasoningGymEnvironment
 
         return ReasoningGymEnvironment(cfg, cfg.seed if cfg.seed is not None else seed)
+    if cfg.kind == "openenv" and cfg.episodes:
+        from composer_mesh.envs.openenv_session import OpenEnvEpisodes
+
+        return OpenEnvEpisodes(cfg, cfg.seed if cfg.seed is not None else seed)
     if cfg.kind == "openenv":
         from composer_mesh.envs.openenv import OpenEnvEnvironment
 

@@ -127,6 +127,15 @@ class OpenEnvConfig(ClientSettings):
     eval_size: int = Field(64, ge=0, description="Distinct held-out prompts (from the eval seeds; train prompts "
                            "that are one of them are skipped). run.eval_prompts scores the first ones.")
     seed: int | None = Field(None, ge=0, lt=EVAL_SEED_OFFSET, description="First train seed; null: run.seed.")
+    episodes: bool = Field(False, description="Play each prompt as a multi-step episode (reset, then one step per "
+                           "policy turn until the environment says done; `OpenEnvEnvironment.session`) instead of "
+                           "scoring one completion with `composer_mesh.envs.openenv:score`.")
+    tools: bool = Field(False, description="An MCP environment (episodes only): its tools (ListToolsAction at "
+                        "reset) are declared to the chat template, and the policy's <tool_call> blocks are played "
+                        "as CallToolActions; a turn without one is answered with a reminder, not sent.")
+    feedback_field: str | None = Field(None, description="Episodes without tools: the step observation's field "
+                                       "with the text shown to the policy as the next user turn; null: "
+                                       "`prompt_field`.")
 
     @field_validator("kind")
     @classmethod
@@ -148,6 +157,8 @@ class OpenEnvConfig(ClientSettings):
         if taken:
             raise ValueError(f"run.environment.reset sets {sorted(k for k in taken if k)}: the prompt source sets "
                              "the seed and split of each episode")
+        if self.tools and not self.episodes:
+            raise ValueError("run.environment.tools needs episodes: true (tool calls are played over several steps)")
         json.dumps(self.reset)  # crosses to the reward workers as JSON
         if self.server is not None and urlsplit(self.url).port is None:
             raise ValueError("run.environment.server needs a port in run.environment.url (e.g. http://127.0.0.1:8765)")

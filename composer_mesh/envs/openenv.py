@@ -119,10 +119,17 @@ class EpisodeClient:
         """One episode in its own session: reset with `reset`, then one step with `action`."""
         return self._run("episode", lambda env: _episode(env, reset, action))
 
-    def _run(self, what: str, play: Callable[[GenericEnvClient], Awaitable[T]]) -> T:
-        return _run_sync(self._with_retries(what, play))
+    async def opened(self, what: str, play: Callable[[GenericEnvClient], Awaitable[T]]) -> tuple[GenericEnvClient, T]:
+        """Open a session and `play` its start (e.g. the reset), with the retries; the session stays open for the
+        caller (a multi-step episode's next steps), who closes it. Only the start is retried: once an episode
+        has stepped, a new session would not be the same episode."""
+        return await self._with_retries(what, play, keep_open=True)  # type: ignore[return-value]
 
-    async def _with_retries(self, what: str, play: Callable[[GenericEnvClient], Awaitable[T]]) -> T:
+    def _run(self, what: str, play: Callable[[GenericEnvClient], Awaitable[T]]) -> T:
+        return _run_sync(self._with_retries(what, play))  # type: ignore[arg-type]
+
+    async def _with_retries(self, what: str, play: Callable[[GenericEnvClient], Awaitable[T]], *,
+                            keep_open: bool = False) -> T | tuple[GenericEnvClient, T]:
         from openenv.core.generic_client import GenericEnvClient
 
         s, attempt = self.settings, 0
@@ -145,6 +152,8 @@ class EpisodeClient:
                             attempt, s.max_retries + 1, reason, _describe(e), delay)
                 await asyncio.sleep(delay)
             else:
+                if keep_open:
+                    return env, result
                 await env.close()  # the closing handshake: the server ends the session now
                 return result
 

@@ -1,0 +1,278 @@
+"""OpenEnv played over many steps, against real servers on localhost (the library's `create_app`, `MCPEnvironment`
+and `EnvClient`, no fakes): a text episode steps until the server says done and keeps its reward; an MCP
+environment's tools are listed at reset in the chat template's function format and a Hermes tool call round
+trips as a `CallToolAction`; a malformed or unknown call is an observation; a step that times out, an error the
+environment raises and a server killed mid-episode each raise from `step`, naming the server."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from composer_mesh.envs import load_environment
+from composer_mesh.envs.openenv import (
+    EnvServer,
+    OpenEnvConfig,
+    OpenEnvError,
+    OpenEnvServerError,
+    OpenEnvUnavailable,
+    ServerCommand,
+)
+from composer_mesh.envs.openenv_session import (
+    NO_TOOL_CALL,
+    OpenEnvEpisodes,
+    OpenEnvSession,
+    OpenEnvStepTimeout,
+    lookup_problem,
+)
+from composer_mesh.envs.session import StepResult
+from composer_mesh.orchestration.prompts import EnvironmentPrompts
+from envs.test_openenv import free_port, uvicorn
+
+# One server process for the module: a text guessing game at /guess and the shipped MCP lookup environment at
+# /lookup. The game's action "sleep <s>" sleeps, "raise" raises in the environment.
+APPS = '''
+import random
+import time
+
+from fastapi import FastAPI
+from pydantic import Field
+from openenv.core.env_server import create_app
+from openenv.core.env_server.interfaces import Environment
+from openenv.core.env_server.types import Action, Observation, State
+
+from composer_mesh.envs.openenv_session import lookup_app
+
+
+class GuessAction(Action):
+    message: str = Field(description="A guess.")
+
+
+class GuessObservation(Observation):
+    prompt: str = Field("")
+
+
+class Guess(Environment):
+    SUPPORTS_CONCURRENT_SESSIONS = True
+
+    def __init__(self):
+        super().__init__()
+        self._secret, self._state = 0, State(step_count=0)
+
+    def reset(self, seed=None, episode_id=None, split="train", **kwargs):
+        self._secret = secret(seed, split)
+        self._state = State(episode_id=episode_id, step_count=0)
+        return GuessObservation(prompt=f"Guess my number, 0 to 15 (game {split} {seed}).")
+
+    def step(self, action, timeout_s=None, **kwargs):
+        self._state.step_count += 1
+        text = action.message.strip()
+        if text.startswith("sleep "):
+            time.sleep(float(text.split()[1]))
+            return GuessObservation(prompt="slept")
+        if text == "raise":
+            raise RuntimeError("the game broke")
+        guess = int(text) if text.isdigit() else -1
+        if guess == self._secret:
+            return GuessObservation(prompt="correct", reward=1.0, done=True)
+        if self._state.step_count >= 8:
+            return GuessObservation(reward=0.0, done=True)
+        return GuessObservation(prompt="higher" if guess < self._secret else "lower", reward=0.0)
+
+    @property
+    def state(self):
+        return self._state
+
+
+def secret(seed, split):
+    return random.Random(f"{split}/{seed}").randrange(16)
+
+
+def app():
+    root = FastAPI()
+    root.mount("/guess", create_app(Guess, GuessAction, GuessObservation, env_name="guess", max_concurrent_envs=4))
+    root.mount("/lookup", lookup_app(4))
+    return root
+'''
+
+
+def secret(seed: int, split: str) -> int:
+    import random
+
+    return random.Random(f"{split}/{seed}").randrange(16)
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The module's server; yields its base URL (the games are at <url>/guess and <url>/lookup)."""
+    app_dir = tmp_path_factory.mktemp("openenv_episodes")
+    (app_dir / "episode_apps.py").write_text(APPS)
+    base = f"http://127.0.0.1:{free_port()}"
+    spec = ServerCommand(command=uvicorn("episode_apps:app", app_dir), log=str(app_dir / "server.log"))
+    with EnvServer(spec, f"{base}/guess"):
+        yield base
+
+
+def config(url: str, **fields: object) -> OpenEnvConfig:
+    base = {"kind": "openenv", "url": url, "episodes": True, "eval_size": 2, "backoff_s": 0.05}
+    return OpenEnvConfig.model_validate({**base, **fields})
+
+
+def session(url: str, seed: int = 3, **fields: object) -> OpenEnvSession:
+    """A session on a train prompt of `url` drawn as the run draws it (its prompt source), reset with `seed`."""
+    env = load_environment(config(url, seed=seed, **fields), seed=0)
+    assert isinstance(env, OpenEnvEpisodes)
+    prompt = EnvironmentPrompts(env).take(1)[0]
+    made = env.session(prompt, seed=0)
+    assert isinstance(made, OpenEnvSession)
+    return made
+
+
+def call(name: str, **arguments: object) -> str:
+    import json
+
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
+
+
+async def test_a_text_episode_steps_until_done_with_the_servers_reward(servers: str) -> None:
+    s = session(f"{servers}/guess", seed=3)
+    first = await s.reset()
+    assert first.messages == [{"role": "user", "content": "Guess my number, 0 to 15 (game train 3)."}]
+    assert first.tools == []
+    target, low, high = secret(3, "train"), 0, 15
+    results: list[StepResult] = []
+    while not (results and results[-1].done):  # binary search, told "higher" / "lower" by the server
+        guess = (low + high) // 2
+        results.append(await s.step(str(guess)))
+        hint = results[-1].messages[0]["content"]
+        assert results[-1].messages[0]["role"] == "user"
+        assert hint == ("correct" if guess == target else "higher" if guess < target else "lower")
+        low, high = (guess + 1, high) if hint == "higher" else (low, guess - 1)
+    assert len(results) == s.steps >= 2 and results[-1].reward == 1.0
+    assert [r.reward for r in results[:-1]] == [0.0] * (len(results) - 1)
+    with pytest.raises(OpenEnvError, match="step of a session that is done"):
+        await s.step("1")
+    await s.close()
+    await s.close()  # idempotent
+
+
+async def test_an_episode_without_feedback_text_ends_empty_or_names_the_field(servers: str) -> None:
+    s = session(f"{servers}/guess", seed=4)
+    await s.reset()
+    wrong = str((secret(4, "train") + 1) % 16)
+    for _ in range(7):
+        assert not (await s.step(wrong)).done
+    last = await s.step(wrong)  # the eighth wrong guess: done, reward 0, nothing to say
+    assert (last.done, last.reward, last.messages) == (True, 0.0, [])
+    await s.close()
+    s = session(f"{servers}/guess", feedback_field="hint")
+    await s.reset()
+    with pytest.raises(OpenEnvServerError, match=r"no text in 'hint'.*observation fields: \['prompt'\].*feedback_field"):
+        await s.step("0")
+    await s.close()
+
+
+async def test_mcp_tools_are_listed_at_reset_and_calls_round_trip(servers: str) -> None:
+    s = session(f"{servers}/lookup", seed=7, tools=True)
+    first = await s.reset()
+    start, table, answer = lookup_problem(7, "train", hops=3)
+    assert first.messages[0]["role"] == "user" and repr(start) in first.messages[0]["content"]
+    by_name = {t["function"]["name"]: t for t in first.tools}
+    assert sorted(by_name) == ["lookup", "submit"] and all(t["type"] == "function" for t in first.tools)
+    lookup = by_name["lookup"]["function"]
+    assert lookup["parameters"]["properties"] == {"key": {"type": "string", "description": "the key to look up"}}
+    assert lookup["parameters"]["required"] == ["key"]
+    assert lookup["description"].startswith("Look up a key")
+    key = start
+    for _ in range(2):  # two turns of one lookup each: the server's table answers
+        result = await s.step(f"Looking up.\n{call('lookup', key=key)}")
+        assert result.messages == [{"role": "tool", "name": "lookup", "content": table[key]}]
+        assert (result.done, result.reward, result.info) == (False, None, {"tool_calls": 1.0, "tool_errors": 0.0})
+        key = table[key]
+    both = await s.step(call("lookup", key=key) + call("submit", answer=table[key]))  # two calls in one turn
+    assert [m["content"] for m in both.messages] == [answer, "correct"]
+    assert (both.done, both.reward, both.info["tool_calls"], s.steps) == (True, 1.0, 2.0, 4)
+    await s.close()
+    wrong = session(f"{servers}/lookup", seed=7, tools=True)
+    await wrong.reset()
+    end = await wrong.step(call("submit", answer=str(int(answer) + 1)))
+    assert (end.done, end.reward, end.messages[0]["content"]) == (True, 0.0, "wrong")
+    await wrong.close()
+
+
+async def test_a_malformed_or_unknown_call_is_an_observation(servers: str) -> None:
+    s = session(f"{servers}/lookup", tools=True)
+    await s.reset()
+    start, table, _ = lookup_problem(3, "train", hops=3)
+    bad = await s.step('<tool_call>{"name": "lookup", "arguments": {"key": </tool_call>')
+    assert bad.messages[0]["role"] == "tool" and bad.messages[0]["content"].startswith("error: malformed tool call: not JSON")
+    assert (bad.done, bad.info, s.steps) == (False, {"tool_calls": 0.0, "tool_errors": 1.0}, 0)  # nothing sent
+    none = await s.step("I think the answer is 42.")
+    assert none.messages == [{"role": "user", "content": NO_TOOL_CALL}] and not none.done
+    unknown = await s.step(call("search", query="x") + call("lookup", kee=start) + '<tool_call>{"name": 3}</tool_call>')
+    contents = [m["content"] for m in unknown.messages]
+    assert contents[0].startswith("error (tool_not_found)") and contents[1].startswith("error (invalid_args)")
+    assert contents[2] == 'error: malformed tool call: expected {"name": "<tool>", "arguments": {...}}'
+    assert unknown.info == {"tool_calls": 2.0, "tool_errors": 3.0} and not unknown.done
+    ok = await s.step(call("lookup", key=start))  # the episode goes on
+    assert ok.messages == [{"role": "tool", "name": "lookup", "content": table[start]}]
+    await s.close()
+
+
+async def test_a_step_timeout_or_an_environment_error_raises_from_step(servers: str) -> None:
+    s = session(f"{servers}/guess", message_timeout_s=0.5)
+    await s.reset()
+    t0 = time.monotonic()
+    with pytest.raises(OpenEnvStepTimeout, match=r"step 1 of the episode got no answer within 0.5s") as caught:
+        await s.step("sleep 3")
+    assert isinstance(caught.value, TimeoutError) and time.monotonic() - t0 < 2.5
+    with pytest.raises(OpenEnvError, match="step of a session that is failed"):
+        await s.step("1")
+    await s.close()
+    await s.close()
+    broken = session(f"{servers}/guess")
+    await broken.reset()
+    with pytest.raises(OpenEnvServerError, match=r"/guess: step 1 of the episode failed: .*the game broke"):
+        await broken.step("raise")
+    await broken.close()
+
+
+@pytest.mark.slow  # a server of its own to kill: about 20 s to start on a loaded 2-core machine
+async def test_a_server_killed_mid_episode_raises_from_step(tmp_path: Path) -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    spec = ServerCommand(command=uvicorn("composer_mesh.envs.openenv_session:lookup_app"), log=str(tmp_path / "log"))
+    server = EnvServer(spec, url).start()
+    try:
+        s = session(url, tools=True)
+        start, table, _ = lookup_problem(3, "train", hops=3)
+        await s.reset()
+        assert (await s.step(call("lookup", key=start))).messages[0]["content"] == table[start]
+        assert server.process is not None
+        os.killpg(server.process.pid, signal.SIGKILL)
+        server.process.wait()
+        with pytest.raises(OpenEnvUnavailable, match=rf"{url}: step 2 of the episode: the server closed the connection"):
+            await s.step(call("lookup", key=table[start]))
+        await s.close()
+    finally:
+        server.stop()
+
+
+async def test_a_prompt_is_replayed_with_its_own_reset_and_checked(servers: str) -> None:
+    env = OpenEnvEpisodes(config(f"{servers}/guess", eval_size=1), seed=0)
+    prompt = EnvironmentPrompts(env).take(1)[0]
+    moved = type(prompt)(**{**prompt.__dict__, "text": "another prompt"})
+    with pytest.raises(OpenEnvError, match=r"reset .* to another prompt than the episode's"):
+        await env.session(moved, seed=0).reset()
+    with pytest.raises(ValueError, match="has no extra\\['openenv'\\] reset arguments"):
+        env.session(type(prompt)(**{**prompt.__dict__, "extra": {}}), seed=0)
+
+
+def test_tools_need_episodes() -> None:
+    with pytest.raises(ValidationError, match="tools needs episodes: true"):
+        OpenEnvConfig.model_validate({"kind": "openenv", "url": "http://127.0.0.1:1", "tools": True})
