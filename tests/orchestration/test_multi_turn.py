@@ -18,7 +18,12 @@ from composer_mesh.actors.messages import GenerationRequest, Prompt, Rollout, Ro
 from composer_mesh.envs.session import Observation, StepResult
 from composer_mesh.orchestration.config import RunConfig
 from composer_mesh.orchestration.rollout.base import RolloutServices
-from composer_mesh.orchestration.rollout.episode import TURN_SEED_STRIDE, EpisodeLimits, TokenDrift, play_episode
+from composer_mesh.orchestration.rollout.episode import (
+    TURN_SEED_STRIDE,
+    EpisodeLimits,
+    TokenDrift,
+    play_episode,
+)
 from composer_mesh.orchestration.rollout.multi_turn import MultiTurnConfig, MultiTurnRollout
 from composer_mesh.orchestration.schedule import Chunk, row_seed
 from composer_mesh.orchestration.scoring import Scoring, ScoringConfig
@@ -41,7 +46,7 @@ class TurnGenerators:
         if p.bridge_messages is None:
             ids = [1, 2, 3]  # the opening conversation through the "template"
         else:
-            sent = list(p.token_ids[:-1]) + [p.token_ids[-1] + 1] if self.drift else list(p.token_ids)
+            sent = [*list(p.token_ids[:-1]), p.token_ids[-1] + 1] if self.drift else list(p.token_ids)
             ids = sent + [BRIDGE + len(str(m["content"])) for m in p.bridge_messages]
         tokens = [seed % 97, (seed >> 48) % 97]
         return Rollout(p.prompt_id, ids, tokens, [-0.5, -0.25], self.version, text=f"seed{seed}",
