@@ -203,12 +203,13 @@ def _lowest_reward_rows(batch: TrainBatch) -> dict[str, tuple[int, float]]:
 def _replay_pairs_of(batch: TrainBatch) -> tuple[list[tuple[TeacherTrace, int]], int]:
     """(chosen trace, rejected row) per replay pair, and how many traces scored no higher than their rejected
     rollout. A trace with a `reward` is paired only when it beats the lowest-reward rollout of its prompt;
-    an unscored trace (`reward` None) is always paired. Traces without tokens or rollouts are skipped."""
+    an unscored trace (`reward` None) is always paired. Traces without tokens of their own (none, or an episode
+    of environment tokens only) or without rollouts are skipped."""
     worst = _lowest_reward_rows(batch)
     pairs: list[tuple[TeacherTrace, int]] = []
     not_better = 0
     for t in batch.traces:
-        if t.prompt_id not in worst or not t.completion_ids:
+        if t.prompt_id not in worst or not any(t.loss_mask()):
             continue
         row, rejected_reward = worst[t.prompt_id]
         if t.reward is not None and not t.reward > rejected_reward:

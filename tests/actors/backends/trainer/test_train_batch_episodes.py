@@ -355,3 +355,10 @@ def test_the_hf_trainer_steps_on_episodes_and_reports_them():
     assert m.metrics["episode/env_tokens"] == sum(len(r.completion_ids) for r in batch.rollouts()) - policy
     distilled = sum(sum(r.loss_mask()) for r, d in zip(batch.rollouts(), batch.distributions) if d is not None)
     assert m.metrics["sdpo/tokens"] == distilled < sum(d.num_tokens for d in batch.distributions if d is not None)
+
+
+def test_a_teacher_episode_without_turns_of_its_own_makes_no_replay_pair(model):
+    batch = mixed_batch(model.config.vocab_size)
+    batch.traces[1].turns = [Turn(0, len(batch.traces[1].completion_ids), False)]
+    data = TrainRows.of(batch, LossConfig(beta_replay=1.0))
+    assert [t.teacher for t, _ in data.pairs] == ["t0"] and data.totals().replay_pairs == 1
