@@ -253,7 +253,7 @@ def test_grpo_on_episodes_equals_a_hand_computation_over_policy_tokens(model, no
     model.zero_grad(set_to_none=True)
     want = _hand_grpo(model, batch, loss)
     want.backward()
-    assert float(got) == pytest.approx(float(want), rel=1e-12)
+    assert got.item() == pytest.approx(want.item(), rel=1e-12)
     for n, p in model.named_parameters():
         torch.testing.assert_close(got_grads[n], p.grad, rtol=0, atol=1e-12, msg=n)
 
@@ -278,7 +278,7 @@ def test_episode_loss_equals_the_plain_rollout_masked_by_hand(model, reference):
     want = compose_loss(lb, loss)
     assert set(got.parts) == {"grpo", "sdpo", "replay"}
     for part, value in want.parts.items():
-        assert float(got.parts[part]) == pytest.approx(float(value), rel=1e-12), part
+        assert got.parts[part].item() == pytest.approx(value.item(), rel=1e-12), part
 
 
 # ---- (d) a single turn is today's completion ----------------------------------------------------------------
