@@ -42,6 +42,7 @@ from composer_mesh.actors.messages import (
     ScoredGroup,
     TeacherTrace,
     TokenDistribution,
+    Turn,
 )
 from composer_mesh.mesh.storage import CommittedDir, CommittedSeries, FsspecBlobs, StorageError, absolute
 from composer_mesh.orchestration.schedule import Chunk, GroupResult, SchedulerState, StepPlan
@@ -220,7 +221,7 @@ def restore_rng(rng: random.Random, state: Any) -> None:
 _TYPES: dict[str, type] = {
     cls.__name__: cls
     for cls in (Prompt, Rollout, RolloutGroup, RewardResult, ScoredGroup, TokenDistribution, TeacherTrace,
-                GroupResult, Chunk)
+                Turn, GroupResult, Chunk)
 }
 
 

@@ -37,6 +37,7 @@ from composer_mesh.actors.backends.trainer.train_batch import (
     TrainRows,
     build_piece,
     check_chunked_head,
+    episode_metrics,
 )
 from composer_mesh.actors.messages import TrainBatch, TrainMetrics
 from composer_mesh.loss.compose import LossAccumulator, LossResult, new_loss_state
@@ -195,6 +196,7 @@ class HFTrainer:
             raise FloatingPointError(f"non-finite loss at step {self.step}: {float(result.total)}")
         metrics = dict(result.metrics)
         metrics["micro_batches"] = float(len(pieces))
+        metrics.update(episode_metrics(data.rollouts))
         if self.loss.beta_replay > 0 and batch.traces:  # next to replay/pairs (also when no trace was paired)
             metrics.setdefault("replay/pairs", float(len(data.pairs)))
             metrics["replay/traces_not_better"] = float(data.traces_not_better)

@@ -13,6 +13,11 @@ their own; the `hf` trainer drives them once per micro-batch.
 Alignment used everywhere (student, reference, teachers): for a sequence `prompt + completion`, the logits at
 position `len(prompt) - 1 + t` score completion token `t`. The policy's logits are divided by the sampling
 temperature before any log-prob (generators report log-probs under `softmax(logits / T)`).
+
+Episodes (`Rollout.turns`) take the same path: `completion_ids` holds every token after the opening prompt, so
+the alignment above scores each policy turn given everything before it. Only `LossBatch.mask` differs: it is
+the real-token mask AND `Rollout.loss_mask()`, so environment tokens are scored by the forward but no channel
+trains on them or counts them (`TrainRows.totals` counts policy tokens only).
 """
 
 from __future__ import annotations
@@ -58,6 +63,14 @@ def pad(
     """Right-padded [len(rows), max(longest row, 1)] tensor of `rows` (one host tensor built, one copy)."""
     width = max(max((len(r) for r in rows), default=0), 1)
     return torch.tensor([[*r, *[value] * (width - len(r))] for r in rows], dtype=dtype).reshape(len(rows), width).to(device)
+
+
+def policy_mask(real: torch.Tensor, loss_masks: list[list[int]] | None) -> torch.Tensor:
+    """`real` [B, T] AND each row's loss mask (`Rollout.loss_mask()`, 1 policy 0 environment): what is trained
+    on. None: `real` (every token is the policy's)."""
+    if loss_masks is None or all(all(m) for m in loss_masks):
+        return real
+    return real & pad(loss_masks, 0, torch.bool, real.device)
 
 
 def _mask(rows: list[list[int]], device: torch.device | str) -> torch.Tensor:
@@ -164,10 +177,12 @@ def completion_logits(model: torch.nn.Module, prompts: list[list[int]], completi
 
 def completion_logprobs(
     model: torch.nn.Module, prompts: list[list[int]], completions: list[list[int]], temperature: float = 1.0,
-    *, head: Head = "full", packed: bool = False,
+    *, head: Head = "full", packed: bool = False, loss_masks: list[list[int]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log-probs [B, T] of each completion token under softmax(logits / temperature), mask [B, T])."""
-    return StudentPass(model, LossConfig(), temperature, head=head, packed=packed).logprobs(model, prompts, completions)
+    """(log-probs [B, T] of each completion token under softmax(logits / temperature), mask [B, T]); with
+    `loss_masks` (episodes' `loss_mask()`), the mask keeps only their policy tokens."""
+    run = StudentPass(model, LossConfig(), temperature, head=head, packed=packed)
+    return run.logprobs(model, prompts, completions, loss_masks)
 
 
 # ---- the batch as rows -----------------------------------------------------------------------------------------
@@ -188,12 +203,13 @@ def _lowest_reward_rows(batch: TrainBatch) -> dict[str, tuple[int, float]]:
 def _replay_pairs_of(batch: TrainBatch) -> tuple[list[tuple[TeacherTrace, int]], int]:
     """(chosen trace, rejected row) per replay pair, and how many traces scored no higher than their rejected
     rollout. A trace with a `reward` is paired only when it beats the lowest-reward rollout of its prompt;
-    an unscored trace (`reward` None) is always paired. Traces without tokens or rollouts are skipped."""
+    an unscored trace (`reward` None) is always paired. Traces without tokens of their own (none, or an episode
+    of environment tokens only) or without rollouts are skipped."""
     worst = _lowest_reward_rows(batch)
     pairs: list[tuple[TeacherTrace, int]] = []
     not_better = 0
     for t in batch.traces:
-        if t.prompt_id not in worst or not t.completion_ids:
+        if t.prompt_id not in worst or not any(t.loss_mask()):
             continue
         row, rejected_reward = worst[t.prompt_id]
         if t.reward is not None and not t.reward > rejected_reward:
@@ -252,9 +268,9 @@ class TrainRows:
     def totals(self) -> BatchTotals:
         """The whole batch's denominators (what `BatchTotals.of` gives for the whole batch as one piece)."""
         return BatchTotals(
-            tokens=sum(len(r.completion_ids) for r in self.rollouts),
+            tokens=sum(r.policy_tokens for r in self.rollouts),
             sequences=len(self.rollouts),
-            distill_tokens=sum(d.num_tokens for d in self.distributions if d is not None),
+            distill_tokens=sum(r.policy_tokens for r, d in zip(self.rollouts, self.distributions) if d is not None),
             replay_pairs=len(self.pairs),
         )
 
@@ -279,6 +295,20 @@ class TrainRows:
             current.append(row)
         pieces.append(Piece(current, [p for r in current for p in traces_of.get(r, [])]))
         return pieces
+
+
+def episode_metrics(rollouts: list[Rollout]) -> dict[str, float]:
+    """`episode/*` sums over a batch holding at least one episode (`turns` set; {} otherwise): the policy tokens
+    trained on, the environment tokens only conditioned on, and the policy turns."""
+    episodes = [r for r in rollouts if r.turns is not None]
+    if not episodes:
+        return {}
+    policy = sum(r.policy_tokens for r in rollouts)
+    return {
+        "episode/policy_tokens": float(policy),
+        "episode/env_tokens": float(sum(len(r.completion_ids) for r in rollouts) - policy),
+        "episode/policy_turns": float(sum(t.policy for r in episodes for t in r.turns or [])),
+    }
 
 
 def _cost(rows: list[int], lengths: list[int], traces_of: dict[int, list[int]], trace_len: list[int],
@@ -372,20 +402,21 @@ class StudentPass:
         )
         return student, lay
 
-    def logprobs(self, model: torch.nn.Module, prompts: list[list[int]], completions: list[list[int]]) -> tuple[
-        torch.Tensor, torch.Tensor
-    ]:
+    def logprobs(self, model: torch.nn.Module, prompts: list[list[int]], completions: list[list[int]],
+                 loss_masks: list[list[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log-probs [B, T], mask [B, T]): the mask is `policy_mask` (real tokens AND `loss_masks`); only its
+        positions' log-probs mean anything (a chunked head computes no others: 0 there)."""
         student, lay = self.forward(model, prompts, completions)
         ids = pad(completions, 0, torch.long, lay.mask.device)
-        return student_logprobs(student, ids, lay.mask, self.loss.loss_chunk_elements), lay.mask
+        mask = policy_mask(lay.mask, loss_masks)
+        return student_logprobs(student, ids, mask, self.loss.loss_chunk_elements), mask
 
-    def reference_logprobs(self, prompts: list[list[int]], completions: list[list[int]]) -> tuple[
-        torch.Tensor, torch.Tensor
-    ]:
+    def reference_logprobs(self, prompts: list[list[int]], completions: list[list[int]],
+                           loss_masks: list[list[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """`logprobs` under the reference policy (no grad, inside `reference_scope`)."""
         assert self.reference is not None, "no reference model"
         with torch.no_grad(), self.reference_scope():
-            return self.logprobs(self.reference, prompts, completions)
+            return self.logprobs(self.reference, prompts, completions, loss_masks)
 
 
 def _rows_of(student: torch.Tensor | HiddenStates, rows: list[int]) -> torch.Tensor | HiddenStates:
@@ -407,13 +438,15 @@ def _replay_pairs(
     rows = [local[data.pairs[p][1]] for p in piece.pairs]
     rejected = [data.rollouts[piece.rows[i]] for i in rows]
     chosen_prompts, chosen_ids = [r.prompt_ids for r in rejected], [t.completion_ids for t in traces]
-    chosen_logps, chosen_mask = run.logprobs(run.model, chosen_prompts, chosen_ids)
+    chosen_masks = [t.loss_mask() for t in traces]  # a teacher's episode: its own turns only
+    chosen_logps, chosen_mask = run.logprobs(run.model, chosen_prompts, chosen_ids, chosen_masks)
     rejected_logps = student_logprobs(_rows_of(student, rows), token_ids[rows], mask[rows], run.loss.loss_chunk_elements)
     ref_chosen = ref_rejected = None
     if run.reference is not None and run.loss.dpo_variant == "dpo":
-        lp, m = run.reference_logprobs(chosen_prompts, chosen_ids)
+        lp, m = run.reference_logprobs(chosen_prompts, chosen_ids, chosen_masks)
         ref_chosen = (lp * m).sum(-1)
-        lp, m = run.reference_logprobs([r.prompt_ids for r in rejected], [r.completion_ids for r in rejected])
+        lp, m = run.reference_logprobs([r.prompt_ids for r in rejected], [r.completion_ids for r in rejected],
+                                       [r.loss_mask() for r in rejected])
         ref_rejected = (lp * m).sum(-1)
     return ReplayPairs(
         chosen_logps=chosen_logps, chosen_mask=chosen_mask, rejected_logps=rejected_logps,
@@ -431,14 +464,17 @@ def build_piece(
     rollouts = [data.rollouts[i] for i in piece.rows]
     prompts, completions = [r.prompt_ids for r in rollouts], [r.completion_ids for r in rollouts]
     student, lay = run.forward(run.model, prompts, completions)
-    dev, mask = lay.mask.device, lay.mask
+    loss_masks = [r.loss_mask() for r in rollouts]
+    dev, mask = lay.mask.device, policy_mask(lay.mask, loss_masks)
     token_ids = pad(completions, 0, torch.long, dev)
     ref_logprobs = None
     if run.reference is not None and run.loss.kl_beta > 0:
-        ref_logprobs, _ = run.reference_logprobs(prompts, completions)
+        ref_logprobs, _ = run.reference_logprobs(prompts, completions, loss_masks)
     teacher = {}
     if run.loss.alpha_sdpo > 0:
         teacher = teacher_inputs([data.distributions[i] for i in piece.rows], mask.shape[1], student.shape[-1], dev)
+    if teacher:  # a teacher scores every completion token; only the policy's are distilled
+        teacher["distill_mask"] = teacher["distill_mask"] & mask
     rows = torch.tensor(piece.rows)
     return LossBatch(
         logits=student, token_ids=token_ids, mask=mask,
