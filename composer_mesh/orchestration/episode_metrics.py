@@ -15,7 +15,8 @@ from composer_mesh.tasks.episode import EPISODE_STATUSES
 
 
 def episode_metrics(groups: list[ScoredGroup]) -> dict[str, float]:
-    """`episode/*` means over the step's episodes and the fraction ending with each status ({} for no episode)."""
+    """`episode/*` means over the step's episodes (turns, the environment's counters) and the fraction ending with
+    each status ({} for no episode)."""
     pairs = [(r, rw) for g in groups for r, rw in zip(g.group.rollouts, g.rewards) if r.turns is not None]
     if not pairs:
         return {}
@@ -24,10 +25,7 @@ def episode_metrics(groups: list[ScoredGroup]) -> dict[str, float]:
     counters: Counter[str] = Counter()
     for _, rw in pairs:
         counters.update(rw.components)
-    policy = sum(r.policy_tokens for r, _ in pairs)
-    out = {
-        "episode/policy_tokens": policy / n,
-        "episode/env_tokens": sum(len(r.completion_ids) for r, _ in pairs) / n - policy / n,
+    out = {  # token sums are the trainer's (`episode/policy_tokens`, `episode/env_tokens`)
         **{f"episode/status_{s}": statuses[s] / n for s in EPISODE_STATUSES},
         **{f"episode/{k}": v / n for k, v in sorted(counters.items())},
     }

@@ -259,6 +259,5 @@ async def test_a_steps_episode_metrics_count_statuses_tokens_and_the_environment
     assert m["episode/status_done"] == 0.5 and m["episode/status_truncated_turns"] == 0.5
     assert m["episode/status_error_environment"] == 0.0
     assert m["episode/turns"] == (3 + 2) / 2 and m["episode/tool_calls"] == (2 + 2) / 2
-    assert m["episode/policy_tokens"] == (6 + 4) / 2 and m["episode/env_tokens"] == (2 + 1) / 2
     single = ScoredGroup(RolloutGroup(Prompt("p1", "q"), [Rollout("p1", [1], [2], [-0.1], 1)]), [done.reward_result()])
     assert episode_metrics([single]) == {}
