@@ -28,7 +28,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from composer_mesh.app.launch import role_placements
+from composer_mesh.app.launch import role_placements, run_config
 from composer_mesh.app.preflight import check_models
 from composer_mesh.mesh.launch import launch_meshes
 from composer_mesh.orchestration.checkpoint import (
@@ -146,7 +146,7 @@ async def evaluate_target(topology: Topology, target: EvalTarget) -> Evaluation:
                 await _load_run_weights(mesh, roles, target.url)
             scoring = Scoring(ScoringConfig.of(topology.run, topology.loss), roles.rewarder, None)
             services = RolloutServices(roles.generators, scoring, asyncio.ensure_future, lambda reason: None)
-            driver = rollout_factory(topology.run, prompts)(services)
+            driver = rollout_factory(run_config(topology), prompts)(services)
             evaluator = Evaluator(EvalConfig.of(topology.run), driver.evaluate, prompts.eval_prompts, lambda: 0,
                                   asyncio.ensure_future)
             return await evaluator.evaluate(topology.run.eval_prompts, topology.run.seed)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from composer_mesh.bindings import BindingError, import_object
 from composer_mesh.mesh.launch import ActorPlacement, LaunchError, check_actor_class, launch_meshes
+from composer_mesh.orchestration.config import RunConfig
 from composer_mesh.roles import ROLE_TABLE, ROLES, Role, RoleMesh
 from composer_mesh.topology import Topology, load_topology
 
@@ -93,3 +94,16 @@ def _load(topology: str | os.PathLike[str] | Topology) -> Topology:
     if isinstance(topology, (str, os.PathLike)):
         return load_topology(Path(topology))
     raise LaunchError(f"launch() needs a topology file path or a Topology, got {type(topology).__name__}")
+
+
+def run_config(topology: Topology) -> RunConfig:
+    """The topology's `run:` section with what only the model knows filled in: an episode run's
+    `rollout.max_context` defaults to the policy's context length (so the driver ends an episode that would not
+    fit, instead of a generator refusing its turn)."""
+    run = topology.run
+    if run.rollout.kind != "multi_turn" or run.rollout.max_context is not None:
+        return run
+    from composer_mesh.models.compat import context_length
+
+    rollout = run.rollout.model_copy(update={"max_context": context_length(topology.model)})
+    return run.model_copy(update={"rollout": rollout})

@@ -15,7 +15,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from composer_mesh.app.launch import launch
+from composer_mesh.app.launch import launch, run_config
 from composer_mesh.app.preflight import preflight
 from composer_mesh.app.progress import clock, open_progress
 from composer_mesh.orchestration.checkpoint import (
@@ -182,7 +182,7 @@ async def run_topology(topology: Topology, console: Console | None = None, resum
         async with launch(topology) as mesh:
             launched = time.perf_counter() - started
             progress.set_status("setting up actors (building models)…")
-            loop = RLLoop(mesh, topology.run, topology.loss, progress=on_step,
+            loop = RLLoop(mesh, run_config(topology), topology.loss, progress=on_step,
                           checkpoints=checkpoint_policy(topology), resume=resume, diloco=topology.diloco,
                           events=progress.event)
             watcher = None

@@ -12,10 +12,11 @@ prompt is a few bytes (`47*83`: every byte is a token of the byte-level tiny mod
 The reward is 0/1: 1 when the final answer (the last turn, stripped) is the product, 0 otherwise (no partial
 credit, no penalty per malformed call or per turn: those cost turns, which the driver's `max_turns` bounds).
 
-Problems are operand pairs, an unordered pair being one problem (`47*83` and `83*47` are the same question): eval
-problems are the first `eval_size` distinct pairs of the eval seed, and a train draw of an eval pair is skipped,
-so the sets share no problem. Train problem `i` is drawn from its own RNG (`seed`, `i`): the stream position is its
-whole state.
+Problems are operand pairs, an unordered pair being one problem (`47*83` and `83*47` are the same question). An
+eighth of all problems is held out by a hash of the pair (`held_out`), whatever the seed or config: the eval set
+is the first `eval_size` distinct held-out pairs of the eval seed, and the train stream (and a warm start,
+`CalculatorTask`) skips every held-out pair, so nothing held out is ever trained on. Train problem `i` is drawn
+from its own RNG (`seed`, `i`): the stream position is its whole state.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import operator
 import random
 from typing import Any
 
-from composer_mesh.envs.base import StreamPosition
+from composer_mesh.envs.base import EnvironmentConfigError, StreamPosition
 from composer_mesh.envs.config import CalculatorConfig
 from composer_mesh.envs.session import EpisodePrompt, Message
 from composer_mesh.envs.tool_session import ToolSession
@@ -122,6 +123,13 @@ def problem_key(a: int, b: int) -> tuple[int, int]:
     return (a, b) if a <= b else (b, a)
 
 
+def held_out(a: int, b: int) -> bool:
+    """Whether `a*b` belongs to the held-out eighth of all problems (a hash of the unordered pair: the same for
+    every seed and config, so warm starts and train streams can leave it out without knowing the eval set)."""
+    lo, hi = problem_key(a, b)
+    return hashlib.sha256(f"calculator/{lo}*{hi}".encode()).digest()[0] < 32
+
+
 class CalculatorSession(ToolSession):
     """One calculator episode: the opening conversation of its prompt, the `calculator` tool, graded 0/1."""
 
@@ -146,9 +154,14 @@ def demonstration(prompt: EpisodePrompt) -> list[Message]:
     """A perfect episode of `prompt` as chat messages: the opening conversation, the assistant's tool call, the
     tool's result and the assistant's answer (for warm starts and tests)."""
     a, b = operands(prompt)
+    return solved(prompt.messages or [{"role": "user", "content": prompt.text}], a, b)
+
+
+def solved(opening: list[Message], a: int, b: int) -> list[Message]:
+    """`opening` followed by a perfect episode of `a*b`: the tool call, its result, the answer."""
     expression = f"{a}*{b}"
-    opening = [dict(m) for m in (prompt.messages or [{"role": "user", "content": prompt.text}])]
-    return [*opening, {"role": "assistant", "content": format_tool_call("calculator", {"expression": expression})},
+    return [*(dict(m) for m in opening),
+            {"role": "assistant", "content": format_tool_call("calculator", {"expression": expression})},
             {"role": "tool", "name": "calculator", "content": calculator(expression)},
             {"role": "assistant", "content": str(a * b)}]
 
@@ -187,7 +200,6 @@ class CalculatorEnvironment(StreamPosition):
         self.cfg, self.seed = cfg, seed
         self.name = f"calculator/{cfg.min_digits}-{cfg.max_digits}"
         self.eval = self._eval_set()
-        self.eval_keys = frozenset(problem_key(*operands_of(row)) for row in self.eval)
         self.position = 0
         self.skipped = 0
         ident = {"config": cfg.model_dump(exclude={"seed"}), "seed": seed}
@@ -197,11 +209,17 @@ class CalculatorEnvironment(StreamPosition):
         rng = random.Random(f"composer-mesh/calculator/eval/{self.seed}")
         rows: list[DataRow] = []
         seen: set[tuple[int, int]] = set()
-        while len(rows) < self.cfg.eval_size:  # the config holds out at most half of the problems
+        for _ in range(1000 * max(self.cfg.eval_size, 1)):
+            if len(rows) == self.cfg.eval_size:
+                return rows
             a, b = _draw(self.cfg, rng)
-            if problem_key(a, b) not in seen:
+            if held_out(a, b) and problem_key(a, b) not in seen:
                 seen.add(problem_key(a, b))
                 rows.append(problem_row(self.cfg, a, b, f"calculator eval {len(rows)}"))
+        if len(rows) < self.cfg.eval_size:
+            raise EnvironmentConfigError(
+                f"run.environment: eval_size {self.cfg.eval_size} is more than the held-out problems of "
+                f"{self.cfg.min_digits}..{self.cfg.max_digits} digits (an eighth of them): lower it or widen the digits")
         return rows
 
     def train_rows(self, n: int) -> list[DataRow]:
@@ -210,7 +228,7 @@ class CalculatorEnvironment(StreamPosition):
             index = self.position
             a, b = train_problem(self.cfg, self.seed, index)
             self.position += 1
-            if problem_key(a, b) in self.eval_keys:
+            if held_out(a, b):
                 self.skipped += 1
                 continue
             out.append(problem_row(self.cfg, a, b, f"calculator train {index}"))
@@ -234,3 +252,31 @@ class CalculatorEnvironment(StreamPosition):
 def operands_of(row: DataRow) -> tuple[int, int]:
     where: dict[str, Any] = row.extra[EXTRA_KEY]
     return int(where["a"]), int(where["b"])
+
+
+class CalculatorTask:
+    """The calculator task as a warm-start task (`model.warmstart.task:
+    composer_mesh.envs.calculator:CalculatorTask`): `chat_demonstration` gives perfect episodes of train problems
+    as chat messages with the tool's schema, which the warm start learns turn by turn; held-out problems
+    (`held_out`) are never drawn for training, whatever the run's seed. Operands have the environment's default
+    2-3 digits."""
+
+    name = "calculator"
+    alphabet = "0123456789*"
+    splits = ("train", "eval")
+    cfg = CalculatorConfig(kind="calculator")
+
+    def sample(self, rng: random.Random, split: str = "train") -> tuple[str, str]:
+        while True:
+            a, b = _draw(self.cfg, rng)
+            if held_out(a, b) == (split == "eval"):
+                return f"{a}*{b}", str(a * b)
+
+    def reward(self, prompt: str, completion: str, answer: str | None) -> float:
+        return float(answer is not None and completion.strip() == answer)
+
+    def chat_demonstration(self, rng: random.Random) -> tuple[list[Message], list[dict[str, Any]]]:
+        """A perfect episode of a train problem and the tools declared to the chat template."""
+        text, _ = self.sample(rng)
+        a, b = (int(x) for x in text.split("*"))
+        return solved([{"role": "user", "content": text}], a, b), [CALCULATOR.schema]

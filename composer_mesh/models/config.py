@@ -31,8 +31,9 @@ DType = Literal["float32", "bfloat16", "float16"]
 LoraSync = Literal["merged", "adapter"]
 
 # Bumped when what a config builds changes without the config changing (cached models of older recipes are
-# rebuilt): 2 = warm starts train on the task's train split only (the eval split is held out).
-MATERIALIZE_RECIPE = 2
+# rebuilt): 2 = warm starts train on the task's train split only (the eval split is held out); 3 = the byte
+# tokenizer's chat template declares tools and renders tool calls (a cached copy has the old template).
+MATERIALIZE_RECIPE = 3
 
 
 class WarmStartConfig(BaseModel):

@@ -46,8 +46,35 @@ def _encode(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
+def chat_turn_pairs(task: Any, tokenizer: PreTrainedTokenizerBase) -> PairSampler:
+    """Pairs of a task that demonstrates whole episodes (`task.chat_demonstration(rng) -> (messages, tools)`):
+    one assistant turn of a demonstration, drawn at random, as (the conversation before it through the chat
+    template with the tools, the turn's own ids up to and including the end-of-turn token). These are the ids a
+    multi-turn episode feeds and samples (the template's bridge keeps earlier turns' ids), so the warm start
+    trains on what the policy will see."""
+    from composer_mesh.models.chat import chat_end_token_id, chat_token_ids, render_chat
+
+    end = chat_end_token_id(tokenizer)
+
+    def draw(rng: random.Random) -> Pair:
+        messages, tools = task.chat_demonstration(rng)
+        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        i = turns[rng.randrange(len(turns))]
+        prompt = chat_token_ids(tokenizer, messages[:i], tools=tools)
+        full = _encode(tokenizer, render_chat(tokenizer, messages[: i + 1], tools, add_generation_prompt=False))
+        if full[: len(prompt)] != prompt or end not in full[len(prompt):]:
+            raise ValueError(f"warm start of task {task.name!r}: the chat template does not render an assistant turn "
+                             "as a continuation of its conversation ending in an end-of-turn token")
+        target = full[len(prompt):]
+        return prompt, target[: target.index(end) + 1]
+
+    return draw
+
+
 def task_pairs(task: Task, tokenizer: PreTrainedTokenizerBase) -> PairSampler:
-    """Pairs sampled from the task's train split."""
+    """Pairs sampled from the task's train split (its demonstrated episodes' turns, for a task that has them)."""
+    if callable(getattr(task, "chat_demonstration", None)):
+        return chat_turn_pairs(task, tokenizer)
 
     def draw(rng: random.Random) -> Pair:
         prompt, answer = task.sample(rng)
@@ -140,7 +167,8 @@ def _warm_start(
         draw: PairSampler = lambda r: pairs[r.randrange(len(pairs))]  # noqa: E731
     else:
         draw = task_pairs(task, tokenizer)
-        stats["accuracy_before"] = task_accuracy(model, tokenizer, task, n=64, seed=cfg.seed + 1)
+        if not callable(getattr(task, "chat_demonstration", None)):  # an episode task has no one-shot accuracy
+            stats["accuracy_before"] = task_accuracy(model, tokenizer, task, n=64, seed=cfg.seed + 1)
     if cfg.steps == 0:
         if "accuracy_before" in stats:
             stats["accuracy_after"] = stats["accuracy_before"]
@@ -148,7 +176,7 @@ def _warm_start(
     losses = _sft(model, tokenizer, draw, rng, cfg)
     stats["loss_first"] = round(losses[0], 4)
     stats["loss_last"] = round(losses[-1], 4)
-    if cfg.data is not None:
+    if cfg.data is not None or "accuracy_before" not in stats:
         return stats
     stats["accuracy_after"] = task_accuracy(model, tokenizer, task, n=64, seed=cfg.seed + 1)
     if "eval" in getattr(task, "splits", ()):  # problems the SFT never saw (the task's held-out split)

@@ -219,4 +219,9 @@ class RunConfig(BaseModel):
         if self.environment is not None and (self.data is not None or self.task != "addition"):
             raise ValueError("run.environment and run." + ("data" if self.data is not None else "task")
                              + " are two prompt sources; set one")
+        if self.rollout.kind == "multi_turn" and not getattr(self.environment, "plays_episodes", False):
+            what = f"run.environment kind {self.environment.kind!r}" if self.environment is not None else "no " \
+                "run.environment"
+            raise ValueError(f"run.rollout.kind multi_turn plays episodes against an environment, and {what} plays "
+                             "none: use kind calculator, coding, or openenv with episodes: true (docs/agentic.md)")
         return self

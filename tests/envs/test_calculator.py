@@ -5,6 +5,7 @@ survives a checkpoint, and episodes graded 0/1 when played by scripted policies.
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,11 +14,15 @@ from pydantic import ValidationError
 
 from composer_mesh.actors.messages import Prompt
 from composer_mesh.envs import sample_environment_rows
+from composer_mesh.envs.base import EnvironmentConfigError
 from composer_mesh.envs.calculator import (
+    CALCULATOR,
     CalculatorError,
     CalculatorSession,
+    CalculatorTask,
     calculator,
     demonstration,
+    held_out,
     problem_key,
     safe_eval,
 )
@@ -96,15 +101,31 @@ def test_prompts_are_short_chats_with_the_tool_schema() -> None:
 
 
 def test_train_and_held_out_problems_are_disjoint() -> None:
-    # 1-digit operands: 45 distinct problems, 20 held out; 600 draws reach every train problem many times.
-    src = source(min_digits=1, max_digits=1, eval_size=20, seed=3)
-    held_out = {problem_key(p.extra["calculator"]["a"], p.extra["calculator"]["b"]) for p in src.eval_prompts(20)}
-    assert len(held_out) == 20
+    # 1-digit operands: 45 distinct problems, 5 of them in the held-out eighth (by a hash of the pair); 600 draws
+    # reach every train problem many times.
+    every = {problem_key(a, b) for a in range(1, 10) for b in range(1, 10)}
+    bucket = {k for k in every if held_out(*k)}
+    assert len(every) == 45 and len(bucket) == 5
+    src = source(min_digits=1, max_digits=1, eval_size=5, seed=3)
+    held = {problem_key(p.extra["calculator"]["a"], p.extra["calculator"]["b"]) for p in src.eval_prompts(5)}
+    assert held == bucket
     train = {problem_key(p.extra["calculator"]["a"], p.extra["calculator"]["b"]) for p in src.take(600)}
-    assert train.isdisjoint(held_out)
-    assert len(train) == 45 - 20  # and nothing else is left out
+    assert train.isdisjoint(held)
+    assert train == every - bucket  # and nothing else is left out
     assert src.env.skipped > 0  # eval problems were drawn, in either operand order, and skipped
-    assert src.eval_prompts(20) == src.eval_prompts(20)
+    assert src.eval_prompts(5) == src.eval_prompts(5)
+
+
+def test_the_held_out_eighth_is_never_a_warm_start_problem_and_too_big_an_eval_set_is_refused() -> None:
+    rng = random.Random(0)
+    task = CalculatorTask()
+    for _ in range(300):
+        messages, tools = task.chat_demonstration(rng)
+        a, b = (int(x) for x in messages[0]["content"].split("*"))
+        assert not held_out(a, b) and tools == [CALCULATOR.schema]
+    assert all(held_out(*map(int, task.sample(rng, "eval")[0].split("*"))) for _ in range(50))
+    with pytest.raises(EnvironmentConfigError, match="eval_size 6 is more than the held-out problems"):
+        source(min_digits=1, max_digits=1, eval_size=6, seed=3)
 
 
 def test_the_stream_survives_a_checkpoint_and_refuses_another_one() -> None:
@@ -229,3 +250,29 @@ def test_demonstration_is_a_perfect_episode_that_chat_templates_render() -> None
     text = tokenizer.apply_chat_template(messages, tools=prompt.tools, tokenize=False)
     assert '"name": "calculator"' in text.split("<|im_end|>")[0]  # the schema, in Qwen's system turn
     assert messages[1]["content"] in text and f"<tool_response>\n{prompt.answer}\n</tool_response>" in text
+
+
+def test_warm_start_pairs_are_the_ids_an_episode_feeds_and_samples() -> None:
+    """The warm start's (prompt, target) of each assistant turn are exactly the ids a played episode has: turn
+    1's prompt is the opening through the template with the tool, turn 2's is turn 1's ids + the tool's bridge."""
+    from composer_mesh.models.chat import chat_token_ids, next_turn_token_ids
+    from composer_mesh.models.tokenizer import build_byte_tokenizer
+    from composer_mesh.models.warmstart import task_pairs
+
+    tok = build_byte_tokenizer()
+    draw = task_pairs(CalculatorTask(), tok)
+    seen = {}
+    for seed in range(40):
+        rng = random.Random(seed)
+        messages, tools = CalculatorTask().chat_demonstration(random.Random(seed))
+        prompt, target = draw(rng)
+        first = chat_token_ids(tok, messages[:1], tools=tools)
+        call = tok.encode(messages[1]["content"] + "<|im_end|>", add_special_tokens=False)
+        if prompt == first:
+            assert target == call
+            seen["call"] = True
+        else:
+            assert prompt == next_turn_token_ids(tok, first + call, [messages[2]], tools=tools)
+            assert tok.decode(target) == messages[3]["content"] + "<|im_end|>"
+            seen["answer"] = True
+    assert seen == {"call": True, "answer": True}
