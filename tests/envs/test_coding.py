@@ -232,3 +232,14 @@ async def test_a_train_row_plays_as_an_episode_of_its_task(env: CodingEnvironmen
     finally:
         await session.close()
     assert obs.messages == prompt.messages and end.done and end.reward == 1.0
+
+
+def test_every_environment_config_says_whether_it_plays_episodes() -> None:
+    from composer_mesh.envs.config import CalculatorConfig, OpenEnvConfig, ReasoningGymConfig, VerifiersConfig
+
+    assert CalculatorConfig.plays_episodes and CodingConfig.plays_episodes
+    assert not ReasoningGymConfig.plays_episodes and not VerifiersConfig.plays_episodes
+    openenv = {"kind": "openenv", "url": "http://127.0.0.1:8765"}  # built unchecked: openenv need not be installed
+    assert OpenEnvConfig.model_construct(**openenv, episodes=True).plays_episodes
+    assert not OpenEnvConfig.model_construct(**openenv).plays_episodes
+    assert "plays_episodes" not in CodingConfig.model_fields  # not a setting: a YAML key of that name is refused
