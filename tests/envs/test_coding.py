@@ -243,3 +243,36 @@ def test_every_environment_config_says_whether_it_plays_episodes() -> None:
     assert OpenEnvConfig.model_construct(**openenv, episodes=True).plays_episodes
     assert not OpenEnvConfig.model_construct(**openenv).plays_episodes
     assert "plays_episodes" not in CodingConfig.model_fields  # not a setting: a YAML key of that name is refused
+
+
+async def test_the_rollout_driver_plays_a_coding_episode_token_in_token_out(env: CodingEnvironment) -> None:
+    """The real episode driver, the byte tokenizer's real chat template (tools declared from the session's
+    reset, each observation bridged) and a scripted policy: one Rollout whose env spans hold the tool answers."""
+    from composer_mesh.actors.messages import Prompt, Rollout
+    from composer_mesh.models.chat import chat_end_token_id, next_turn_token_ids, prompt_token_ids
+    from composer_mesh.models.tokenizer import build_byte_tokenizer
+    from composer_mesh.orchestration.prompts import EnvironmentPrompts
+    from composer_mesh.orchestration.rollout.episode import EpisodeLimits, play_episode
+
+    tokenizer = build_byte_tokenizer()
+    prompt = EnvironmentPrompts(env).take(1)[0]
+    reference = TASKS[prompt.extra["task_id"]].reference
+    script = iter([call("write_file", path="solution.py", content=reference) + call("run_tests"), call("submit")])
+
+    async def policy(turn: Prompt, seed: int) -> Rollout:
+        ids = (prompt_token_ids(tokenizer, turn) if turn.bridge_messages is None
+               else next_turn_token_ids(tokenizer, turn.token_ids, turn.bridge_messages))
+        text = next(script)
+        out = [*tokenizer.encode(text, add_special_tokens=False), chat_end_token_id(tokenizer)]
+        return Rollout(turn.prompt_id, ids, out, [-0.1] * len(out), 1, text=text)
+
+    limits = EpisodeLimits(max_turns=4, max_new_tokens=4096, max_context=None, step_timeout_s=30.0,
+                           episode_timeout_s=None)
+    episode = await play_episode(env.session(prompt, seed=0), prompt, 0, limits, policy)
+    rollout = episode.rollout
+    assert (rollout.status, episode.reward) == ("done", 1.0)
+    assert [t.policy for t in rollout.turns] == [True, False, True]
+    assert episode.info["tool_calls"] == 2.0 and episode.info["tool_errors"] == 0.0
+    assert "write_file" in tokenizer.decode(rollout.prompt_ids)  # the tools, declared by the chat template
+    bridge = rollout.turns[1]
+    assert "1 of 1 visible tests passed" in tokenizer.decode(rollout.completion_ids[bridge.start:bridge.end])
