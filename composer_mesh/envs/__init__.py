@@ -1,5 +1,5 @@
 """Environments: prompt sets that bring their own scoring from an outside library (reasoning-gym, OpenEnv,
-verifiers), or built in and played as tool-using episodes (the calculator task).
+verifiers), or built in and played as tool-using episodes (the calculator and coding tasks).
 
 An environment (`run.environment`) gives the controller's prompt source a train stream and a fixed eval set of
 `DataRow`s that share no question, and puts in each row's `extra` what its reward function needs, so the
@@ -19,7 +19,8 @@ __all__ = ["Environment", "EnvironmentConfigError", "EnvironmentStateError", "lo
 
 def load_environment(cfg: EnvironmentConfig, seed: int) -> Environment:
     """The environment of `run.environment` (`seed`: run.seed, used unless the section sets its own). Builds
-    the eval set now, so a bad dataset name or config stops the run before any work."""
+    the eval set now, so a bad dataset name or config stops the run before any work; for coding, checks that
+    the sandbox runs here (`SandboxUnavailable`)."""
     if cfg.kind == "reasoning_gym":
         from composer_mesh.envs.reasoning_gym import ReasoningGymEnvironment
 
@@ -40,6 +41,12 @@ def load_environment(cfg: EnvironmentConfig, seed: int) -> Environment:
         from composer_mesh.envs.calculator import CalculatorEnvironment
 
         return CalculatorEnvironment(cfg, cfg.seed if cfg.seed is not None else seed)
+    if cfg.kind == "coding":
+        from composer_mesh.envs.coding.environment import CodingEnvironment
+
+        coding = CodingEnvironment(cfg, cfg.seed if cfg.seed is not None else seed)
+        coding.check()  # no bubblewrap here: one line (SandboxUnavailable) now, not an error in every episode
+        return coding
     raise ValueError(f"run.environment: unknown kind {cfg.kind!r}")
 
 
@@ -55,4 +62,8 @@ def sample_environment_rows(cfg: EnvironmentConfig, seed: int, n: int) -> list[D
         from composer_mesh.envs.calculator import sample_rows as calculator_rows
 
         return calculator_rows(cfg, cfg.seed if cfg.seed is not None else seed, n)
+    if cfg.kind == "coding":  # the rows alone: the sandbox is checked when the run builds the environment
+        from composer_mesh.envs.coding.environment import sample_rows as coding_rows
+
+        return coding_rows(cfg.seed if cfg.seed is not None else seed, n)
     return None

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from composer_mesh.envs.coding.config import CodingConfig
 
 # reasoning-gym seeds entry i of a dataset with `seed + i`: eval entries use seeds train entries never reach.
 EVAL_SEED_OFFSET = 10**9
@@ -35,6 +37,7 @@ class ReasoningGymConfig(BaseModel):
     reward function is `composer_mesh.envs.reasoning_gym:score`. See docs/reasoning_gym.md."""
 
     model_config = ConfigDict(extra="forbid")
+    plays_episodes: ClassVar[bool] = False  # scored completions only (run.rollout.kind: single_turn)
 
     kind: Literal["reasoning_gym"] = Field(description="Which environment library: 'reasoning_gym'.")
     dataset: str = Field(min_length=1, description="A reasoning-gym dataset name, e.g. 'basic_arithmetic', "
@@ -151,6 +154,11 @@ class OpenEnvConfig(ClientSettings):
             raise ValueError(f"url must be http(s):// or ws(s):// with a host, got {v!r}")
         return v.rstrip("/")
 
+    @property
+    def plays_episodes(self) -> bool:
+        """Whether its prompts are played as episodes (run.rollout.kind: multi_turn): only with `episodes: true`."""
+        return self.episodes
+
     @model_validator(mode="after")
     def _consistent(self) -> OpenEnvConfig:
         taken = {"seed", self.split_field} & set(self.reset)
@@ -171,6 +179,7 @@ class VerifiersConfig(BaseModel):
     its tasks' own rewards (`composer_mesh.envs.verifiers:score`)."""
 
     model_config = ConfigDict(extra="forbid")
+    plays_episodes: ClassVar[bool] = False  # scored completions only (run.rollout.kind: single_turn)
 
     kind: Literal["verifiers"] = Field(description="Which environment library: 'verifiers'.")
     taskset: str = Field(min_length=1, description="The taskset id: an installed taskset package (a top-level module "
@@ -227,6 +236,7 @@ class CalculatorConfig(BaseModel):
     reward 1 when the final answer is the product, else 0."""
 
     model_config = ConfigDict(extra="forbid")
+    plays_episodes: ClassVar[bool] = True  # its prompts are played as episodes (run.rollout.kind: multi_turn)
 
     kind: Literal["calculator"] = Field(description="Which environment: 'calculator' (built in, no library).")
     min_digits: int = Field(2, ge=1, le=9, description="Fewest digits of an operand.")
@@ -255,5 +265,6 @@ class CalculatorConfig(BaseModel):
 
 
 # The `run.environment` section: one model per environment kind, told apart by `kind`.
-EnvironmentConfig = Annotated[ReasoningGymConfig | OpenEnvConfig | VerifiersConfig | CalculatorConfig,
-                              Field(discriminator="kind")]
+EnvironmentConfig = Annotated[
+    ReasoningGymConfig | OpenEnvConfig | VerifiersConfig | CalculatorConfig | CodingConfig, Field(discriminator="kind")
+]

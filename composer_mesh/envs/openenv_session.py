@@ -7,10 +7,12 @@ Two kinds of environment:
   turn's.
 - **MCP** (`tools: true`, an `MCPEnvironment`): at reset the session also steps a `ListToolsAction` and hands
   the tools to the chat template as `{"type": "function", "function": {name, description, parameters}}`. Each
-  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` of a policy turn (the Hermes / Qwen format) is
-  stepped as a `CallToolAction` and its result is a `tool` message; a call that cannot be read, a tool the server
-  does not know or a tool that fails is a `tool` message saying so (counted in `info["tool_errors"]`), never an
-  exception, and a turn with no call at all is answered with a user message asking for one (nothing is sent).
+  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` of a policy turn (the Hermes / Qwen format, read by
+  `envs.tools.parse_tool_calls`) is stepped as a `CallToolAction` and its result is a `tool` message; a tool the
+  server does not know or a tool that fails is a `tool` message saying so (counted in `info["tool_errors"]`), a
+  call that cannot be read is never sent and is answered, as in `ToolSession`, by one user message after the
+  turn's tool messages (counted in `info["parse_errors"]`); never an exception. A turn with no call at all is
+  answered with a user message asking for one (nothing is sent).
   The environment ends the episode (e.g. on a `submit` tool) with its reward.
 
 A session holds its connection for the whole episode: the server keeps one environment instance per connection,
@@ -29,7 +31,6 @@ import asyncio
 import functools
 import json
 import random
-import re
 from typing import TYPE_CHECKING, Any
 
 from pydantic import Field
@@ -50,6 +51,8 @@ from composer_mesh.envs.openenv import (
     prompt_of,
 )
 from composer_mesh.envs.session import EpisodePrompt, Message, Observation, StepResult
+from composer_mesh.envs.tool_session import format_error_message
+from composer_mesh.envs.tools import parse_tool_calls
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -127,30 +130,28 @@ class OpenEnvSession:
         return StepResult(messages=messages, reward=step.reward, done=step.done)
 
     async def _tool_turn(self, action: str) -> StepResult:
-        calls = _tool_calls(action)
-        if not calls:
-            return StepResult(messages=[{"role": "user", "content": NO_TOOL_CALL}], info={"tool_calls": 0.0})
+        turn = parse_tool_calls(action)
+        if turn.is_final:
+            return StepResult(messages=[{"role": "user", "content": NO_TOOL_CALL}],
+                              info={"tool_calls": 0.0, "tool_errors": 0.0, "parse_errors": 0.0})
         messages: list[Message] = []
         reward: float | None = None
         done, errors, sent = False, 0, 0
-        for call in calls:
-            if isinstance(call, str):  # unreadable: the policy is told, the server never sees it
-                messages.append({"role": "tool", "name": "", "content": f"error: malformed tool call: {call}"})
-                errors += 1
-                continue
-            name, arguments = call
-            step = await self._send({"type": "call_tool", "tool_name": name, "arguments": arguments})
+        for call in turn.calls:  # the unreadable ones (turn.errors) are never sent: the policy is told below
+            step = await self._send({"type": "call_tool", "tool_name": call.name, "arguments": call.arguments})
             sent += 1
             content, failed = tool_result(step.observation)
-            messages.append({"role": "tool", "name": name, "content": content})
+            messages.append({"role": "tool", "name": call.name, "content": content})
             errors += failed
             if step.reward is not None:
                 reward = (reward or 0.0) + step.reward
             if step.done:
                 done = True
                 break
-        return StepResult(messages=messages, reward=reward, done=done,
-                          info={"tool_calls": float(sent), "tool_errors": float(errors)})
+        if turn.errors and not done:
+            messages.append(format_error_message(turn.errors))
+        return StepResult(messages=messages, reward=reward, done=done, info={
+            "tool_calls": float(sent), "tool_errors": float(errors), "parse_errors": float(len(turn.errors))})
 
     async def _send(self, action: dict[str, Any]) -> Step:
         """One step on the open connection; any failure leaves the session failed (its connection dropped)."""
@@ -232,41 +233,6 @@ def tool_result(observation: dict[str, Any]) -> tuple[str, bool]:
     text = "\n".join(texts) if texts else json.dumps(result.get("data"), default=str)
     failed = bool(result.get("is_error"))
     return (f"error: {text}" if failed else text), failed
-
-
-_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-
-
-def _tool_calls(text: str) -> list[tuple[str, dict[str, Any]] | str]:
-    """The Hermes tool calls of a turn, in order: (name, arguments), or a string saying why a call is unreadable.
-    Private and small on purpose: `composer_mesh.envs.tools.parse_tool_calls` is to replace it."""
-    bodies = _TOOL_CALL.findall(text)
-    out: list[tuple[str, dict[str, Any]] | str] = []
-    for body in bodies:
-        try:
-            call = json.loads(body)
-        except json.JSONDecodeError as e:
-            out.append(f"not JSON ({e.msg} at character {e.pos})")
-            continue
-        arguments = call.get("arguments", {}) if isinstance(call, dict) else None
-        if isinstance(arguments, str):  # some templates emit the arguments as a JSON string
-            with_args = _json_object(arguments)
-            arguments = with_args if with_args is not None else arguments
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not isinstance(arguments, dict):
-            out.append('expected {"name": "<tool>", "arguments": {...}}')
-            continue
-        out.append((call["name"], arguments))
-    if text.count("<tool_call>") > len(bodies):
-        out.append("<tool_call> without </tool_call>")
-    return out
-
-
-def _json_object(text: str) -> dict[str, Any] | None:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
-        return None
-    return value if isinstance(value, dict) else None
 
 
 # ---------------------------------------------------------------------------------------------- a small MCP environment

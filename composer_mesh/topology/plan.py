@@ -104,7 +104,7 @@ class Plan:
     currency: str | None  # None: no price table given
     host_gpus: int | None = None  # GPUs this host exposes; None: unknown, or no local mesh uses GPUs
     host_gpus_source: str = ""  # where host_gpus came from, or why it is unknown ("" when not asked)
-    training: tuple[tuple[str, str], ...] = ()  # (label, value): model, loss, steps, prompts
+    training: tuple[tuple[str, str], ...] = ()  # (label, value): model, loss, steps, prompts, rollout, sandbox
     hours: float | None = None  # `--hours`: the run's expected length
 
     @property
@@ -205,13 +205,33 @@ def _prompts(topology: Topology) -> str:
     return f"{source}; {run.eval_prompts} held-out prompts evaluated {when} training"
 
 
+def _rollout(topology: Topology) -> str:
+    """A multi_turn run's episode shape: its limits per episode and in flight."""
+    r = topology.run.rollout
+    limits = [f"≤ {r.max_turns} policy turns", f"{r.step_timeout_s:g} s per environment step"]
+    if r.max_context is not None:
+        limits.append(f"≤ {r.max_context:,} tokens per episode")
+    if r.episode_timeout_s is not None:
+        limits.append(f"{r.episode_timeout_s:g} s per episode")
+    return f"multi_turn episodes: {', '.join(limits)}; ≤ {r.max_episodes} in flight"
+
+
 def _training(topology: Topology) -> tuple[tuple[str, str], ...]:
-    """What the run trains, for the plan's head: model, loss, steps and batch shape, prompts."""
+    """What the run trains, for the plan's head: model, loss, steps and batch shape, prompts; for episodes, their
+    shape; for an environment that runs code, which sandbox isolates it (`SandboxConfig.describe`)."""
     run = topology.run
+    episodes = run.rollout.kind == "multi_turn"
     rollouts = run.steps * run.prompts_per_step * run.samples_per_prompt
     steps = (f"{run.steps:,} × {run.prompts_per_step} prompts × {run.samples_per_prompt} samples = {rollouts:,} "
-             f"rollouts; ≤ {run.max_new_tokens} new tokens each; policy lag ≤ {run.max_policy_lag}")
-    return (("model", _model(topology)), ("loss", _loss(topology)), ("steps", steps), ("prompts", _prompts(topology)))
+             f"{'episodes' if episodes else 'rollouts'}; ≤ {run.max_new_tokens} new tokens "
+             f"{'per turn' if episodes else 'each'}; policy lag ≤ {run.max_policy_lag}")
+    rows = [("model", _model(topology)), ("loss", _loss(topology)), ("steps", steps), ("prompts", _prompts(topology))]
+    if episodes:
+        rows.append(("rollout", _rollout(topology)))
+    sandbox = getattr(run.environment, "sandbox", None)
+    if sandbox is not None:
+        rows.append(("sandbox", sandbox.describe()))
+    return tuple(rows)
 
 
 def _cost(spec: MeshSpecBase, gpus: int, prices: _Prices | None) -> float | None:

@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from composer_mesh.envs.coding.calls import ToolCall, parse_tool_calls
 from composer_mesh.envs.coding.catalog import EVAL_IDS, TASKS, split_ids
 from composer_mesh.envs.coding.config import CodingConfig
-from composer_mesh.envs.coding.session import CodingEnvironment, CodingSession, UnknownCodingTask
+from composer_mesh.envs.coding.environment import CodingEnvironment, UnknownCodingTask
+from composer_mesh.envs.coding.session import CodingSession
 from tests.sandbox.conftest import bwrap_config
 
 
@@ -34,7 +34,7 @@ def call(name: str, **arguments: str) -> str:
 
 @pytest.fixture
 def env() -> CodingEnvironment:
-    return CodingEnvironment(CodingConfig(kind="coding", sandbox=bwrap_config(wall_s=5.0), max_turns=4))
+    return CodingEnvironment(CodingConfig(kind="coding", sandbox=bwrap_config(wall_s=5.0), max_turns=4), seed=0)
 
 
 @pytest.fixture
@@ -48,8 +48,6 @@ async def fizz(env: CodingEnvironment) -> AsyncIterator[CodingSession]:
 def test_eval_tasks_are_held_out() -> None:
     train, held_out = set(split_ids("train")), set(split_ids("eval"))
     assert not train & held_out and train | held_out == set(TASKS) and held_out == set(EVAL_IDS)
-    env = CodingEnvironment(CodingConfig(kind="coding"))
-    assert {r["prompt_id"] for r in env.prompts("train")}.isdisjoint(r["prompt_id"] for r in env.prompts("eval"))
     with pytest.raises(ValueError, match="unknown coding split"):
         split_ids("test")
 
@@ -97,16 +95,35 @@ async def test_doing_nothing_scores_below_one(env: CodingEnvironment, task_id: s
 async def test_bad_calls_are_observations_and_the_episode_goes_on(fizz: CodingSession) -> None:
     turn = await fizz.step(call("rm_rf") + "<tool_call>{not json}</tool_call>"
                            + call("read_file", path="/etc/passwd") + call("read_file", file="x")
-                           + call("write_file", path="../escape.py", content="x") + "<tool_call>{\"name\": 1")
+                           + call("write_file", path="../escape.py", content="x") + call("run_python", code=3)
+                           + "<tool_call>{\"name\": 1")
     answers = [m["content"] for m in turn.messages]
-    assert not turn.done and turn.info == {"tool_calls": 6.0, "tool_errors": 6.0}
-    assert answers[0].startswith("error: unknown tool 'rm_rf'; the tools are read_file")
-    assert answers[1].startswith("error: tool call 2 is not valid JSON")
-    assert answers[2].startswith("error: cannot read '/etc/passwd'")
-    assert answers[3] == "error: read_file: missing a required argument: 'path'"
-    assert answers[4].startswith("error: '../escape.py' not written")
-    assert answers[5] == "error: tool call 6 has no closing </tool_call>"
+    assert not turn.done and turn.info == {"tool_calls": 5.0, "tool_errors": 5.0, "parse_errors": 2.0}
+    assert [m["role"] for m in turn.messages] == ["tool"] * 5 + ["user"]  # the unreadable calls: one user message
+    assert [m["name"] for m in turn.messages[:5]] == ["rm_rf", "read_file", "read_file", "write_file", "run_python"]
+    assert answers[0].startswith("error: rm_rf: no such tool; the tools are read_file, write_file")
+    assert answers[1].startswith("error: cannot read '/etc/passwd'")
+    assert answers[2] == "error: read_file: unknown argument(s) file; it takes path"
+    assert answers[3].startswith("error: '../escape.py' not written")
+    assert answers[4] == "error: run_python: argument code must be string, got int 3"
+    assert answers[5].startswith("error: tool call 2: not valid JSON") and "\nerror: tool call 7: <tool_call> " \
+        "without </tool_call>" in answers[5]
     assert (await fizz.step(call("submit"))).reward == 0.5  # fizz and buzz pass; fizzbuzz and number do not
+
+
+async def test_calls_of_a_turn_run_in_order_and_past_the_limit_are_refused(env: CodingEnvironment) -> None:
+    env.config = env.config.model_copy(update={"max_calls_per_turn": 2})
+    session = env.session(Row("p0", extra={"task_id": "fizzbuzz"}), seed=0)
+    await session.reset()
+    try:
+        fixed = call("write_file", path="solution.py", content=TASKS["fizzbuzz"].reference)
+        turn = await session.step(fixed + call("run_tests") + call("read_file", path="solution.py"))
+    finally:
+        await session.close()
+    answers = [m["content"] for m in turn.messages]
+    assert answers[1].startswith("1 of 1 visible tests passed")  # it saw the write before it
+    assert answers[2] == "error: read_file: not run: more than 2 tool calls in one turn"
+    assert turn.info == {"tool_calls": 3.0, "tool_errors": 1.0, "parse_errors": 0.0}
 
 
 async def test_hidden_tests_are_not_in_the_work_dir(fizz: CodingSession) -> None:
@@ -141,12 +158,121 @@ def test_unknown_task_is_a_one_line_error(env: CodingEnvironment) -> None:
         env.session(Row("coding/nope"), seed=0)
 
 
-def test_parser_reads_hermes_calls() -> None:
-    calls, any_call = parse_tool_calls('think <tool_call>{"name": "run_tests"}</tool_call> and '
-                                       '<tool_call>{"name": "read_file", "arguments": "{\\"path\\": \\"a\\"}"}'
-                                       "</tool_call>")
-    assert any_call and calls == [ToolCall("run_tests"), ToolCall("read_file", {"path": "a"})]
-    assert parse_tool_calls("no calls here") == ([], False)
-    assert parse_tool_calls('<tool_call>["x"]</tool_call>')[0][0].startswith("error: tool call 1 must be")
-    assert "'arguments' must be a JSON object" in parse_tool_calls(
-        '<tool_call>{"name": "x", "arguments": [1]}</tool_call>')[0][0]
+# ---- the coding tasks as the run's prompts (`Environment`) ----------------------------------------------------
+def coding_env(seed: int = 0) -> CodingEnvironment:
+    return CodingEnvironment(CodingConfig(kind="coding"), seed=seed)  # no sandbox is started for rows
+
+
+def test_train_stream_is_seeded_epochs_of_every_train_task_and_never_an_eval_one() -> None:
+    size = len(split_ids("train"))
+    rows = coding_env(seed=3).train_rows(3 * size)
+    ids = [r.extra["task_id"] for r in rows]
+    for epoch in range(3):
+        assert sorted(ids[epoch * size:(epoch + 1) * size]) == sorted(split_ids("train"))
+    assert len({tuple(ids[e * size:(e + 1) * size]) for e in range(3)}) > 1  # each epoch its own order
+    assert ids == [r.extra["task_id"] for r in coding_env(seed=3).train_rows(3 * size)]  # deterministic
+    assert ids != [r.extra["task_id"] for r in coding_env(seed=4).train_rows(3 * size)]
+    assert not set(ids) & set(EVAL_IDS)
+    row = rows[0]
+    assert row.messages == [{"role": "user", "content": row.text}] and row.answer is None and row.tools is None
+    assert TASKS[row.extra["task_id"]].statement in row.text and row.where == f"coding task {row.extra['task_id']}"
+
+
+def test_eval_rows_are_the_held_out_tasks() -> None:
+    env = coding_env()
+    assert [r.extra["task_id"] for r in env.eval_rows(100)] == list(EVAL_IDS)
+    assert [r.extra["task_id"] for r in env.eval_rows(2)] == list(EVAL_IDS[:2]) == \
+        [r.extra["task_id"] for r in env.eval_rows(2)]
+
+
+def test_state_restore_continues_the_stream_and_refuses_another_seed() -> None:
+    from composer_mesh.envs import EnvironmentStateError
+
+    env = coding_env(seed=5)
+    env.train_rows(4)
+    state = json.loads(json.dumps(env.state()))  # JSON-able, as checkpoints store it
+    expected = env.train_rows(9)
+    resumed = coding_env(seed=5)
+    resumed.restore(state)
+    assert resumed.train_rows(9) == expected and resumed.state() == env.state()
+    with pytest.raises(EnvironmentStateError, match=r"run\.environment or the seed changed"):
+        coding_env(seed=6).restore(state)
+
+
+def test_load_environment_checks_the_sandbox_and_sample_rows_are_the_stream(monkeypatch: pytest.MonkeyPatch,
+                                                                             tmp_path: Any) -> None:
+    from pydantic import TypeAdapter
+
+    from composer_mesh.envs import load_environment, sample_environment_rows
+    from composer_mesh.envs.config import EnvironmentConfig
+    from composer_mesh.sandbox.run import SandboxUnavailable
+
+    cfg = TypeAdapter(EnvironmentConfig).validate_python({"kind": "coding", "seed": 2, "sandbox": {"wall_s": 5}})
+    assert isinstance(cfg, CodingConfig) and cfg.plays_episodes
+    env = load_environment(cfg, seed=0)
+    assert isinstance(env, CodingEnvironment) and env.seed == 2
+    assert sample_environment_rows(cfg, seed=0, n=7) == env.train_rows(7)
+    monkeypatch.setenv("PATH", str(tmp_path))  # a host without bubblewrap
+    with pytest.raises(SandboxUnavailable, match=r"^bubblewrap cannot run here: no 'bwrap' on PATH; [^\n]*$"):
+        load_environment(cfg, seed=0)
+    assert sample_environment_rows(cfg, seed=0, n=2) is not None  # rows alone need no sandbox
+
+
+async def test_a_train_row_plays_as_an_episode_of_its_task(env: CodingEnvironment) -> None:
+    from composer_mesh.orchestration.prompts import EnvironmentPrompts
+
+    source = EnvironmentPrompts(env)
+    prompt = source.take(1)[0]
+    assert source.episode_environment() is env
+    session = env.session(prompt, seed=0)
+    try:
+        obs = await session.reset()
+        end = await session.step(call("write_file", path="solution.py",
+                                      content=TASKS[prompt.extra["task_id"]].reference) + call("submit"))
+    finally:
+        await session.close()
+    assert obs.messages == prompt.messages and end.done and end.reward == 1.0
+
+
+def test_every_environment_config_says_whether_it_plays_episodes() -> None:
+    from composer_mesh.envs.config import CalculatorConfig, OpenEnvConfig, ReasoningGymConfig, VerifiersConfig
+
+    assert CalculatorConfig.plays_episodes and CodingConfig.plays_episodes
+    assert not ReasoningGymConfig.plays_episodes and not VerifiersConfig.plays_episodes
+    openenv = {"kind": "openenv", "url": "http://127.0.0.1:8765"}  # built unchecked: openenv need not be installed
+    assert OpenEnvConfig.model_construct(**openenv, episodes=True).plays_episodes
+    assert not OpenEnvConfig.model_construct(**openenv).plays_episodes
+    assert "plays_episodes" not in CodingConfig.model_fields  # not a setting: a YAML key of that name is refused
+
+
+async def test_the_rollout_driver_plays_a_coding_episode_token_in_token_out(env: CodingEnvironment) -> None:
+    """The real episode driver, the byte tokenizer's real chat template (tools declared from the session's
+    reset, each observation bridged) and a scripted policy: one Rollout whose env spans hold the tool answers."""
+    from composer_mesh.actors.messages import Prompt, Rollout
+    from composer_mesh.models.chat import chat_end_token_id, next_turn_token_ids, prompt_token_ids
+    from composer_mesh.models.tokenizer import build_byte_tokenizer
+    from composer_mesh.orchestration.prompts import EnvironmentPrompts
+    from composer_mesh.orchestration.rollout.episode import EpisodeLimits, play_episode
+
+    tokenizer = build_byte_tokenizer()
+    prompt = EnvironmentPrompts(env).take(1)[0]
+    reference = TASKS[prompt.extra["task_id"]].reference
+    script = iter([call("write_file", path="solution.py", content=reference) + call("run_tests"), call("submit")])
+
+    async def policy(turn: Prompt, seed: int) -> Rollout:
+        ids = (prompt_token_ids(tokenizer, turn) if turn.bridge_messages is None
+               else next_turn_token_ids(tokenizer, turn.token_ids, turn.bridge_messages))
+        text = next(script)
+        out = [*tokenizer.encode(text, add_special_tokens=False), chat_end_token_id(tokenizer)]
+        return Rollout(turn.prompt_id, ids, out, [-0.1] * len(out), 1, text=text)
+
+    limits = EpisodeLimits(max_turns=4, max_new_tokens=4096, max_context=None, step_timeout_s=30.0,
+                           episode_timeout_s=None)
+    episode = await play_episode(env.session(prompt, seed=0), prompt, 0, limits, policy)
+    rollout = episode.rollout
+    assert (rollout.status, episode.reward) == ("done", 1.0)
+    assert [t.policy for t in rollout.turns] == [True, False, True]
+    assert episode.info["tool_calls"] == 2.0 and episode.info["tool_errors"] == 0.0
+    assert "write_file" in tokenizer.decode(rollout.prompt_ids)  # the tools, declared by the chat template
+    bridge = rollout.turns[1]
+    assert "1 of 1 visible tests passed" in tokenizer.decode(rollout.completion_ids[bridge.start:bridge.end])

@@ -193,7 +193,8 @@ async def test_mcp_tools_are_listed_at_reset_and_calls_round_trip(servers: str) 
     for _ in range(2):  # two turns of one lookup each: the server's table answers
         result = await s.step(f"Looking up.\n{call('lookup', key=key)}")
         assert result.messages == [{"role": "tool", "name": "lookup", "content": table[key]}]
-        assert (result.done, result.reward, result.info) == (False, None, {"tool_calls": 1.0, "tool_errors": 0.0})
+        assert (result.done, result.reward, result.info) == (False, None, {"tool_calls": 1.0, "tool_errors": 0.0,
+                                                                        "parse_errors": 0.0})
         key = table[key]
     both = await s.step(call("lookup", key=key) + call("submit", answer=table[key]))  # two calls in one turn
     assert [m["content"] for m in both.messages] == [answer, "correct"]
@@ -211,15 +212,16 @@ async def test_a_malformed_or_unknown_call_is_an_observation(servers: str) -> No
     await s.reset()
     start, table, _ = lookup_problem(3, "train", hops=3)
     bad = await s.step('<tool_call>{"name": "lookup", "arguments": {"key": </tool_call>')
-    assert bad.messages[0]["role"] == "tool" and bad.messages[0]["content"].startswith("error: malformed tool call: not JSON")
-    assert (bad.done, bad.info, s.steps) == (False, {"tool_calls": 0.0, "tool_errors": 1.0}, 0)  # nothing sent
+    assert bad.messages[0]["role"] == "user" and bad.messages[0]["content"].startswith("error: tool call 1: not valid JSON")
+    assert (bad.done, bad.info, s.steps) == (False, {"tool_calls": 0.0, "tool_errors": 0.0, "parse_errors": 1.0}, 0)
     none = await s.step("I think the answer is 42.")
     assert none.messages == [{"role": "user", "content": NO_TOOL_CALL}] and not none.done
     unknown = await s.step(call("search", query="x") + call("lookup", kee=start) + '<tool_call>{"name": 3}</tool_call>')
     contents = [m["content"] for m in unknown.messages]
     assert contents[0].startswith("error (tool_not_found)") and contents[1].startswith("error (invalid_args)")
-    assert contents[2] == 'error: malformed tool call: expected {"name": "<tool>", "arguments": {...}}'
-    assert unknown.info == {"tool_calls": 2.0, "tool_errors": 3.0} and not unknown.done
+    assert [m["role"] for m in unknown.messages] == ["tool", "tool", "user"]  # the unreadable call: not sent
+    assert contents[2].startswith('error: tool call 3: no "name" (a string); call a tool as <tool_call>')
+    assert unknown.info == {"tool_calls": 2.0, "tool_errors": 2.0, "parse_errors": 1.0} and not unknown.done
     ok = await s.step(call("lookup", key=start))  # the episode goes on
     assert ok.messages == [{"role": "tool", "name": "lookup", "content": table[start]}]
     await s.close()

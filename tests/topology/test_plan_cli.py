@@ -293,3 +293,28 @@ def test_the_example_price_file_is_outside_topologies() -> None:
     assert load_prices(EXAMPLE_PRICES).for_backend("slurm") is not None
     for path in sorted((ROOT / "topologies").glob("*.yaml")):
         assert "meshes" in yaml.safe_load(path.read_text()), f"{path} is not a topology"
+
+
+def test_plan_of_a_coding_run_says_its_sandbox_and_episode_shape(tmp_path: Path) -> None:
+    path = tmp_path / "coding.yaml"
+    path.write_text((VALID / "minimal.yaml").read_text() + """
+run:
+  steps: 3
+  max_new_tokens: 64
+  environment: {kind: coding, sandbox: {mode: rlimits, wall_s: 5, concurrency: 2}}
+  rollout: {kind: multi_turn, max_turns: 4, max_context: 4096}
+""")
+    flat = " ".join(rendered_at(make_plan(load_topology(path))).split())
+    assert "prompts environment coding;" in flat
+    assert "steps 3 × 8 prompts × 4 samples = 96 episodes; ≤ 64 new tokens per turn;" in flat
+    assert ("rollout multi_turn episodes: ≤ 4 policy turns, 60 s per environment step, ≤ 4,096 tokens per "
+            "episode; ≤ 256 in flight") in flat
+    assert "sandbox rlimits only (NOT isolated: network and host files reachable); rlimits cpu 10s" in flat
+    assert "wall 5s; 2 at once" in flat
+    path.write_text(path.read_text().replace("mode: rlimits, ", ""))  # the default mode: bubblewrap
+    assert dict(make_plan(load_topology(path)).training)["sandbox"].startswith("bubblewrap: no network")
+
+
+def test_plan_of_a_single_turn_run_has_no_rollout_or_sandbox_line() -> None:
+    labels = [label for label, _ in make_plan(load_topology(VALID / "minimal.yaml")).training]
+    assert labels == ["model", "loss", "steps", "prompts"]

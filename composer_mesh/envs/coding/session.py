@@ -9,28 +9,23 @@ episode, and a fresh directory holds nothing the episode left running or half-wr
 from __future__ import annotations
 
 import asyncio
-import inspect
 import secrets
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from composer_mesh.envs.coding.calls import ToolCall, parse_tool_calls
-from composer_mesh.envs.coding.catalog import TASKS, CodingTask, split_ids
+from composer_mesh.envs.coding.catalog import CodingTask
 from composer_mesh.envs.coding.config import CodingConfig
-from composer_mesh.envs.session import EpisodePrompt, Message, Observation, StepResult
-from composer_mesh.errors import UserInputError
+from composer_mesh.envs.session import Message, Observation, StepResult
+from composer_mesh.envs.tool_session import format_error_message
+from composer_mesh.envs.tools import Tool, Toolbox, ToolCall, parse_tool_calls
 from composer_mesh.sandbox.pool import SandboxBox, SandboxPool, copy_work_dir
-from composer_mesh.sandbox.run import SandboxResult, check_available
+from composer_mesh.sandbox.run import SandboxResult
 from composer_mesh.tasks.episode import EpisodeStatus
 
 RUNNER = Path(__file__).with_name("runner.py").read_text()  # sent to the sandbox's python with -c
 VISIBLE, HIDDEN = "test_visible", "test_hidden"
-
-
-class UnknownCodingTask(UserInputError):
-    """A prompt row names a coding task that is not shipped."""
 
 
 @dataclass
@@ -65,12 +60,15 @@ async def grade(pool: SandboxPool, task: CodingTask, workdir: Path) -> Grade:
 
 class CodingTools:
     """The tools a coding episode offers, as plain async methods whose type hints and docstrings are their JSON
-    schemas (transformers' `get_json_schema`). Every answer is text for the policy, never an exception."""
+    schemas (transformers' `get_json_schema`), run through a `Toolbox`: an unknown tool or bad arguments is its
+    `error: <tool>: ...` answer, and the sandbox's own failures (a bad path, a killed command) are answered as
+    text too. No per-call timeout here: the sandbox's `wall_s` kills a command that runs too long."""
 
     NAMES = ("read_file", "write_file", "run_tests", "run_python", "submit")
 
     def __init__(self, box: SandboxBox) -> None:
         self.box = box
+        self.toolbox = Toolbox([Tool(getattr(self, name)) for name in self.NAMES], timeout_s=None)
 
     async def read_file(self, path: str) -> str:
         """Read a text file of the work dir.
@@ -110,23 +108,11 @@ class CodingTools:
         return "submitted"
 
     def schemas(self) -> list[dict[str, Any]]:
-        from transformers.utils import get_json_schema
+        return self.toolbox.schemas
 
-        return [get_json_schema(getattr(self, name)) for name in self.NAMES]
-
-    async def call(self, call: ToolCall) -> str:
-        """Run one parsed call; an unknown tool or bad arguments is an error line."""
-        if call.name not in self.NAMES:
-            return f"error: unknown tool {call.name!r}; the tools are {', '.join(self.NAMES)}"
-        method = getattr(self, call.name)
-        try:
-            inspect.signature(method).bind(**call.arguments)
-        except TypeError as e:
-            return f"error: {call.name}: {e}"
-        bad = [k for k, v in call.arguments.items() if not isinstance(v, str)]
-        if bad:
-            return f"error: {call.name}: argument {bad[0]!r} must be a string"
-        return await method(**call.arguments)
+    async def call(self, call: ToolCall) -> Message:
+        """Run one parsed call: its tool message (an error line for an unknown tool or bad arguments)."""
+        return await self.toolbox.call(call)
 
 
 def opening(task: CodingTask) -> str:
@@ -138,8 +124,10 @@ def opening(task: CodingTask) -> str:
 
 class CodingSession:
     """One coding episode (`envs.session.EnvSession`): a private sandbox work dir seeded with the task's
-    `solution.py` and visible tests; each policy turn's Hermes tool calls run in order, their answers are
-    `tool` messages; `submit` (or a turn without a tool call, or the last allowed turn) ends it, graded."""
+    `solution.py` and visible tests; each policy turn's Hermes tool calls (`envs.tools.parse_tool_calls`) run in
+    order, one after the other (a `write_file` then `run_tests` must see the write), their answers are `tool`
+    messages; malformed calls are answered by one user message, as in `ToolSession`. `submit` (or a turn without
+    a tool call, or the last allowed turn) ends it, graded."""
 
     def __init__(self, task: CodingTask, pool: SandboxPool, config: CodingConfig) -> None:
         self.task, self.pool, self.config = task, pool, config
@@ -157,29 +145,29 @@ class CodingSession:
         if self.tools is None:
             raise RuntimeError("CodingSession.step before reset")
         self.turns += 1
-        calls, any_call = parse_tool_calls(action)
-        if not any_call:
-            return await self._finish("done", {})
+        turn = parse_tool_calls(action)
+        info = {"tool_calls": 0.0, "tool_errors": 0.0, "parse_errors": float(len(turn.errors))}
+        if turn.is_final:
+            return await self._finish("done", info)
         messages: list[Message] = []
-        info = {"tool_calls": 0.0, "tool_errors": 0.0}
-        for i, call in enumerate(calls):
-            if isinstance(call, ToolCall) and call.name == "submit":
+        for i, call in enumerate(turn.calls):
+            if call.name == "submit":
                 return await self._finish("done", info)
             answer = await self._answer(call, i)
             info["tool_calls"] += 1
-            info["tool_errors"] += answer.startswith("error: ")
-            messages.append({"role": "tool", "content": answer}
-                            | ({"name": call.name} if isinstance(call, ToolCall) else {}))
+            info["tool_errors"] += str(answer["content"]).startswith("error: ")
+            messages.append(answer)
+        if turn.errors:
+            messages.append(format_error_message(turn.errors))
         if self.turns >= self.config.max_turns:
             return await self._finish("truncated_turns", info)
         return StepResult(messages=messages, info=info)
 
-    async def _answer(self, call: ToolCall | str, index: int) -> str:
-        if isinstance(call, str):
-            return call
-        if index >= self.config.max_calls_per_turn:
-            return f"error: more than {self.config.max_calls_per_turn} tool calls in one turn; this one was not run"
+    async def _answer(self, call: ToolCall, index: int) -> Message:
         assert self.tools is not None
+        if index >= self.config.max_calls_per_turn:
+            return self.tools.toolbox.error(call.name, f"not run: more than {self.config.max_calls_per_turn} tool "
+                                            "calls in one turn")
         return await self.tools.call(call)
 
     async def _finish(self, status: EpisodeStatus, info: dict[str, float]) -> StepResult:
@@ -190,31 +178,3 @@ class CodingSession:
 
     async def close(self) -> None:
         await self._stack.aclose()
-
-
-class CodingEnvironment:
-    """The coding tasks as an `envs.session.EpisodeEnvironment`: rows for the prompt source (`prompts`) and one
-    `CodingSession` per episode, all sharing one sandbox pool (its concurrency bounds the commands running)."""
-
-    name = "coding"
-
-    def __init__(self, config: CodingConfig) -> None:
-        self.config = config
-        self.pool = SandboxPool(config.sandbox)
-
-    def check(self) -> None:
-        """Refuse early (`SandboxUnavailable`) when the configured sandbox cannot run here."""
-        check_available(self.config.sandbox)
-
-    def prompts(self, split: str) -> list[dict[str, Any]]:
-        """The rows of `split` ('train' or 'eval', disjoint): prompt_id, the opening text, extra.task_id."""
-        return [{"prompt_id": f"coding/{t}", "text": opening(TASKS[t]), "extra": {"task_id": t}}
-                for t in split_ids(split)]
-
-    def session(self, prompt: EpisodePrompt, seed: int) -> CodingSession:
-        """A new episode of the prompt's task (the tasks draw nothing: `seed` changes nothing)."""
-        task_id = prompt.extra.get("task_id", prompt.prompt_id.removeprefix("coding/"))
-        if task_id not in TASKS:
-            raise UnknownCodingTask(f"prompt {prompt.prompt_id!r}: unknown coding task {task_id!r}; shipped: "
-                                    f"{', '.join(TASKS)}")
-        return CodingSession(TASKS[task_id], self.pool, self.config)
