@@ -224,4 +224,9 @@ class RunConfig(BaseModel):
                 "run.environment"
             raise ValueError(f"run.rollout.kind multi_turn plays episodes against an environment, and {what} plays "
                              "none: use kind calculator, coding, or openenv with episodes: true (docs/agentic.md)")
+        own = getattr(self.environment, "max_turns", None)
+        if self.rollout.kind == "multi_turn" and own is not None and own > self.rollout.max_turns:
+            raise ValueError(f"run.environment.max_turns ({own}) is more than run.rollout.max_turns "
+                             f"({self.rollout.max_turns}): the driver would cut episodes before the environment "
+                             "grades its last turn; raise run.rollout.max_turns or lower the environment's")
         return self

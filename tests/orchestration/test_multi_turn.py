@@ -261,3 +261,19 @@ async def test_a_steps_episode_metrics_count_statuses_tokens_and_the_environment
     assert m["episode/turns"] == (3 + 2) / 2 and m["episode/tool_calls"] == (2 + 2) / 2
     single = ScoredGroup(RolloutGroup(Prompt("p1", "q"), [Rollout("p1", [1], [2], [-0.1], 1)]), [done.reward_result()])
     assert episode_metrics([single]) == {}
+
+
+@pytest.mark.parametrize(("fields", "error"), [
+    ({"rollout": {"kind": "multi_turn"}}, "no run.environment plays none"),
+    ({"rollout": {"kind": "multi_turn"}, "environment": {"kind": "openenv", "url": "http://127.0.0.1:9"}},
+     "kind 'openenv' plays none"),
+    ({"rollout": {"kind": "multi_turn", "max_turns": 4}, "environment": {"kind": "coding"}},
+     r"run.environment.max_turns \(8\) is more than run.rollout.max_turns \(4\)"),
+])
+def test_an_episode_run_needs_an_environment_that_plays_and_grades_its_episodes(fields: dict[str, Any],
+                                                                                  error: str) -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=error):
+        RunConfig(**fields)
+    assert RunConfig(rollout={"kind": "multi_turn"}, environment={"kind": "calculator"}).rollout.max_turns == 8
