@@ -26,7 +26,8 @@ hidden 64, 2 layers, max 2048 positions: the tool prompt is ~770 byte tokens) wi
 calls) and its EOS set to `<|im_end|>` as Qwen2.5-Instruct's is (TRL cuts the tool-result suffix at the EOS).
 Generation stops at `<|endoftext|>` or `<|im_end|>` (generation_config).
 
-TRL side, one child process running the latencies in order (a fresh model and trainer each):
+TRL side, one child process running the latencies in order (a fresh model and trainer each, after one untimed
+warm-up step so the first latency measured does not pay the process's first-call costs):
 `GRPOConfig(per_device_train_batch_size=prompts x samples, num_generations=samples, gradient_accumulation_steps=1,
 num_iterations=1, max_steps=steps, max_tool_calling_iterations=tool_calls, max_completion_length=<what the
 scripted episode needs>, temperature 1, beta 0, loss_type dapo, lr 1e-6, fp32, use_cpu, no vLLM)`. TRL modes
@@ -68,7 +69,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -261,8 +262,8 @@ class CalculatorEnv:
     """TRL `environment_factory` form of the task: one instance per episode, `reset(**row)` per episode, the tool
     as a method (the episode is scored by the same reward function as the other modes)."""
 
-    latency_s: float = 0.0
-    calls: list[float] = []
+    latency_s: ClassVar[float] = 0.0  # set per run: TRL builds the instances itself, with no arguments
+    calls: ClassVar[list[float]] = []
 
     def reset(self, **row: Any) -> None:
         self.answer, self.last = str(row.get("answer", "")), ""
@@ -372,6 +373,8 @@ def trl_child(spec: dict[str, Any]) -> list[dict[str, Any]]:
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
+    if spec["warmup"]:  # one untimed step first, so the first measured latency does not pay the process's warm-up
+        trl_one({**spec, "steps": 1}, spec["modes"][0], 0.0)
     return [trl_one(spec, mode, latency) for mode in spec["modes"] for latency in spec["latencies"]]
 
 
@@ -379,7 +382,7 @@ def run_trl(args: argparse.Namespace, model_dir: str) -> list[dict[str, Any]]:
     """The TRL child; its result is the last stdout line. A failure becomes one failed row per (mode, latency)."""
     spec = dict(model_dir=model_dir, seed=args.seed, steps=args.steps, prompts=args.prompts, samples=args.samples,
                 tool_calls=args.tool_calls, threads=args.threads, modes=args.trl_modes, latencies=args.latencies,
-                output_dir=str(args.out / "trl"))
+                warmup=not args.no_warmup, output_dir=str(args.out / "trl"))
     cmd = [sys.executable, os.path.abspath(__file__), "--trl-child", json.dumps(spec)]
     log = args.out / "trl-log.txt"
     try:
@@ -556,7 +559,8 @@ def describe(args: argparse.Namespace, model: dict[str, Any]) -> dict[str, str]:
         "run": f"{args.steps} steps x {args.prompts} prompts x {args.samples} samples = {n} episodes per step; "
         f"scripted policy: {args.tool_calls} calculator call(s) then the answer ({args.tool_calls + 1} assistant "
         f"turns) per episode; tool latencies {', '.join(f'{x:g} s' for x in args.latencies)}; seed {args.seed}; "
-        f"{args.threads} torch/OMP thread(s); TRL modes {', '.join(args.trl_modes)} (one child, in this order)",
+        f"{args.threads} torch/OMP thread(s); TRL modes {', '.join(args.trl_modes)} (one child, in this order, "
+        f"{'no warm-up' if args.no_warmup else 'after one untimed warm-up step'})",
         "timing": "episodes/s = episodes / seconds from the first step's begin to the last step's end (startup "
         "excluded); trainer idle = share of that window spent outside the optimizer's work (TRL: generation, "
         "tools and scoring inside its step)",
@@ -610,6 +614,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--trl-modes", nargs="+", choices=["tools", "async_tools", "environment"],
                    help="how TRL gets the tool (default tools environment; quick tools)")
     p.add_argument("--threads", type=int, default=1, help="torch/OMP threads of each side's processes")
+    p.add_argument("--no-warmup", action="store_true", help="TRL: skip the untimed 1-step run before the sweep")
     p.add_argument("--seed", type=int, default=0, help="prompt stream and sampling seed")
     p.add_argument("--timeout", type=float, help="seconds for each side's whole sweep (default 3600; quick 600)")
     p.add_argument("--out", type=Path, help="model, logs and results.json (default runs/bench_agentic)")
