@@ -194,21 +194,27 @@ class ScriptedTurns:
         return forced.scatter_(1, self.table[:, step : step + 1].to(scores.device), 0.0)
 
 
+def scripted_processor(tokenizer: Any, input_ids: Any, tool_calls: int) -> ScriptedTurns:
+    """The scripted policy for one `generate` call on the left-padded batch `input_ids` (each row: the exact
+    conversation so far, ending with the assistant header). What a generator hook calls (TRL's side and ours)."""
+    pad, end_id = int(tokenizer.pad_token_id), int(tokenizer.convert_tokens_to_ids(IM_END))
+    rows = [[t for t in row if t != pad] for row in input_ids.tolist()]  # pad is <|endoftext|>, never in a chat
+    targets = [tokenizer.encode(scripted_turn(tokenizer.decode(r), tool_calls), add_special_tokens=False)
+               for r in rows]
+    return ScriptedTurns(targets, input_ids.shape[1], end_id)
+
+
 def install_scripted_policy(model: Any, tokenizer: Any, tool_calls: int, generate_s: list[float]) -> None:
     """Wrap `model.generate` so every call plays the script (targets read from each row's prompt ids); the
     seconds of each call go to `generate_s`. TRL calls `unwrapped_model.generate(input_ids=..., ...)`."""
     from transformers import LogitsProcessorList
 
     original = model.generate
-    pad, end_id = int(tokenizer.pad_token_id), int(tokenizer.convert_tokens_to_ids(IM_END))
 
     def generate(*args: Any, **kwargs: Any) -> Any:
         input_ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
-        rows = [[t for t in row if t != pad] for row in input_ids.tolist()]  # left padding (pad is <|endoftext|>)
-        targets = [tokenizer.encode(scripted_turn(tokenizer.decode(r), tool_calls), add_special_tokens=False)
-                   for r in rows]
         processors = LogitsProcessorList(kwargs.pop("logits_processor", None) or [])
-        processors.append(ScriptedTurns(targets, input_ids.shape[1], end_id))
+        processors.append(scripted_processor(tokenizer, input_ids, tool_calls))
         t0 = time.perf_counter()
         try:
             return original(*args, logits_processor=processors, **kwargs)
@@ -401,16 +407,20 @@ def run_trl(args: argparse.Namespace, model_dir: str) -> list[dict[str, Any]]:
 
 # ---- composer-mesh side -----------------------------------------------------------------------------------------
 
+OURS_MODULES = ("composer_mesh.orchestration.rollout.multi_turn", "composer_mesh.envs.calculator")
 OURS_NEEDS = (
     "the multi-turn rollout driver (composer_mesh.orchestration.rollout.multi_turn, `run.rollout: {kind: "
-    "multi_turn}`), the calculator environment (composer_mesh.envs.calculator, `run.environment: {kind: "
-    "calculator, tool_latency_s: S}`) and a scripted-policy hook on the hf generator (the same `ScriptedTurns` "
-    "logits processor TRL runs under here)"
+    "multi_turn, max_turns, max_new_tokens}`), the calculator environment with a per-call latency "
+    "(composer_mesh.envs.calculator, `run.environment: {kind: calculator, tool_latency_s, system}`) and a "
+    "scripted-policy hook on the hf generator (`logits_processor: {path, kwargs}`: a factory "
+    "`(tokenizer, input_ids, **kwargs) -> LogitsProcessor` applied to every generate call; here "
+    "`benchmarks.bench_agentic:scripted_processor`, the one TRL runs under)"
 )
 
 
 def ours_topology_yaml(latency_s: float, cfg: dict[str, Any]) -> str:
-    """composer-mesh's side (draft for the lead: keys of run.rollout / run.environment as planned in issue 26)."""
+    """composer-mesh's side: the keys of run.rollout / run.environment / the generator hook as planned for issue 26
+    (adjust here if the driver names them otherwise). The environment scores the episode (no rewarder)."""
     return f"""\
 # Written by benchmarks/bench_agentic.py: composer-mesh's side of the agentic comparison with TRL.
 name: bench-agentic-latency{latency_s:g}
@@ -423,7 +433,9 @@ roles:
   generators:
     mesh: generators
     binding: hf
-    settings: {{torch_threads: {cfg["threads"]}, logits_processor: "benchmarks.bench_agentic:scripted_processor"}}
+    settings:
+      torch_threads: {cfg["threads"]}
+      logits_processor: {{path: "benchmarks.bench_agentic:scripted_processor", kwargs: {{tool_calls: {cfg["tool_calls"]}}}}}
 loss: {{alpha_sdpo: 0.0, beta_replay: 0.0}}
 run:
   environment: {{kind: calculator, tool_latency_s: {latency_s}, system: {json.dumps(SYSTEM)}}}
@@ -438,27 +450,76 @@ run:
 """
 
 
+def _missing_modules() -> list[str]:
+    import importlib.util
+
+    missing = []
+    for name in OURS_MODULES:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except ModuleNotFoundError:  # its parent package is missing
+            found = False
+        if not found:
+            missing.append(name)
+    return missing
+
+
 def run_ours(latency_s: float, cfg: dict[str, Any]) -> dict[str, Any]:
     """composer-mesh at one tool latency: {episodes_per_s, trainer_idle_fraction, episodes, wall_s, ...}.
 
-    Not available yet: it needs the multi-turn rollout driver, the calculator environment with a per-call latency
-    setting, and the hf generator applying the scripted policy (see OURS_NEEDS and `ours_topology_yaml`). Once
-    those land it is: write `ours_topology_yaml(latency_s, cfg)` to a run dir, run
-    `python -m composer_mesh.cli run FILE --run-dir DIR` (as bench_vs_trl.run_cm does), and from DIR/metrics.jsonl
-    take episodes = the steps' `rollouts` summed, the window = last step's `elapsed_s` - the `train_start` event's,
-    idle = the steps' `timing.trainer_idle_s` summed / the window."""
-    raise NotImplementedError(f"composer-mesh's side is not wired yet: it needs {OURS_NEEDS}")
+    Writes `ours_topology_yaml(latency_s, cfg)` to a run dir, runs `python -m composer_mesh.cli run FILE
+    --run-dir DIR` and reads DIR/metrics.jsonl (`summarise_ours`). Raises NotImplementedError while the modules
+    it needs are missing (OURS_NEEDS), RuntimeError when the run fails (the log's last line)."""
+    missing = _missing_modules()
+    if missing:
+        raise NotImplementedError(f"composer-mesh's side is not wired yet ({', '.join(missing)} missing): it "
+                                  f"needs {OURS_NEEDS}")
+    run_dir = Path(cfg["out"]) / f"latency{latency_s:g}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    topo = run_dir / "topology.yaml"
+    topo.write_text(ours_topology_yaml(latency_s, cfg))
+    (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "composer_mesh.cli", "run", str(topo), "--run-dir", str(run_dir)]
+    with (run_dir / "log.txt").open("w") as log:
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=cfg["timeout"],
+                                  env=child_env(ROOT, cfg["threads"]), check=False)
+        except subprocess.TimeoutExpired as e:
+            raise RuntimeError(f"timeout ({cfg['timeout']:.0f} s); log {run_dir / 'log.txt'}") from e
+    if proc.returncode != 0:
+        tail = (run_dir / "log.txt").read_text().strip().splitlines()[-1:] or [""]
+        raise RuntimeError(f"exit {proc.returncode}: {tail[0][:200]}; log {run_dir / 'log.txt'}")
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return {**summarise_ours(lines), "run_dir": str(run_dir)}
+
+
+def summarise_ours(lines: list[dict[str, Any]]) -> dict[str, Any]:
+    """episodes/s over the training window (train_start -> last step, as bench_vs_trl) and trainer idle =
+    the steps' `timing.trainer_idle_s` / their `step_s` (as bench_generator_scaling)."""
+    steps = [o for o in lines if "step" in o and "event" not in o]
+    start = next((o for o in lines if o.get("event") == "train_start"), None)
+    if not steps or start is None:
+        raise RuntimeError("metrics.jsonl has no step lines or no train_start event")
+    episodes = sum(int(o["rollouts"]) for o in steps)
+    wall = float(steps[-1]["elapsed_s"]) - float(start["elapsed_s"])
+    idle = sum(float((o.get("timing") or {}).get("trainer_idle_s", 0.0)) for o in steps)
+    busy = sum(float(o["step_s"]) for o in steps)
+    return {"steps": len(steps), "episodes": episodes, "wall_s": wall, "episodes_per_s": episodes / wall,
+            "trainer_idle_fraction": idle / busy if busy > 0 else float("nan"),
+            "reward_mean": _mean([float(o["reward"]) for o in steps if "reward" in o])}
 
 
 def run_ours_all(args: argparse.Namespace, model_dir: str) -> list[dict[str, Any]]:
     cfg = dict(model_dir=model_dir, seed=args.seed, steps=args.steps, prompts=args.prompts, samples=args.samples,
-               tool_calls=args.tool_calls, threads=args.threads, out=str(args.out / "ours"))
+               tool_calls=args.tool_calls, threads=args.threads, out=str(args.out / "ours"), timeout=args.timeout)
     rows = []
     for latency in args.latencies:
         try:
             rows.append({"side": "ours", "latency_s": latency, "status": "ok", **run_ours(latency, cfg)})
         except NotImplementedError as e:
             rows.append({"side": "ours", "latency_s": latency, "status": f"not implemented: {e}"})
+        except RuntimeError as e:
+            rows.append({"side": "ours", "latency_s": latency, "status": f"failed: {e}"})
     return rows
 
 
