@@ -174,5 +174,5 @@ def test_bench_agentic_quick_measures_trl_tool_loop_per_latency(tmp_path: Path) 
     assert all(r["status"] == "ok" or r["status"].startswith("not implemented") for r in ours), ours
     assert len(result["goals"]) == 4
     if not any(r["status"] == "ok" for r in ours):  # nothing of ours measured: no goal may claim a pass
-        assert all(g["got"] == "not measured" and not g["pass"] for g in result["goals"]), result["goals"]
+        assert all(g["got"].startswith("not measured") and not g["pass"] for g in result["goals"]), result["goals"]
     assert (tmp_path / "out" / "results.json").is_file()
