@@ -153,7 +153,7 @@ def yaml_seed(path: Path) -> tuple[int, int]:
 
 
 @pytest.mark.bench
-@pytest.mark.slow  # ~35 CPU s, 60-140 s wall on 2 shared cores: a TRL child (warm-up + 3 latencies x 2 steps, 8.8 s of tool sleep)
+@pytest.mark.slow  # ~45 s on 2 cores (135 s under heavy load): a TRL child, warm-up + 3 latencies x 2 steps, 8.8 s asleep
 def test_bench_agentic_quick_measures_trl_tool_loop_per_latency(tmp_path: Path) -> None:
     """TRL's GRPOTrainer plays the scripted calculator episodes at every latency; composer-mesh's side says it
     is not wired yet (until the multi-turn driver lands); the tables and goals print."""
