@@ -150,3 +150,29 @@ def yaml_seed(path: Path) -> tuple[int, int]:
 
     data = yaml.safe_load(path.read_text())
     return data["model"]["seed"], data["run"]["seed"]
+
+
+@pytest.mark.bench
+@pytest.mark.slow  # ~45 s on 2 cores (135 s under heavy load): a TRL child, warm-up + 3 latencies x 2 steps, 8.8 s asleep
+def test_bench_agentic_quick_measures_trl_tool_loop_per_latency(tmp_path: Path) -> None:
+    """TRL's GRPOTrainer plays the scripted calculator episodes at every latency; composer-mesh's side says it
+    is not wired yet (until the multi-turn driver lands); the tables and goals print."""
+    stdout, result = run_quick("bench_agentic.py", tmp_path / "bench_agentic.json", 600, "--out", str(tmp_path / "out"))
+    assert "TRL episodes/s" in stdout and "ours / TRL" in stdout and "goals" in stdout and "hardware:" in stdout
+    assert result["hardware"] and result["versions"] and result["params"] > 0
+    trl = {r["latency_s"]: r for r in result["rows"] if r["side"] == "trl"}
+    assert sorted(trl) == [0.0, 0.1, 1.0], result["rows"]
+    for latency, row in trl.items():
+        assert row["status"] == "ok" and row["episodes"] == 2 * 2 * 2, row
+        assert row["tool_calls_per_episode"] == 1.0 and row["reward_mean"] == 1.0, row  # every episode called once
+        assert row["tool_s"] >= latency * row["tool_calls"] and 0 < row["trainer_idle_fraction"] < 1, row
+    # TRL runs a batch's tool calls one after another: 4 calls x 1 s per step dominate at 1 s
+    assert trl[1.0]["episodes_per_s"] < trl[0.0]["episodes_per_s"]
+    assert trl[1.0]["tool_s"] >= 4 * 2 * 1.0 and trl[1.0]["trainer_idle_fraction"] > trl[0.0]["trainer_idle_fraction"]
+    ours = [r for r in result["rows"] if r["side"] == "ours"]
+    assert [r["latency_s"] for r in ours] == [0.0, 0.1, 1.0]
+    assert all(r["status"] == "ok" or r["status"].startswith("not implemented") for r in ours), ours
+    assert len(result["goals"]) == 4
+    if not any(r["status"] == "ok" for r in ours):  # nothing of ours measured: no goal may claim a pass
+        assert all(g["got"].startswith("not measured") and not g["pass"] for g in result["goals"]), result["goals"]
+    assert (tmp_path / "out" / "results.json").is_file()
