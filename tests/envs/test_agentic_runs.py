@@ -53,7 +53,9 @@ async def run_episodes(data: dict[str, Any], where: Path) -> list[dict[str, Any]
 @pytest.mark.e2e  # a shipped topology run end to end: its own tier (`pytest -m e2e`), run by .ci/run
 async def test_the_calculator_topology_trains_on_tool_episodes(tmp_path: Path) -> None:
     data = shortened("agentic.yaml", tmp_path)
-    data["model"]["warmstart"].update(steps=300)  # calls the tool (with wrong operands), so episodes have turns
+    # a shorter warm start (tests/orchestration/tiny_agentic.yaml's: one cached build for both) calls the tool,
+    # with operands it does not copy yet, so episodes have turns; the shipped 800 steps copy them too
+    data["model"]["warmstart"].update(steps=300)
     data["roles"]["teachers"]["members"][0]["settings"]["model"]["warmstart"].update(steps=20)
     steps = await run_episodes(data, ROOT / "topologies" / "agentic.yaml")
     assert any(r["metrics"]["episode/tool_calls"] > 0 for r in steps)

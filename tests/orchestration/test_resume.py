@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from composer_mesh.app.launch import launch
+from composer_mesh.app.launch import launch, run_config
 from composer_mesh.app.runner import apply_overrides, checkpoint_policy, resume_point
 from composer_mesh.orchestration.checkpoint import RunCheckpointError
 from composer_mesh.orchestration.loop import RLLoop
@@ -40,7 +40,8 @@ async def run_session(topo: Topology, stop_after: int | None = None, resume: boo
             if stop_after is not None and record.step >= stop_after:
                 loop.request_stop("test stop")
 
-        loop = RLLoop(mesh, topo.run, topo.loss, progress=progress, checkpoints=checkpoint_policy(topo), resume=point)
+        loop = RLLoop(mesh, run_config(topo), topo.loss, progress=progress, checkpoints=checkpoint_policy(topo),
+                      resume=point)
         return await loop.run()
 
 
@@ -145,3 +146,17 @@ def test_resume_refuses_a_checkpoint_of_another_topology(tmp_path):
     # What may change between sessions does not matter: more steps, another run dir for outputs.
     longer = topology("tiny_run.yaml", tmp_path / "run", steps=50, eval_prompts=0)
     assert longer.training_fingerprint() == topo.training_fingerprint()
+
+
+@pytest.mark.slow  # builds a warm-started byte model once (cached), then three sessions of episode runs
+async def test_lag_0_resumed_episode_run_is_bitwise_the_uninterrupted_run(tmp_path):
+    """Multi-turn episodes: the episodes finished but not trained are in the checkpoint, the ones in flight are
+    played again from their start with the same seeds, and the resumed run is bitwise the uninterrupted one."""
+    kw = {"steps": 3, "max_policy_lag": 0}
+    await run_session(topology("tiny_agentic.yaml", tmp_path / "whole", **kw))
+    await stop_and_resume(topology("tiny_agentic.yaml", tmp_path / "cut", **kw), stop_after=1)
+    assert_bitwise(final_state(tmp_path / "whole", 3), final_state(tmp_path / "cut", 3))
+    whole, resumed = records(tmp_path / "whole"), records(tmp_path / "cut")
+    keys = ("step", "weight_version", "reward", "loss", "channels", "rollouts", "prompts")
+    assert [{k: r[k] for k in keys} for r in whole] == [{k: r[k] for k in keys} for r in resumed]
+    assert any(r["metrics"]["episode/policy_turns"] > r["rollouts"] for r in whole)  # episodes of several turns
