@@ -230,7 +230,8 @@ async def test_an_episode_spanning_a_weight_update_counts_its_lag_from_the_oldes
 async def test_failed_environments_are_played_again_from_the_start_when_retries_allow() -> None:
     env = Env(calls=1, fail_at=1)
     run = RunConfig(samples_per_prompt=2, max_new_tokens=2, seed=3, rollout={"kind": "multi_turn",
-                                                                               "environment_retries": 2})
+                                                                               "environment_retries": 2},
+                    environment={"kind": "calculator"})
     source = await run_chunks(TurnGenerators(), env, [Chunk(1, 0, prompts(0, 1))], run=run)
     rewards = source.finished[0][0].group.rewards
     assert [rw.ok for rw in rewards] == [False, False]
