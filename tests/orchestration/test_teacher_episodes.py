@@ -92,8 +92,8 @@ class GradedEnv:
         return Graded(**self.kw)
 
 
-def run(spp: int = 2, retries: int = 0) -> RunConfig:
-    return RunConfig(samples_per_prompt=spp, max_new_tokens=2, seed=3)
+def run() -> RunConfig:
+    return RunConfig(samples_per_prompt=2, max_new_tokens=2, seed=3)
 
 
 def spans_tile(trace: TeacherTrace) -> bool:
