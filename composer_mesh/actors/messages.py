@@ -233,6 +233,10 @@ class TeacherTrace:
     # A teacher's episode (it played the same task): the spans of `completion_ids`; only its policy turns are
     # trained on. None: one completion.
     turns: list[Turn] | None = None
+    # The ids the teacher continued from, filled by local teachers that share the student's tokenizer (empty: a
+    # teacher that re-tokenises, e.g. OpenRouter). Episodes need them token in, token out: a teacher's episode
+    # holds its opening conversation here, and each of its turns is found in the conversation by them.
+    prompt_ids: list[int] = field(default_factory=list)
 
     def loss_mask(self) -> list[int]:
         """1 on the teacher's own tokens, 0 on the environment's (all 1 for a completion)."""
@@ -249,6 +253,11 @@ class TeacherRequest:
     # each teacher resolves it with `teacher_topk.resolve_top_k` against the student's vocabulary
     max_new_tokens: int = 16
     seed: int | None = None  # seeds the teachers' trace sampling (None: each teacher's own call counter)
+    # One seed per prompt (a teacher's episode turns, like `GenerationRequest.seeds`): prompt i's trace samples
+    # with `seeds[i]` whatever else shares the request (local teachers; hosted ones sample as they do). None: `seed`.
+    seeds: list[int] | None = None
+    # Only these replay teachers answer (by member name; None: every replay member). Distributions are unaffected.
+    teachers: list[str] | None = None
 
 
 @dataclass

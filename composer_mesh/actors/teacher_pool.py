@@ -1,7 +1,8 @@
 """A pool of teachers of mixed bindings behind one request: channel-2 distributions and channel-3 traces.
 
 Distill teachers share the student's tokenizer; rollouts are spread over them round-robin (one teacher per
-rollout). Every replay teacher gives one trace per prompt (N-teacher trace replay). Teachers are queried
+rollout). Every replay teacher gives one trace per prompt (N-teacher trace replay), or only those a request
+names (`TeacherRequest.teachers`: a teacher playing an episode is asked for its own turns). Teachers are queried
 concurrently, and every call finishes before the pool answers or raises (no orphaned request keeps spending).
 
 Failures (`composer_mesh.actors.teacher_errors`): a binding raises `TeacherUnavailable` for what is outside
@@ -82,7 +83,8 @@ class TeacherPool:
         is raised: `TeacherFailed` for a `stop` member that was unavailable, or a binding's bug as it is."""
         rollouts, prompts = request.rollouts, request.prompts
         distill = [(m, rows) for m, rows in self._assign(len(rollouts)) if rows]
-        replay = self.replay if prompts else []
+        replay = self._replay_for(request)
+        seeds = {} if request.seeds is None else {"seeds": list(request.seeds)}  # bindings before seeds still work
         calls = [
             self._ask(m, "distill", len(rows), functools.partial(
                 m.backend.distributions, [rollouts[i] for i in rows], request.top_k))
@@ -90,7 +92,7 @@ class TeacherPool:
         ]
         calls += [
             self._ask(m, "replay", len(prompts), functools.partial(
-                m.backend.traces, prompts, request.max_new_tokens, seed=request.seed))
+                m.backend.traces, prompts, request.max_new_tokens, seed=request.seed, **seeds))
             for m in replay
         ]
         results = await asyncio.gather(*calls, return_exceptions=True)
@@ -120,6 +122,16 @@ class TeacherPool:
         return out
 
     # -- internals ----------------------------------------------------------------------------------------
+    def _replay_for(self, request: TeacherRequest) -> list[PoolMember]:
+        """The replay members that answer `request`'s prompts: all of them, or those `request.teachers` names
+        (a name this proc does not host is another proc's: the procs of a pool share each request)."""
+        if not request.prompts:
+            return []
+        if request.seeds is not None and len(request.seeds) != len(request.prompts):
+            raise ValueError(f"TeacherRequest.seeds has {len(request.seeds)} seeds for {len(request.prompts)} prompts")
+        names = None if request.teachers is None else set(request.teachers)
+        return [m for m in self.replay if names is None or m.name in names]
+
     def _assign(self, n: int) -> list[tuple[PoolMember, list[int]]]:
         """Rollout indices per distill teacher, round-robin."""
         teachers = self.distill

@@ -158,9 +158,9 @@ def _teacher_prompt_ids(teacher, prompt: Prompt) -> list[int]:
     seen: list[list[int]] = []
     real = teacher._sample_traces
 
-    def spy(ids, max_new_tokens, seed):
+    def spy(ids, max_new_tokens, seed, seeds=None):
         seen.extend(ids)
-        return real(ids, max_new_tokens, seed)
+        return real(ids, max_new_tokens, seed, seeds)
 
     teacher._sample_traces = spy
     try:

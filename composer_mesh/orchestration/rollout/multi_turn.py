@@ -6,7 +6,8 @@ prompt and sample (at most `run.rollout.max_episodes` in flight). An episode put
 shared by the generators (`turns.TurnQueue`); every generator's `drive` task takes all waiting turns as one
 request, so a turn goes to whichever generator is free and episodes waiting on tools cost no generator time.
 A chunk whose episodes are all done is scored by its environment's rewards, sent to the teachers for channel-2
-distributions over every turn, and handed back to the scheduler like a single-turn chunk.
+distributions over every turn and, with channel 3 on, played by each replay teacher (`teacher_episodes`: same task,
+same environment seed), then handed back to the scheduler like a single-turn chunk.
 
 Determinism: episode j of stream prompt i has the seed a single completion of that row would have
 (`row_seed`), its environment session is made from (prompt, seed), and its turn k samples with seed + k·2^48
@@ -28,15 +29,16 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
-from composer_mesh.actors.messages import Prompt, RolloutGroup, ScoredGroup, TrainBatch
+from composer_mesh.actors.messages import Prompt, RolloutGroup, ScoredGroup, TeacherTrace, TrainBatch
 from composer_mesh.envs.session import EpisodeEnvironment
 from composer_mesh.orchestration.config import RunConfig
 from composer_mesh.orchestration.ports import Generators, RestartsExhausted
 from composer_mesh.orchestration.rollout.base import ChunkSource, RolloutFactory, RolloutServices
 from composer_mesh.orchestration.rollout.episode import Episode, EpisodeLimits, TurnSampler, play_episode
 from composer_mesh.orchestration.rollout.single_turn import group_results, spread
+from composer_mesh.orchestration.rollout.teacher_episodes import TeacherEpisodes, TeacherTurns
 from composer_mesh.orchestration.rollout.turns import TurnQueue, TurnRequest, TurnSampling, deliver, fail
-from composer_mesh.orchestration.schedule import Chunk, GroupResult, row_seed
+from composer_mesh.orchestration.schedule import Chunk, GroupResult, StepTimes, row_seed
 
 log = logging.getLogger("composer_mesh.rollout")
 
@@ -70,6 +72,7 @@ class MultiTurnRollout:
         self.generators, self.scoring = services.generators, services.scoring
         self.spawn, self.stop = services.spawn, services.stop
         self.queue = TurnQueue()
+        self.replay = self._teacher_episodes(services)
         self._intake: asyncio.Task[None] | None = None
         self._slots: asyncio.Semaphore | None = None
 
@@ -132,13 +135,34 @@ class MultiTurnRollout:
             return episode
 
     async def _complete(self, chunk: Chunk, scored: list[ScoredGroup], chunks: ChunkSource) -> list[GroupResult]:
-        """Teacher distributions over the episodes (channel 2), then one result per prompt. With dynamic sampling
-        only groups whose rewards differ are sent to the teachers (the scheduler sets the others aside)."""
+        """Teacher distributions over the episodes (channel 2) and the replay teachers' own episodes (channel 3),
+        then one result per prompt. With dynamic sampling only groups whose rewards differ are sent to the teachers
+        (the scheduler sets the others aside)."""
         times = chunks.times(chunk.step)
         asked = [i for i, g in enumerate(scored)
                  if not self.cfg.dynamic_sampling or len({r.score for r in g.rewards}) > 1]
-        signals = await self.scoring.signals([scored[i].group for i in asked], chunk.first, times, traces=False)
-        return group_results(chunk, TrainBatch(scored, spread(scored, asked, signals), []))
+        signals, traces = await asyncio.gather(
+            self.scoring.signals([scored[i].group for i in asked], chunk.first, times, traces=False),
+            self._replay(chunk, scored, asked, times))
+        return group_results(chunk, TrainBatch(scored, spread(scored, asked, signals), traces))
+
+    def _teacher_episodes(self, services: RolloutServices) -> TeacherEpisodes | None:
+        """Channel 3's players when the loss weights it (`loss.beta_replay > 0`) and the run has teachers."""
+        teachers = self.scoring.teachers
+        if teachers is None or not self.scoring.cfg.traces:
+            return None
+        turns = TeacherTurns(teachers, self.cfg.sampling.max_new_tokens, services.spawn)
+        return TeacherEpisodes(turns, lambda p, s, sample: play_in_session(self.environment, p, s, self.cfg.limits,
+                                                                           sample), self.cfg.environment_retries)
+
+    async def _replay(self, chunk: Chunk, scored: list[ScoredGroup], asked: list[int],
+                      times: StepTimes) -> list[TeacherTrace]:
+        """Channel 3: each replay teacher plays the asked groups' tasks with their first episode's seed."""
+        if self.replay is None:
+            return []
+        groups = [(scored[i].group.prompt, row_seed(self.cfg.seed, chunk.first + i, self.cfg.samples_per_prompt))
+                  for i in asked]
+        return await self.replay.traces(groups, times, self._slots)
 
     async def evaluate(self, prompts: list[Prompt], samples: int, temperature: float,
                        seed: int) -> tuple[int, list[ScoredGroup]]:

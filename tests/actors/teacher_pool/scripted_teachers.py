@@ -37,6 +37,7 @@ class ScriptedTeacher:
         self.settings = settings or ScriptedSettings()
         self.name = "scripted"
         self.calls = 0
+        self.trace_seeds: list[list[int] | None] = []  # the `seeds` of each traces call
 
     def start(self, student_model: Any, name: str) -> None:
         self.name = name
@@ -45,8 +46,10 @@ class ScriptedTeacher:
         self._maybe_fail("distributions")
         return [TokenDistribution(self.name, logits=torch.zeros(len(r.completion_ids), VOCAB)) for r in rollouts]
 
-    async def traces(self, prompts: list[Prompt], max_new_tokens: int, seed: int | None = None) -> list[TeacherTrace]:
+    async def traces(self, prompts: list[Prompt], max_new_tokens: int, seed: int | None = None,
+                     seeds: list[int] | None = None) -> list[TeacherTrace]:
         self._maybe_fail("traces")
+        self.trace_seeds.append(seeds)
         return [TeacherTrace(self.name, p.prompt_id, "7;", [7, 13]) for p in prompts]
 
     def usage(self) -> dict[str, float]:

@@ -29,10 +29,13 @@ class TeacherBackend(Protocol):
         ("auto", 0 = dense, or k) is resolved by the teacher against the student's vocabulary
         (`teacher_topk.resolve_top_k`)."""
 
-    async def traces(self, prompts: list[Prompt], max_new_tokens: int, seed: int | None = None) -> list[TeacherTrace]:
+    async def traces(self, prompts: list[Prompt], max_new_tokens: int, seed: int | None = None,
+                     seeds: list[int] | None = None) -> list[TeacherTrace]:
         """One full completion per prompt (only with capability "replay"). A sampling teacher seeds the call with
         `seed` when given (the loop derives it from the prompts' place in the run, so traces do not depend on
-        the order calls arrive in), else with its own call counter."""
+        the order calls arrive in), else with its own call counter. `seeds` (one per prompt; the pool passes it
+        only when a request has it: a teacher's episode turns) seeds prompt i alone. A teacher that continues
+        the student's exact ids sets each trace's `prompt_ids` (what episodes need to be played by it)."""
 
     def usage(self) -> dict[str, float]:
         """Cumulative counters (tokens, cost, requests, failures) for the run's metrics."""

@@ -91,16 +91,19 @@ class HFTeacher(LocalTeacher):
         vals, ids = logp.topk(min(top_k, logp.shape[-1]), dim=-1)
         return TokenDistribution(teacher=self.name, topk_ids=ids.to("cpu", torch.long), topk_logprobs=vals.cpu())
 
-    def _sample_traces(self, ids: list[list[int]], max_new_tokens: int, seed: int) -> list[list[int]]:
-        from composer_mesh.models.sampling import chunks, sample
+    def _sample_traces(self, ids: list[list[int]], max_new_tokens: int, seed: int,
+                       seeds: list[int] | None = None) -> list[list[int]]:
+        from composer_mesh.models.sampling import sample
 
         model, _ = self._require_started()
         temp = self.settings.trace_temperature
         gen = torch.Generator(device=self.settings.device).manual_seed(seed)
         samples = []
-        for batch in chunks(ids, self.settings.max_batch):
+        step = self.settings.max_batch
+        for start in range(0, len(ids), step):
             samples += sample(
-                model, batch, max_new_tokens=max_new_tokens, temperature=temp,
+                model, ids[start : start + step], max_new_tokens=max_new_tokens, temperature=temp,
                 stop_ids=self.stop_ids, pad_id=self._pad_id, generator=gen if temp > 0 else None,
+                seeds=None if seeds is None or temp == 0 else seeds[start : start + step],
             )
         return [list(s.token_ids) for s in samples]

@@ -80,8 +80,10 @@ class LocalTeacher(ABC):
         resolved: 0 = dense), scored in batches of at most `settings.score_batch_tokens` padded tokens."""
 
     @abstractmethod
-    def _sample_traces(self, ids: list[list[int]], max_new_tokens: int, seed: int) -> list[list[int]]:
-        """The teacher's completion token ids for each prompt (ids in the teacher's vocabulary)."""
+    def _sample_traces(self, ids: list[list[int]], max_new_tokens: int, seed: int,
+                       seeds: list[int] | None = None) -> list[list[int]]:
+        """The teacher's completion token ids for each prompt (ids in the teacher's vocabulary). With `seeds`,
+        prompt i samples with `seeds[i]` alone (its tokens do not depend on what shares the call)."""
 
     # -- lifecycle ---------------------------------------------------------------------------------------
     def bind_student(self, student_model: Any) -> None:
@@ -153,13 +155,21 @@ class LocalTeacher(ABC):
         return torch.cat([logits, pad], dim=-1)
 
     # -- channel 3 ---------------------------------------------------------------------------------------
-    async def traces(self, prompts: list[Prompt], max_new_tokens: int, seed: int | None = None) -> list[TeacherTrace]:
+    async def traces(self, prompts: list[Prompt], max_new_tokens: int, seed: int | None = None,
+                     seeds: list[int] | None = None) -> list[TeacherTrace]:
+        """One trace per prompt (channel 3). `seeds`: one per prompt (a teacher's episode turns). A teacher that
+        shares the student's tokenizer continues a prompt's exact ids (`token_ids` + `bridge_messages`, as the
+        generators do) and returns them as the trace's `prompt_ids`, so an episode can be played token in,
+        token out; another tokenizer re-tokenises, and its traces have no `prompt_ids`."""
         self._require_started()
         if max_new_tokens < 1:
             raise ValueError(f"teacher {self.name!r}: max_new_tokens must be >= 1, got {max_new_tokens}")
-        return await self._run(self._traces, prompts, max_new_tokens, seed)
+        if seeds is not None and len(seeds) != len(prompts):
+            raise ValueError(f"teacher {self.name!r}: {len(seeds)} seeds for {len(prompts)} prompts")
+        return await self._run(self._traces, prompts, max_new_tokens, seed, seeds)
 
-    def _traces(self, prompts: list[Prompt], max_new_tokens: int, seed: int | None = None) -> list[TeacherTrace]:
+    def _traces(self, prompts: list[Prompt], max_new_tokens: int, seed: int | None = None,
+                seeds: list[int] | None = None) -> list[TeacherTrace]:
         self._require_started()
         if self.shares_tokenizer:
             ids = [prompt_ids(p, self.tokenizer, self._vocab, f"teacher {self.name!r}", max_new_tokens, self._context)
@@ -171,22 +181,23 @@ class LocalTeacher(ABC):
                     raise ValueError(f"teacher {self.name!r}: prompt {p.prompt_id!r} has no text to re-tokenise")
         seed = seed if seed is not None else self.settings.seed + self._calls
         self._calls += 1
-        samples = self._sample_traces(ids, max_new_tokens, seed)
+        samples = self._sample_traces(ids, max_new_tokens, seed, seeds)
         traces = []
-        for p, s in zip(prompts, samples):
-            trace = self._trace(p, s, max_new_tokens)
+        for p, i, s in zip(prompts, ids, samples):
+            trace = self._trace(p, i, s, max_new_tokens)
             if trace is not None:
                 traces.append(trace)
         self._usage["trace_prompts"] += len(prompts)
         self._usage["trace_tokens"] += sum(len(s) for s in samples)
         return traces
 
-    def _trace(self, p: Prompt, token_ids: list[int], max_new_tokens: int) -> TeacherTrace | None:
-        """One trace in the student's vocabulary, or None when the student cannot write its text."""
+    def _trace(self, p: Prompt, ids: list[int], token_ids: list[int], max_new_tokens: int) -> TeacherTrace | None:
+        """One trace in the student's vocabulary (continuing `ids`), or None when the student cannot write its
+        text."""
         tokenizer = self.tokenizer
         text = tokenizer.decode(token_ids, skip_special_tokens=True)
         if self.shares_tokenizer:
-            return TeacherTrace(self.name, p.prompt_id, text, list(token_ids))
+            return TeacherTrace(self.name, p.prompt_id, text, list(token_ids), prompt_ids=list(ids))
         # Another tokenizer: write the text in the student's vocabulary. A text the student cannot
         # represent is dropped (a silently shortened trace would teach something the teacher never said).
         student = self.student_tokenizer

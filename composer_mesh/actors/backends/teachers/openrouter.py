@@ -112,9 +112,11 @@ class OpenRouterTeacher:
             "for `distill`."
         )
 
-    async def traces(self, prompts: list[Prompt], max_new_tokens: int, seed: int | None = None) -> list[TeacherTrace]:
-        """One trace per prompt, in order, once every request has finished. `seed` is not sent: a hosted model's
-        sampling is not reproducible anyway (providers treat a seed as best effort, when at all).
+    async def traces(self, prompts: list[Prompt], max_new_tokens: int, seed: int | None = None,
+                     seeds: list[int] | None = None) -> list[TeacherTrace]:
+        """One trace per prompt, in order, once every request has finished. `seed` and `seeds` are not sent: a
+        hosted model's sampling is not reproducible anyway (providers treat a seed as best effort, when at all).
+        Its traces have no `prompt_ids` (the hosted model applies its own template): it cannot play episodes.
 
         Failed prompts are left out when `partial_traces` (already-paid traces are kept; the pool's traces
         are a flat list, not aligned with prompts); otherwise, or when every request failed, raises

@@ -123,7 +123,8 @@ class VLLMTeacher(LocalTeacher):
             return TokenDistribution(teacher=self.name, topk_ids=ids, topk_logprobs=lps)
         return TokenDistribution(teacher=self.name, logits=self._to_student_vocab(_dense(rows, self._vocab, what)))
 
-    def _sample_traces(self, ids: list[list[int]], max_new_tokens: int, seed: int) -> list[list[int]]:
+    def _sample_traces(self, ids: list[list[int]], max_new_tokens: int, seed: int,
+                       seeds: list[int] | None = None) -> list[list[int]]:
         from vllm import SamplingParams
 
         engine = self._require_started()
@@ -132,7 +133,7 @@ class VLLMTeacher(LocalTeacher):
             SamplingParams(
                 max_tokens=max_new_tokens, temperature=temp, stop_token_ids=self.stop_ids,
                 ignore_eos=True,  # vLLM would add its own EOS ids: stop exactly on ours (which have EOS)
-                seed=seed + j if temp > 0 else None, detokenize=False,
+                seed=(seeds[j] if seeds is not None else seed + j) if temp > 0 else None, detokenize=False,
             )
             for j in range(len(ids))
         ]

@@ -1,0 +1,238 @@
+"""Channel 3 on episodes: each replay teacher plays the group's task itself, with the same environment seed.
+
+Why a whole episode and not a trace of the opening prompt: an episode's reward comes from the environment, turn by
+turn, so a teacher shows what to do only by playing, its tool calls answered by the same environment the student
+met. The replay pair is (the teacher's episode, the group's worst student episode); only the teacher's own tokens
+are trained on (`TeacherTrace.turns` / `loss_mask`), and a trace is paired only when its reward beats the worst.
+
+How. For a finished group (its prompt and its first episode's seed), each replay teacher plays one episode with
+`play_episode` in a fresh environment session made from (prompt, seed), i.e. the task the student's first episode
+got. Its turns are sampled by that teacher token in, token out: a turn is one prompt of a `TeacherRequest` with the
+conversation's exact ids (`Prompt.token_ids` + `bridge_messages`, rendered by the teacher as the generators do),
+the turn's seed (the student's scheme: seed + k·`TURN_SEED_STRIDE`) and the teacher's name (`teachers`). The
+teacher's trace carries the ids it continued from (`TeacherTrace.prompt_ids`), which place its tokens in the
+conversation exactly as a generator's `Rollout.prompt_ids` do (`EpisodeTokens.add`). Teacher turns of concurrent
+episodes wait in `TeacherTurns`, which sends every waiting turn of a teacher as one request (like
+`turns.TurnQueue` does for generators); the per-turn seeds make that batching change no token.
+
+Which teachers play. The driver does not know the pool's members: the first teacher turn is asked of every replay
+teacher (`teachers: None`), and the answers name them. A teacher whose trace has `prompt_ids` continues the
+student's ids (a local teacher with the student's tokenizer) and plays; one without (another tokenizer, a hosted
+model: OpenRouter) cannot play token in, token out: it is warned about once and counted (`unplayable`) for every
+group it sits out. Until some teacher has answered, each group's first turn asks them all; after that only the
+teachers that can play are asked (a teacher unavailable at that first answer is not learnt).
+
+Failures follow the student's rules: an environment error ends that episode (played again from its start while
+`environment_retries` last; one that still fails gives no trace); a teacher unavailable with `on_failure: skip`
+ends its episode without a trace (`skipped`); a teacher's `TeacherFailed` (`on_failure: stop`), a binding's bug or
+token drift propagates and the run stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from composer_mesh.actors.messages import Prompt, Rollout, TeacherRequest, TeacherTrace
+from composer_mesh.orchestration.ports import Teachers
+from composer_mesh.orchestration.rollout.episode import Episode, TurnSampler
+from composer_mesh.orchestration.schedule import StepTimes
+
+log = logging.getLogger("composer_mesh.rollout")
+
+Spawn = Callable[[Coroutine[Any, Any, Any]], asyncio.Task[Any]]
+PlaySession = Callable[[Prompt, int, TurnSampler], Awaitable[Episode]]  # (task, seed, sampler) -> the episode
+
+
+@dataclass
+class TeacherTurn:
+    """One teacher turn to sample: the conversation so far as `prompt`, its seed, and the step whose time it is."""
+
+    prompt: Prompt
+    seed: int
+    times: StepTimes | None
+    result: asyncio.Future[dict[str, TeacherTrace]] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+class TeacherTurns:
+    """Teacher turns of concurrent episodes, batched: one request per teacher at a time (key None: every replay
+    teacher), carrying every turn waiting for it. A turn's answer is each answering teacher's trace by name."""
+
+    def __init__(self, teachers: Teachers, max_new_tokens: int, spawn: Spawn) -> None:
+        self.teachers, self.max_new_tokens, self.spawn = teachers, max_new_tokens, spawn
+        self._waiting: dict[str | None, list[TeacherTurn]] = {}
+        self._serving: dict[str | None, asyncio.Task[Any]] = {}
+        self.requests: list[int] = []  # turns per request sent (what batching achieved)
+
+    async def sample(self, teacher: str | None, prompt: Prompt, seed: int,
+                     times: StepTimes | None = None) -> dict[str, TeacherTrace]:
+        """The turn's traces by teacher (`teacher` None: every replay teacher's; a skipped one is absent)."""
+        turn = TeacherTurn(prompt, seed, times)
+        self._waiting.setdefault(teacher, []).append(turn)
+        if teacher not in self._serving:
+            self._serving[teacher] = self.spawn(self._serve(teacher))
+        return await turn.result
+
+    async def _serve(self, key: str | None) -> None:
+        """Ask `key` for every waiting turn, again while turns came in meanwhile; then end (the next turn starts
+        another). No await between finding nothing and leaving `_serving`: no turn is left unserved."""
+        try:
+            while True:
+                await asyncio.sleep(0)  # episodes resumed by the same event put their turns in first
+                turns = [t for t in self._waiting.pop(key, []) if not t.result.done()]
+                if not turns:
+                    return
+                await self._ask(key, turns)
+        finally:
+            del self._serving[key]
+
+    async def _ask(self, key: str | None, turns: list[TeacherTurn]) -> None:
+        # Tagged prompt ids: the pool's traces are a flat list (a member may drop one), not aligned with prompts.
+        tagged = [replace(t.prompt, prompt_id=f"{t.prompt.prompt_id}#{i}") for i, t in enumerate(turns)]
+        request = TeacherRequest(prompts=tagged, max_new_tokens=self.max_new_tokens, seeds=[t.seed for t in turns],
+                                 teachers=None if key is None else [key])
+        self.requests.append(len(turns))
+        t0 = time.perf_counter()
+        try:
+            answers = await self.teachers.signals(request)
+        except asyncio.CancelledError:
+            for t in turns:
+                t.result.cancel()
+            raise
+        except Exception as e:  # the episodes see it (a stop or a bug ends the run through them)
+            for t in turns:
+                if not t.result.done():
+                    t.result.set_exception(e)
+            return
+        share = (time.perf_counter() - t0) / len(turns)
+        by_tag: dict[str, dict[str, TeacherTrace]] = {p.prompt_id: {} for p in tagged}
+        for trace in (t for a in answers for t in a.traces):
+            got = by_tag.get(trace.prompt_id)
+            if got is not None:
+                got[trace.teacher] = trace
+        for t, p in zip(turns, tagged):
+            if t.times is not None:
+                t.times.teacher_s += share
+            if not t.result.done():
+                t.result.set_result({n: replace(tr, prompt_id=t.prompt.prompt_id) for n, tr in by_tag[p.prompt_id].items()})
+
+
+class _EpisodeEnds(BaseException):
+    """Ends a teacher episode from inside its sampler, past `play_episode`'s handling of environment failures (a
+    teacher's error is not the environment's): `cause` None = the teacher gave no turn (skipped), else raised."""
+
+    def __init__(self, cause: BaseException | None) -> None:
+        super().__init__(cause)
+        self.cause = cause
+
+
+class _TeacherSampler:
+    """A teacher episode's `TurnSampler`: its turns asked of `teacher`. `teacher` None: the first turn is asked of
+    every replay teacher; the answers tell `owner` who they are, and the episode goes on as the first that plays."""
+
+    def __init__(self, owner: TeacherEpisodes, teacher: str | None, times: StepTimes | None) -> None:
+        self.owner, self.teacher, self.times = owner, teacher, times
+
+    async def __call__(self, prompt: Prompt, seed: int) -> Rollout:
+        try:
+            answers = await self.owner.turns.sample(self.teacher, prompt, seed, self.times)
+        except Exception as e:
+            raise _EpisodeEnds(e) from e
+        if self.teacher is None:
+            self.teacher = self.owner.learn(answers)
+        trace = answers.get(self.teacher) if self.teacher is not None else None
+        if trace is None or not trace.prompt_ids:
+            raise _EpisodeEnds(None)
+        n = len(trace.completion_ids)
+        return Rollout(prompt.prompt_id, list(trace.prompt_ids), list(trace.completion_ids), [0.0] * n,
+                       weight_version=0, text=trace.text, finish_reason="stop", generator=trace.teacher)
+
+
+class TeacherEpisodes:
+    """Replay episodes: every replay teacher that can play plays each group's task once (see the module doc)."""
+
+    def __init__(self, turns: TeacherTurns, play: PlaySession, retries: int) -> None:
+        self.turns, self.play, self.retries = turns, play, retries
+        self.names: list[str] | None = None  # the replay teachers that play, once some teacher has answered
+        self.cannot_play: set[str] = set()  # replay teachers without prompt ids (warned about once)
+        self.unplayable: Counter[str] = Counter()  # groups each of them sat out
+        self.played = 0  # episodes that gave a trace
+        self.failed = 0  # episodes whose environment still failed after the retries
+        self.skipped = 0  # episodes ended by an unavailable teacher (on_failure: skip)
+
+    async def traces(self, groups: list[tuple[Prompt, int]], times: StepTimes | None = None,
+                     slots: asyncio.Semaphore | None = None) -> list[TeacherTrace]:
+        """One trace per group and playing teacher, groups in order, teachers by name. `groups`: each group's prompt
+        and its first episode's seed; `slots`: the driver's episodes in flight (teacher episodes take them too)."""
+        found = await asyncio.gather(*(self._group(p, seed, times, slots) for p, seed in groups))
+        return [t for ts in found for t in ts]
+
+    def learn(self, answers: dict[str, TeacherTrace]) -> str | None:
+        """The replay teachers from a first turn asked of them all; the first (by name) that can play, or None."""
+        playable = sorted(n for n, t in answers.items() if t.prompt_ids)
+        for name in sorted(set(answers) - set(playable) - self.cannot_play):
+            self.cannot_play.add(name)
+            log.warning("teacher %r cannot play episodes (its traces have no prompt ids: it does not continue the "
+                        "student's token ids, e.g. another tokenizer or a hosted model); it gives no channel-3 "
+                        "episodes", name)
+        if answers and self.names is None:
+            self.names = playable
+            log.info("replay teachers playing episodes: %s", playable or "none")
+        return playable[0] if playable else None
+
+    def counters(self) -> dict[str, float]:
+        """The run's counts of teacher episodes, for its metrics."""
+        out = {"teacher_episodes/played": float(self.played), "teacher_episodes/failed": float(self.failed),
+               "teacher_episodes/skipped": float(self.skipped)}
+        out.update({f"teacher_episodes/unplayable/{n}": float(c) for n, c in sorted(self.unplayable.items())})
+        return out
+
+    async def _group(self, prompt: Prompt, seed: int, times: StepTimes | None,
+                     slots: asyncio.Semaphore | None) -> list[TeacherTrace]:
+        out: list[TeacherTrace | None] = []
+        if self.names is None:  # not learnt yet: this group's first turn asks every replay teacher
+            lead = _TeacherSampler(self, None, times)
+            out.append(await self._episode(prompt, seed, lead, slots))
+            if self.names is None:
+                return [t for t in out if t is not None]
+            rest = [n for n in self.names if n != lead.teacher]
+        else:
+            rest = list(self.names)
+        for name in self.cannot_play:
+            self.unplayable[name] += 1
+        out += await asyncio.gather(*(self._episode(prompt, seed, _TeacherSampler(self, n, times), slots)
+                                      for n in rest))
+        return sorted((t for t in out if t is not None), key=lambda t: t.teacher)
+
+    async def _episode(self, prompt: Prompt, seed: int, sampler: _TeacherSampler,
+                       slots: asyncio.Semaphore | None) -> TeacherTrace | None:
+        """One teacher episode (played again, same seed, while its environment fails and retries last)."""
+        async with slots if slots is not None else contextlib.nullcontext():
+            for attempt in range(self.retries + 1):
+                try:
+                    episode = await self.play(prompt, seed, sampler)
+                except _EpisodeEnds as e:
+                    if e.cause is not None:
+                        raise e.cause from None
+                    self.skipped += 1
+                    return None
+                if episode.rollout.status != "error_environment":
+                    break
+                if attempt < self.retries:
+                    log.warning("teacher episode %s (%s): playing it again (%d of %d)", prompt.prompt_id,
+                                sampler.teacher, attempt + 1, self.retries)
+        if episode.rollout.status == "error_environment" or sampler.teacher is None:
+            self.failed += 1
+            return None
+        self.played += 1
+        r = episode.rollout
+        return TeacherTrace(sampler.teacher, prompt.prompt_id, r.text, list(r.completion_ids),
+                            reward=episode.reward_result().score, turns=list(r.turns or []),
+                            prompt_ids=list(r.prompt_ids))
