@@ -186,7 +186,8 @@ class RLLoop:
 
     def _hooks(self, schedule: StepScheduler, writer: MetricsWriter, t_start: float) -> PipelineHooks:
         sources = records.RecordSources(lambda: self.scoring.traces_scored, lambda: self.scoring.teacher_usage,
-                                        self.recovery.metrics, lambda: self.gate.dropped_batches)
+                                        self.recovery.metrics, lambda: self.gate.dropped_batches,
+                                        self.rollout.counters)
         recorder = records.StepRecorder(writer, schedule, sources, t_start, self.commits.recorded, self.progress)
         health = RewardHealth(RewardHealthConfig.of(self.cfg))  # raises RewardsFailing: the run stops
         return PipelineHooks(

@@ -36,6 +36,7 @@ class RecordSources:
     teacher_usage: Callable[[], dict[str, float]]
     faults: Callable[[], dict[str, float]]
     dropped_batches: Callable[[], int]
+    rollout: Callable[[], dict[str, float]] = dict  # the rollout driver's counters (`RolloutDriver.counters`)
 
 
 @dataclass
@@ -74,6 +75,7 @@ class StepRecorder:
                  "sampling/short_step": float(done.plan.short),
                  "replay/traces_scored": float(self.sources.traces_scored()),
                  "sampling/generators": float(len({r.generator for r in rollouts})), **self.sources.faults(),
+                 **self.sources.rollout(),
                  **episode_metrics([g for b in done.batches for g in b.groups])}
         record = self._record(done, since, timing, extra, len(rollouts))
         record.prompts = [g.group.prompt.prompt_id for b in done.batches for g in b.groups]

@@ -60,6 +60,8 @@ async def test_the_calculator_topology_trains_on_tool_episodes(tmp_path: Path) -
     steps = await run_episodes(data, ROOT / "topologies" / "agentic.yaml")
     assert any(r["metrics"]["episode/tool_calls"] > 0 for r in steps)
     assert any(r["metrics"]["episode/env_tokens"] > 0 for r in steps)  # tool results were bridged in
+    assert all(r["metrics"]["teacher_episodes/played"] > 0 for r in steps)  # channel 3: the teacher played the task
+    assert all(r["metrics"]["replay/pairs"] + r["metrics"]["replay/traces_not_better"] > 0 for r in steps)
 
 
 @pytest.mark.e2e

@@ -68,5 +68,9 @@ class RolloutDriver(Protocol):
         the weight version they were sampled with (the `Evaluator` asks; nothing here is trained on)."""
         ...
 
+    def counters(self) -> dict[str, float]:
+        """The driver's run-wide counters for each step's record (e.g. teacher episodes played); may be empty."""
+        ...
+
 
 RolloutFactory = Callable[[RolloutServices], RolloutDriver]

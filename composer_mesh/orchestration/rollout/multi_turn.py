@@ -164,6 +164,10 @@ class MultiTurnRollout:
                   for i in asked]
         return await self.replay.traces(groups, times, self._slots)
 
+    def counters(self) -> dict[str, float]:
+        """Teacher episodes played, failed, skipped and sat out (`teacher_episodes/*`), when replay is on."""
+        return {} if self.replay is None else self.replay.counters()
+
     async def evaluate(self, prompts: list[Prompt], samples: int, temperature: float,
                        seed: int) -> tuple[int, list[ScoredGroup]]:
         """`samples` episodes of each prompt on generator 0 at `temperature` (0: greedy), scored by the

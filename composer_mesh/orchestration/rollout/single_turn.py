@@ -81,6 +81,9 @@ class SingleTurnRollout:
         version, groups = await self.generators.generate_versioned(0, request)
         return version, await self.scoring.score(groups)
 
+    def counters(self) -> dict[str, float]:
+        return {}
+
     async def _complete_chunk(self, chunk: Chunk, groups: list[RolloutGroup], chunks: ChunkSource) -> None:
         try:
             await chunks.finish(chunk, await self.complete(chunk, groups, chunks))
