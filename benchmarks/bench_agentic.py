@@ -4,23 +4,28 @@
 The task: calculator tool use. The user message is a product such as `47*83`; the one tool is
 `calculator(expression: str) -> str`; reward 1 when the final answer equals the product. Every tool call sleeps
 `latency` seconds first (0, 100 ms, 1 s by default), standing in for a sandbox, a search backend or a test run.
-The task is a local copy (`CalculatorTask` below) until `composer_mesh.envs.calculator` lands: the TRL side only
-uses `CalculatorTask.sample`, `.evaluate`, `.reward` and `calculator_tool`, so swapping means pointing those at
-the environment module.
+composer-mesh plays it as `run.environment: {kind: calculator, min_digits: 2, max_digits: 2, tool_latency_s}`
+(an asyncio sleep per call); TRL gets the same function (`composer_mesh.envs.calculator.calculator`, its docstring
+and so its JSON schema) wrapped in a sleep (`calculator_tool`, `CalculatorEnv`), and 2-digit problems drawn by
+`CalculatorTask.sample`.
 
 Same turns on both sides: a scripted policy. The tiny model (built-in tiny Qwen2, byte tokenizer, random weights)
 cannot call a tool by itself, and a benchmark of throughput needs every episode to make the same calls. So
-generation is forced, token by token, by a `transformers` logits processor (`ScriptedTurns`): while the
+generation is forced, token by token: on TRL's side by a `transformers` logits processor (`ScriptedTurns`)
+that wraps `model.generate`, on composer-mesh's by a generator binding named by import path
+(`ScriptedGenerator`: the hf generator whose KV-cache decode loop feeds the script's tokens instead of draws,
+recording the model's own log-probs of them). While the
 conversation holds fewer than `--tool-calls` tool results the assistant turn is the Qwen tool call
 `<tool_call>\\n{"name": "calculator", "arguments": {"expression": "47*83"}}\\n</tool_call><|im_end|>`, after that
-it is the last tool result followed by `<|im_end|>`. The model still runs its full forward for every token (the
-processor only masks the logits it returns), the trainer trains on those tokens as usual, and every episode has
+it is the last tool result followed by `<|im_end|>`. The model still runs its full forward for every token on
+both sides (the processor only masks the logits it returns; tested token for token against each other in
+tests/test_benchmarks.py), the trainer trains on those tokens as usual, and every episode has
 exactly `--tool-calls` tool calls and `--tool-calls + 1` assistant turns (checked: the table prints tool calls
 per episode and the mean reward, which must be 1). With all rewards equal GRPO's advantages are 0: the loss and
 its backward still run in full, which is all a throughput benchmark needs.
 
 Model and tokenizer, built offline once per run into OUT/model and loaded by both sides: the tiny Qwen2 (seed 0,
-hidden 64, 2 layers, max 2048 positions: the tool prompt is ~770 byte tokens) with
+hidden 64, 2 layers, max 2048 positions: the tool prompt is ~810 byte tokens) with
 `composer_mesh.models.tokenizer.build_byte_tokenizer()`, its chat template replaced by the installed TRL's
 `chat_templates/qwen2_5.jinja` (TRL recognises a tool-calling template by its exact text, so it can parse the
 calls) and its EOS set to `<|im_end|>` as Qwen2.5-Instruct's is (TRL cuts the tool-result suffix at the EOS).
@@ -45,8 +50,11 @@ Measured per (side, latency), side by side in one invocation:
   idle = time in `_generate_and_score_completions` (generation, tools, rewards) / window, timed by a subclass;
   also split into tool seconds (timed inside the tool) and `model.generate` seconds. composer-mesh: the steps'
   `timing.trainer_idle_s` (metrics.jsonl) / the same window.
-- composer-mesh: `run_ours(latency_s, cfg)`, through the multi-turn rollout driver
-  (`run.rollout: {kind: multi_turn}`, `run.environment: {kind: calculator}`); see its docstring for what it needs.
+- composer-mesh: `run_ours(latency_s, cfg)` runs `ours_topology_yaml` with `composer-mesh run` (one hf trainer,
+  one `ScriptedGenerator`, local meshes, the multi-turn driver with `max_episodes` = two steps' episodes,
+  `max_policy_lag: 1`, GRPO only) and reads its metrics.jsonl (`summarise_ours`). Its window starts at the
+  `train_start` event (the generators start after it), so step 1 includes the pipeline fill; the table also
+  shows episodes/s and idle after step 1 (steady state).
 
     .venv/bin/python benchmarks/bench_agentic.py --quick   # CI-sized: 2 steps x 2 prompts x 2 samples, 1 tool call
     .venv/bin/python benchmarks/bench_agentic.py           # 5 steps x 4 prompts x 4 samples, 2 tool calls, 2 TRL modes
