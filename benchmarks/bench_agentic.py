@@ -594,9 +594,10 @@ def summarise_ours(lines: list[dict[str, Any]]) -> dict[str, Any]:
     def per_episode(key: str) -> float:  # the steps' per-episode means, weighted by their episodes
         return sum(float(o.get("metrics", {}).get(key, float("nan"))) * int(o["rollouts"]) for o in steps) / episodes
 
-    # after the pipeline fill: from step 1's end (its idle is the wait for the first episodes to finish)
-    later, after = steps[1:], float(steps[0]["elapsed_s"])
-    later_wall = float(steps[-1]["elapsed_s"]) - after
+    # after the pipeline fill (step 1's idle is the wait for the first episodes): the steps' `step_s` tile the
+    # window from train_start (a step line is written a little after its step, so its elapsed_s is no boundary)
+    later = steps[1:]
+    later_wall = sum(float(o["step_s"]) for o in later)
     later_idle = sum(float((o.get("timing") or {}).get("trainer_idle_s", 0.0)) for o in later)
     steady = {"steady_episodes_per_s": sum(int(o["rollouts"]) for o in later) / later_wall,
               "steady_trainer_idle_fraction": later_idle / later_wall} if later and later_wall > 0 else {}
