@@ -4,23 +4,28 @@
 The task: calculator tool use. The user message is a product such as `47*83`; the one tool is
 `calculator(expression: str) -> str`; reward 1 when the final answer equals the product. Every tool call sleeps
 `latency` seconds first (0, 100 ms, 1 s by default), standing in for a sandbox, a search backend or a test run.
-The task is a local copy (`CalculatorTask` below) until `composer_mesh.envs.calculator` lands: the TRL side only
-uses `CalculatorTask.sample`, `.evaluate`, `.reward` and `calculator_tool`, so swapping means pointing those at
-the environment module.
+composer-mesh plays it as `run.environment: {kind: calculator, min_digits: 2, max_digits: 2, tool_latency_s}`
+(an asyncio sleep per call); TRL gets the same function (`composer_mesh.envs.calculator.calculator`, its docstring
+and so its JSON schema) wrapped in a sleep (`calculator_tool`, `CalculatorEnv`), and 2-digit problems drawn by
+`CalculatorTask.sample`.
 
 Same turns on both sides: a scripted policy. The tiny model (built-in tiny Qwen2, byte tokenizer, random weights)
 cannot call a tool by itself, and a benchmark of throughput needs every episode to make the same calls. So
-generation is forced, token by token, by a `transformers` logits processor (`ScriptedTurns`): while the
+generation is forced, token by token: on TRL's side by a `transformers` logits processor (`ScriptedTurns`)
+that wraps `model.generate`, on composer-mesh's by a generator binding named by import path
+(`ScriptedGenerator`: the hf generator whose KV-cache decode loop feeds the script's tokens instead of draws,
+recording the model's own log-probs of them). While the
 conversation holds fewer than `--tool-calls` tool results the assistant turn is the Qwen tool call
 `<tool_call>\\n{"name": "calculator", "arguments": {"expression": "47*83"}}\\n</tool_call><|im_end|>`, after that
-it is the last tool result followed by `<|im_end|>`. The model still runs its full forward for every token (the
-processor only masks the logits it returns), the trainer trains on those tokens as usual, and every episode has
+it is the last tool result followed by `<|im_end|>`. The model still runs its full forward for every token on
+both sides (the processor only masks the logits it returns; tested token for token against each other in
+tests/test_benchmarks.py), the trainer trains on those tokens as usual, and every episode has
 exactly `--tool-calls` tool calls and `--tool-calls + 1` assistant turns (checked: the table prints tool calls
 per episode and the mean reward, which must be 1). With all rewards equal GRPO's advantages are 0: the loss and
 its backward still run in full, which is all a throughput benchmark needs.
 
 Model and tokenizer, built offline once per run into OUT/model and loaded by both sides: the tiny Qwen2 (seed 0,
-hidden 64, 2 layers, max 2048 positions: the tool prompt is ~770 byte tokens) with
+hidden 64, 2 layers, max 2048 positions: the tool prompt is ~810 byte tokens) with
 `composer_mesh.models.tokenizer.build_byte_tokenizer()`, its chat template replaced by the installed TRL's
 `chat_templates/qwen2_5.jinja` (TRL recognises a tool-calling template by its exact text, so it can parse the
 calls) and its EOS set to `<|im_end|>` as Qwen2.5-Instruct's is (TRL cuts the tool-result suffix at the EOS).
@@ -45,8 +50,11 @@ Measured per (side, latency), side by side in one invocation:
   idle = time in `_generate_and_score_completions` (generation, tools, rewards) / window, timed by a subclass;
   also split into tool seconds (timed inside the tool) and `model.generate` seconds. composer-mesh: the steps'
   `timing.trainer_idle_s` (metrics.jsonl) / the same window.
-- composer-mesh: `run_ours(latency_s, cfg)`, through the multi-turn rollout driver
-  (`run.rollout: {kind: multi_turn}`, `run.environment: {kind: calculator}`); see its docstring for what it needs.
+- composer-mesh: `run_ours(latency_s, cfg)` runs `ours_topology_yaml` with `composer-mesh run` (one hf trainer,
+  one `ScriptedGenerator`, local meshes, the multi-turn driver with `max_episodes` = two steps' episodes,
+  `max_policy_lag: 1`, GRPO only) and reads its metrics.jsonl (`summarise_ours`). Its window starts at the
+  `train_start` event (the generators start after it), so step 1 includes the pipeline fill; the table also
+  shows episodes/s and idle after step 1 (steady state).
 
     .venv/bin/python benchmarks/bench_agentic.py --quick   # CI-sized: 2 steps x 2 prompts x 2 samples, 1 tool call
     .venv/bin/python benchmarks/bench_agentic.py           # 5 steps x 4 prompts x 4 samples, 2 tool calls, 2 TRL modes
@@ -76,6 +84,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from machine import child_env, cpu_model, package_versions, total_memory_gib  # noqa: E402
+from pydantic import BaseModel, Field  # noqa: E402
+
+from composer_mesh.actors.backends.generation.config import HFGeneratorSettings  # noqa: E402
+from composer_mesh.actors.backends.generation.hf_generator import HFGenerator  # noqa: E402
+from composer_mesh.actors.messages import GenerationRequest, Rollout, RolloutGroup  # noqa: E402
+from composer_mesh.envs.calculator import calculator as env_calculator  # noqa: E402
 
 GOAL_SPEEDUP_AT_1S = 10.0  # ours vs TRL, episodes/s, at 1 s tool latency
 GOAL_OWN_SLOWDOWN = 2.0  # ours at 1 s vs ours at 0 s
@@ -84,7 +98,7 @@ IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 SYSTEM = "Use the calculator tool, then answer with the number only."
 
 
-# ---- the task (a local copy of composer_mesh.envs.calculator until it lands) ----------------------------------
+# ---- the task (TRL's side; composer-mesh's is `run.environment: {kind: calculator}`, the same tool) ---------------
 
 
 @dataclass(frozen=True)
@@ -101,9 +115,12 @@ class CalculatorTask:
 
     @staticmethod
     def evaluate(expression: str) -> str:
-        """What the tool answers: the product of 'A*B', or an error the model reads (never an exception)."""
-        m = re.fullmatch(r"\s*(-?\d+)\s*\*\s*(-?\d+)\s*", expression)
-        return str(int(m[1]) * int(m[2])) if m else f"error: cannot evaluate {expression!r} (expected A*B)"
+        """What the tool answers: composer_mesh.envs.calculator's answer, or its error as the text the model reads
+        (TRL would pass the exception's text on; the scripted expressions never fail)."""
+        try:
+            return env_calculator(expression)
+        except ValueError as e:
+            return f"error: calculator: {e}"
 
     @staticmethod
     def reward(final_text: str, answer: str) -> float:
@@ -118,12 +135,7 @@ def calculator_tool(latency_s: float, calls: list[float], asynchronous: bool = F
     """The tool as TRL takes it (name, type hints and docstring become its JSON schema); every call sleeps
     `latency_s` first and appends its duration to `calls`."""
 
-    def calculator(expression: str) -> str:
-        """Evaluate an arithmetic expression such as 47*83.
-
-        Args:
-            expression: The expression to evaluate, e.g. "47*83".
-        """
+    def calculator(expression: str) -> str:  # the environment's docstring, set below: the same tool schema
         t0 = time.perf_counter()
         time.sleep(latency_s)
         out = TASK.evaluate(expression)
@@ -137,10 +149,11 @@ def calculator_tool(latency_s: float, calls: list[float], asynchronous: bool = F
         calls.append(time.perf_counter() - t0)
         return out
 
+    calculator.__doc__ = env_calculator.__doc__
     if not asynchronous:
         return calculator
     calculator_async.__name__ = calculator_async.__qualname__ = "calculator"
-    calculator_async.__doc__ = calculator.__doc__
+    calculator_async.__doc__ = env_calculator.__doc__
     return calculator_async
 
 
@@ -225,6 +238,9 @@ def install_scripted_policy(model: Any, tokenizer: Any, tool_calls: int, generat
     model.generate = generate
 
 
+TURN_BUDGET = 96  # max new tokens of one scripted turn (composer-mesh's run.max_new_tokens): a call is ~87
+
+
 def episode_budget(tool_calls: int) -> int:
     """max_completion_length covering a scripted episode: each call (~90 ids) + its result suffix (~60) + answer."""
     return 160 * tool_calls + 32
@@ -276,16 +292,13 @@ class CalculatorEnv:
         self.answer, self.last = str(row.get("answer", "")), ""
 
     def calculator(self, expression: str) -> str:
-        """Evaluate an arithmetic expression such as 47*83.
-
-        Args:
-            expression: The expression to evaluate, e.g. "47*83".
-        """
         t0 = time.perf_counter()
         time.sleep(self.latency_s)
         self.last = TASK.evaluate(expression)
         type(self).calls.append(time.perf_counter() - t0)
         return self.last
+
+    calculator.__doc__ = env_calculator.__doc__  # the environment's tool schema, as the other modes
 
 
 def trl_config(spec: dict[str, Any], output_dir: str) -> Any:
@@ -409,39 +422,125 @@ def run_trl(args: argparse.Namespace, model_dir: str) -> list[dict[str, Any]]:
 
 # ---- composer-mesh side -----------------------------------------------------------------------------------------
 
-OURS_MODULES = ("composer_mesh.orchestration.rollout.multi_turn", "composer_mesh.envs.calculator")
-OURS_NEEDS = (
-    "the multi-turn rollout driver (composer_mesh.orchestration.rollout.multi_turn, `run.rollout: {kind: "
-    "multi_turn, max_turns, max_new_tokens}`), the calculator environment with a per-call latency "
-    "(composer_mesh.envs.calculator, `run.environment: {kind: calculator, tool_latency_s, system}`) and a "
-    "scripted-policy hook on the hf generator (`logits_processor: {path, kwargs}`: a factory "
-    "`(tokenizer, input_ids, **kwargs) -> LogitsProcessor` applied to every generate call; here "
-    "`benchmarks.bench_agentic:scripted_processor`, the one TRL runs under)"
-)
+
+class ScriptedGeneratorSettings(HFGeneratorSettings):
+    """The hf generator's settings plus the script's one knob."""
+
+    tool_calls: int = Field(1, ge=1, description="Calculator calls per episode before the answer (the script).")
+
+
+def script_ids(tokenizer: Any, conversation: list[int], tool_calls: int, end_id: int) -> list[int]:
+    """The token ids of the scripted turn for `conversation` (exact ids up to the assistant header), ending with
+    `end_id` (`<|im_end|>`, a stop id): what `ScriptedTurns` forces on TRL's side for the same conversation."""
+    ids = tokenizer.encode(scripted_turn(tokenizer.decode(conversation), tool_calls), add_special_tokens=False)
+    return ids if ids and ids[-1] == end_id else [*ids, end_id]
+
+
+def forced_decode(model: Any, prompts: list[list[int]], targets: list[list[int]], temperature: float,
+                  pad_id: int) -> list[list[float]]:
+    """Decode `targets` after `prompts` as the hf generator decodes (one left-padded batch, one forward per token
+    with the KV cache), feeding each row its target token instead of a draw. The log-prob of each token is the
+    model's under the distribution the hf generator would sample from (`log_softmax(logits / T)`, T 0: untempered):
+    what a sampled token's would be, so the trainer sees the usual behaviour log-probs."""
+    import torch
+
+    from composer_mesh.models.sampling import _decode_mask, _left_padded
+
+    steps = max(map(len, targets))
+    device = next(model.parameters()).device
+    with torch.inference_mode():
+        ids, mask, positions = _left_padded(prompts, pad_id, steps, device)
+        width = ids.shape[1]
+        table = torch.tensor([t + [t[-1]] * (steps - len(t)) for t in targets], dtype=torch.long, device=device)
+        step_mask = _decode_mask(model)
+        out = model(input_ids=ids, attention_mask=mask[:, :width], position_ids=positions, use_cache=True,
+                    logits_to_keep=1)
+        logps = torch.zeros((len(prompts), steps), dtype=torch.float32, device=device)
+        pos = positions[:, -1:] + 1
+        for step in range(steps):
+            logits = out.logits[:, -1, :].float()
+            logp = torch.log_softmax(logits / temperature if temperature > 0 else logits, dim=-1)
+            tok = table[:, step]
+            logps[:, step] = logp.gather(-1, tok[:, None]).squeeze(-1)
+            if step + 1 == steps:
+                break
+            out = model(input_ids=tok[:, None], attention_mask=step_mask(mask, width + step + 1), position_ids=pos,
+                        past_key_values=out.past_key_values, use_cache=True)
+            pos = pos + 1
+        rows = logps.tolist()
+    return [row[: len(t)] for row, t in zip(rows, targets, strict=True)]
+
+
+class ScriptedGenerator(HFGenerator):
+    """composer-mesh's side of the scripted policy: the hf generator (same model loading, weight loading, batching
+    and KV-cache decoding) whose every turn is the script's (`scripted_turn`), as `ScriptedTurns` forces it on
+    TRL's `model.generate`. The model runs its forward for every token of every turn on both sides.
+
+    Topology: `generators: {binding: "benchmarks.bench_agentic:ScriptedGenerator", settings: {tool_calls: 2}}`."""
+
+    Settings: ClassVar[type[BaseModel]] = ScriptedGeneratorSettings
+    settings: ScriptedGeneratorSettings
+
+    def generate(self, request: GenerationRequest, weight_version: int,
+                 refresh: Callable[[], int] | None = None) -> list[RolloutGroup]:
+        """The script's turns for `request`'s prompts, stamped with `weight_version` (in-flight updates: no)."""
+        from composer_mesh.actors.backends.local_model import check_generation_request, prompt_ids
+
+        model, tokenizer = self._require_started()
+        check_generation_request(request)
+        ids = [prompt_ids(p, tokenizer, self._vocab, "scripted generator", request.max_new_tokens, self._context)
+               for p in request.prompts]
+        flat = [(i, ids[i]) for i in range(len(ids)) for _ in range(request.samples_per_prompt)]
+        end_id = int(tokenizer.convert_tokens_to_ids(IM_END))
+        targets = [script_ids(tokenizer, p, self.settings.tool_calls, end_id)[: request.max_new_tokens]
+                   for _, p in flat]
+        self._calls += 1
+        logprobs: list[list[float]] = []
+        with self._lock:
+            for start in range(0, len(flat), self.settings.max_batch):
+                rows = slice(start, start + self.settings.max_batch)
+                logprobs += forced_decode(model, [p for _, p in flat[rows]], targets[rows], request.temperature,
+                                          self._pad_id)
+        groups = [RolloutGroup(prompt=p, rollouts=[]) for p in request.prompts]
+        for (i, p_ids), tokens, lps in zip(flat, targets, logprobs, strict=True):
+            groups[i].rollouts.append(Rollout(
+                prompt_id=request.prompts[i].prompt_id, prompt_ids=list(p_ids), completion_ids=tokens, logprobs=lps,
+                weight_version=weight_version, text=tokenizer.decode(tokens, skip_special_tokens=True),
+                finish_reason="stop" if tokens[-1] in self.stop_ids else "length", generator=self.settings.name))
+        return groups
 
 
 def ours_topology_yaml(latency_s: float, cfg: dict[str, Any]) -> str:
-    """composer-mesh's side: the keys of run.rollout / run.environment / the generator hook as planned for issue 26
-    (adjust here if the driver names them otherwise). The environment scores the episode (no rewarder)."""
+    """composer-mesh's side: one hf trainer, one scripted hf generator, the calculator environment with the tool
+    latency, multi-turn episodes, GRPO only (no teachers), lag 1. The environment scores the episodes; the rewarder
+    role is required by the schema and launched, but not called for episodes."""
+    turns = cfg["tool_calls"] + 1
+    in_flight = 2 * cfg["prompts"] * cfg["samples"]  # two steps' episodes: every tool wait of a step overlaps
     return f"""\
 # Written by benchmarks/bench_agentic.py: composer-mesh's side of the agentic comparison with TRL.
 name: bench-agentic-latency{latency_s:g}
+python_path: [{json.dumps(ROOT)}]
 model: {{source: {json.dumps(cfg["model_dir"])}}}
 meshes:
   trainer:    {{backend: local, procs_per_host: 1}}
   generators: {{backend: local, procs_per_host: 1}}
+  rewarder:   {{backend: local, procs_per_host: 1}}
 roles:
   trainer:    {{mesh: trainer, binding: hf, settings: {{lr: 1.0e-6, torch_threads: {cfg["threads"]}}}}}
   generators:
     mesh: generators
-    binding: hf
-    settings:
-      torch_threads: {cfg["threads"]}
-      logits_processor: {{path: "benchmarks.bench_agentic:scripted_processor", kwargs: {{tool_calls: {cfg["tool_calls"]}}}}}
+    binding: "benchmarks.bench_agentic:ScriptedGenerator"
+    settings: {{torch_threads: {cfg["threads"]}, tool_calls: {cfg["tool_calls"]}, max_batch: {in_flight}}}
+  rewarder:
+    mesh: rewarder
+    binding: python
+    settings: {{functions: [{{path: "composer_mesh.tasks.arithmetic:exact_match"}}]}}
 loss: {{alpha_sdpo: 0.0, beta_replay: 0.0}}
 run:
-  environment: {{kind: calculator, tool_latency_s: {latency_s}, system: {json.dumps(SYSTEM)}}}
-  rollout: {{kind: multi_turn, max_turns: {cfg["tool_calls"] + 1}, max_new_tokens: {episode_budget(1)}}}
+  environment: {{kind: calculator, tool_latency_s: {latency_s}, system_prompt: {json.dumps(SYSTEM)}, min_digits: 2,
+                max_digits: 2, eval_size: 0}}
+  rollout: {{kind: multi_turn, max_turns: {turns}, max_episodes: {in_flight}}}
+  max_new_tokens: {TURN_BUDGET}
   steps: {cfg["steps"]}
   prompts_per_step: {cfg["prompts"]}
   samples_per_prompt: {cfg["samples"]}
@@ -452,30 +551,12 @@ run:
 """
 
 
-def _missing_modules() -> list[str]:
-    import importlib.util
-
-    missing = []
-    for name in OURS_MODULES:
-        try:
-            found = importlib.util.find_spec(name) is not None
-        except ModuleNotFoundError:  # its parent package is missing
-            found = False
-        if not found:
-            missing.append(name)
-    return missing
-
-
 def run_ours(latency_s: float, cfg: dict[str, Any]) -> dict[str, Any]:
     """composer-mesh at one tool latency: {episodes_per_s, trainer_idle_fraction, episodes, wall_s, ...}.
 
     Writes `ours_topology_yaml(latency_s, cfg)` to a run dir, runs `python -m composer_mesh.cli run FILE
-    --run-dir DIR` and reads DIR/metrics.jsonl (`summarise_ours`). Raises NotImplementedError while the modules
-    it needs are missing (OURS_NEEDS), RuntimeError when the run fails (the log's last line)."""
-    missing = _missing_modules()
-    if missing:
-        raise NotImplementedError(f"composer-mesh's side is not wired yet ({', '.join(missing)} missing): it "
-                                  f"needs {OURS_NEEDS}")
+    --run-dir DIR` and reads DIR/metrics.jsonl (`summarise_ours`). RuntimeError when the run fails (the log's
+    last line)."""
     run_dir = Path(cfg["out"]) / f"latency{latency_s:g}"
     run_dir.mkdir(parents=True, exist_ok=True)
     topo = run_dir / "topology.yaml"
@@ -496,18 +577,37 @@ def run_ours(latency_s: float, cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def summarise_ours(lines: list[dict[str, Any]]) -> dict[str, Any]:
-    """episodes/s over the training window (train_start -> last step, as bench_vs_trl) and trainer idle =
-    the steps' `timing.trainer_idle_s` / their `step_s` (as bench_generator_scaling)."""
+    """episodes/s over the training window (`train_start` event -> the last step line's `elapsed_s`; the generators
+    start after `train_start`), trainer idle = the steps' `timing.trainer_idle_s` / that window (TRL: generation
+    and scoring seconds / its window), where the time went, and the checks on the scripted episodes (tool calls
+    and policy turns per episode, from the step's `episode/*` means)."""
     steps = [o for o in lines if "step" in o and "event" not in o]
     start = next((o for o in lines if o.get("event") == "train_start"), None)
     if not steps or start is None:
         raise RuntimeError("metrics.jsonl has no step lines or no train_start event")
     episodes = sum(int(o["rollouts"]) for o in steps)
     wall = float(steps[-1]["elapsed_s"]) - float(start["elapsed_s"])
-    idle = sum(float((o.get("timing") or {}).get("trainer_idle_s", 0.0)) for o in steps)
-    busy = sum(float(o["step_s"]) for o in steps)
-    return {"steps": len(steps), "episodes": episodes, "wall_s": wall, "episodes_per_s": episodes / wall,
-            "trainer_idle_fraction": idle / busy if busy > 0 else float("nan"),
+
+    def timing(key: str) -> float:
+        return sum(float((o.get("timing") or {}).get(key, 0.0)) for o in steps)
+
+    def per_episode(key: str) -> float:  # the steps' per-episode means, weighted by their episodes
+        return sum(float(o.get("metrics", {}).get(key, float("nan"))) * int(o["rollouts"]) for o in steps) / episodes
+
+    # after the pipeline fill (step 1's idle is the wait for the first episodes): the steps' `step_s` tile the
+    # window from train_start (a step line is written a little after its step, so its elapsed_s is no boundary)
+    later = steps[1:]
+    later_wall = sum(float(o["step_s"]) for o in later)
+    later_idle = sum(float((o.get("timing") or {}).get("trainer_idle_s", 0.0)) for o in later)
+    steady = {"steady_episodes_per_s": sum(int(o["rollouts"]) for o in later) / later_wall,
+              "steady_trainer_idle_fraction": later_idle / later_wall} if later and later_wall > 0 else {}
+    return {"steps": len(steps), "episodes": episodes, "wall_s": wall, "episodes_per_s": episodes / wall, **steady,
+            "trainer_idle_fraction": timing("trainer_idle_s") / wall, "trainer_idle_s": timing("trainer_idle_s"),
+            "generate_s": timing("generate_s"), "train_s": timing("train_s"), "sync_s": timing("sync_s"),
+            "policy_lag_max": max(int(o.get("policy_lag", 0)) for o in steps),
+            "tool_calls_per_episode": per_episode("episode/tool_calls"),
+            "turns_per_episode": per_episode("episode/turns"),
+            "done_fraction": per_episode("episode/status_done"),
             "reward_mean": _mean([float(o["reward"]) for o in steps if "reward" in o])}
 
 
@@ -518,8 +618,6 @@ def run_ours_all(args: argparse.Namespace, model_dir: str) -> list[dict[str, Any
     for latency in args.latencies:
         try:
             rows.append({"side": "ours", "latency_s": latency, "status": "ok", **run_ours(latency, cfg)})
-        except NotImplementedError as e:
-            rows.append({"side": "ours", "latency_s": latency, "status": f"not implemented: {e}"})
         except RuntimeError as e:
             rows.append({"side": "ours", "latency_s": latency, "status": f"failed: {e}"})
     return rows
@@ -611,6 +709,25 @@ def trl_table(args: argparse.Namespace, rows: list[dict[str, Any]]) -> list[str]
     return _markdown(head, lines)
 
 
+def ours_table(rows: list[dict[str, Any]]) -> list[str]:
+    """Every composer-mesh row: where a step's time went (seconds per step; generate and train overlap) and the
+    checks on the scripted episodes."""
+    head = ["tool latency", "episodes/s", "trainer idle", "after step 1: episodes/s", "after step 1: idle",
+            "generate s/step", "train s/step", "tool calls / episode", "turns / episode", "reward mean"]
+    lines = []
+    for r in (r for r in rows if r["side"] == "ours"):
+        if r["status"] != "ok":
+            lines.append([f"{r['latency_s'] * 1000:g} ms", r["status"][:120], *["-"] * 8])
+            continue
+        s = max(1, r["steps"])
+        lines.append([f"{r['latency_s'] * 1000:g} ms", f"{r['episodes_per_s']:.2f}", f"{r['trainer_idle_fraction']:.0%}",
+                      _cell(r if "steady_episodes_per_s" in r else None, "steady_episodes_per_s", ".2f"),
+                      _cell(r if "steady_trainer_idle_fraction" in r else None, "steady_trainer_idle_fraction", ".0%"),
+                      f"{r['generate_s'] / s:.2f}", f"{r['train_s'] / s:.2f}", f"{r['tool_calls_per_episode']:.2f}",
+                      f"{r['turns_per_episode']:.2f}", f"{r['reward_mean']:.2f}"])
+    return _markdown(head, lines)
+
+
 def describe(args: argparse.Namespace, model: dict[str, Any]) -> dict[str, str]:
     versions = package_versions("torch", "transformers", "trl", "datasets", "accelerate", "torchmonarch",
                                 "composer-mesh")
@@ -641,9 +758,8 @@ def report(args: argparse.Namespace, model: dict[str, Any], rows: list[dict[str,
     print("\n".join(main_table(args, rows)))
     print("\nTRL, where the time went")
     print("\n".join(trl_table(args, rows)))
-    ours = [r for r in rows if r["side"] == "ours" and r["status"] != "ok"]
-    if ours:
-        print(f"\ncomposer-mesh: {ours[0]['status']}")
+    print("\ncomposer-mesh, where the time went (its generator and trainer run at once)")
+    print("\n".join(ours_table(rows)))
     result_goals = goals(args, rows)
     print("\ngoals")
     for g in result_goals:

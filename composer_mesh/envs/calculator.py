@@ -22,6 +22,7 @@ from its own RNG (`seed`, `i`): the stream position is its whole state.
 from __future__ import annotations
 
 import ast
+import asyncio
 import hashlib
 import json
 import math
@@ -118,6 +119,22 @@ def calculator(expression: str) -> str:
 CALCULATOR = Tool(calculator)
 
 
+def calculator_tool(latency_s: float = 0.0) -> Tool:
+    """The `calculator` tool; with `latency_s` > 0 a coroutine that sleeps that long before answering (a
+    benchmark's slow tool, `run.environment.tool_latency_s`). Async so the wait holds no worker thread: the
+    toolbox runs a plain function in the default thread pool (a few threads on a small machine), which would
+    serialise hundreds of concurrent episodes' waits; sleeping on the event loop overlaps them all."""
+    if latency_s <= 0:
+        return CALCULATOR
+
+    async def slow_calculator(expression: str) -> str:
+        await asyncio.sleep(latency_s)
+        return calculator(expression)
+
+    slow_calculator.__doc__ = calculator.__doc__  # the same schema: the latency is not the policy's to see
+    return Tool(slow_calculator, name="calculator")
+
+
 def problem_key(a: int, b: int) -> tuple[int, int]:
     """What identifies a problem for the train/eval split: its operands, unordered."""
     return (a, b) if a <= b else (b, a)
@@ -133,8 +150,9 @@ def held_out(a: int, b: int) -> bool:
 class CalculatorSession(ToolSession):
     """One calculator episode: the opening conversation of its prompt, the `calculator` tool, graded 0/1."""
 
-    def __init__(self, prompt: EpisodePrompt, answer: int, timeout_s: float | None = 5.0) -> None:
-        super().__init__(prompt.messages or [{"role": "user", "content": prompt.text}], Toolbox([CALCULATOR]),
+    def __init__(self, prompt: EpisodePrompt, answer: int, timeout_s: float | None = 5.0,
+                 tool: Tool = CALCULATOR) -> None:
+        super().__init__(prompt.messages or [{"role": "user", "content": prompt.text}], Toolbox([tool]),
                          timeout_s=timeout_s)
         self.answer = answer
 
@@ -198,11 +216,13 @@ class CalculatorEnvironment(StreamPosition):
 
     def __init__(self, cfg: CalculatorConfig, seed: int) -> None:
         self.cfg, self.seed = cfg, seed
+        self.tool = calculator_tool(cfg.tool_latency_s)
         self.name = f"calculator/{cfg.min_digits}-{cfg.max_digits}"
         self.eval = self._eval_set()
         self.position = 0
         self.skipped = 0
-        ident = {"config": cfg.model_dump(exclude={"seed"}), "seed": seed}
+        # the tool's latency changes no problem: a stream checkpointed with one resumes with another
+        ident = {"config": cfg.model_dump(exclude={"seed", "tool_latency_s"}), "seed": seed}
         self.digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 
     def _eval_set(self) -> list[DataRow]:
@@ -240,7 +260,8 @@ class CalculatorEnvironment(StreamPosition):
     def session(self, prompt: EpisodePrompt, seed: int) -> CalculatorSession:
         """A new episode of `prompt` (`seed` is unused: the task draws nothing during an episode)."""
         a, b = operands(prompt)
-        return CalculatorSession(prompt, a * b)
+        # the per-call timeout must leave room for the configured latency
+        return CalculatorSession(prompt, a * b, timeout_s=5.0 + self.cfg.tool_latency_s, tool=self.tool)
 
     def demonstration(self, prompt: EpisodePrompt) -> list[Message]:
         return demonstration(prompt)

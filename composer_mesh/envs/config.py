@@ -248,6 +248,9 @@ class CalculatorConfig(BaseModel):
     seed: int | None = Field(None, ge=0, description="Seed of the train stream (eval: its own); null: run.seed.")
     system_prompt: str | None = Field(None, description="A system message before each problem; null: none (every "
                                       "prompt byte is a token for the tiny model).")
+    tool_latency_s: float = Field(0.0, ge=0, le=60, description="For benchmarks: every calculator call first waits "
+                                  "this many seconds (an asyncio sleep, so concurrent episodes overlap their waits), "
+                                  "standing in for a slow tool such as a sandbox or a search backend.")
 
     @model_validator(mode="after")
     def _consistent(self) -> CalculatorConfig:

@@ -276,3 +276,36 @@ def test_warm_start_pairs_are_the_ids_an_episode_feeds_and_samples() -> None:
             assert tok.decode(target) == messages[3]["content"] + "<|im_end|>"
             seen["answer"] = True
     assert seen == {"call": True, "answer": True}
+
+
+# ---- a slow tool, for benchmarks (run.environment.tool_latency_s) ------------------------------------------------
+def test_tool_latency_waits_on_the_event_loop_so_concurrent_episodes_overlap() -> None:
+    """Each call waits `tool_latency_s`; 24 episodes' calls at once take about one wait, not 24 (nor 24 / the
+    default thread pool's few threads), and the tool, its schema and its answers are the same as without one."""
+    slow = source(seed=5, tool_latency_s=0.4)
+    assert slow.env.tool.schema == CALCULATOR.schema and slow.env.tool.is_async
+    assert source(seed=5).env.tool is CALCULATOR  # no latency: the plain tool
+    prompts = slow.take(24)
+    call = format_tool_call("calculator", {"expression": "47*83"})
+
+    async def episode(prompt: Prompt) -> tuple[float, StepResult]:
+        session = slow.env.session(prompt, seed=0)
+        await session.reset()
+        t0 = asyncio.get_running_loop().time()
+        result = await session.step(call)
+        return asyncio.get_running_loop().time() - t0, result
+
+    async def run_all() -> tuple[float, list[tuple[float, StepResult]]]:
+        t0 = asyncio.get_running_loop().time()
+        out = await asyncio.gather(*(episode(p) for p in prompts))
+        return asyncio.get_running_loop().time() - t0, out
+
+    wall, results = asyncio.run(run_all())
+    assert all(r.messages == [{"role": "tool", "name": "calculator", "content": "3901"}] for _, r in results)
+    assert all(took >= 0.4 for took, _ in results)  # every call waited
+    assert wall < 0.4 * 3, wall  # overlapped: serial would be 9.6 s, 6 threads 1.6 s
+    with pytest.raises(ValidationError, match="greater than or equal to 0"):
+        CalculatorConfig(kind="calculator", tool_latency_s=-1)
+    checkpoint = source(seed=5)
+    checkpoint.take(3)
+    slow.restore(checkpoint.state())  # the latency changes no problem: the same stream resumes
