@@ -301,7 +301,7 @@ def test_plan_of_a_coding_run_says_its_sandbox_and_episode_shape(tmp_path: Path)
 run:
   steps: 3
   max_new_tokens: 64
-  environment: {kind: coding, sandbox: {mode: rlimits, wall_s: 5, concurrency: 2}}
+  environment: {kind: coding, max_turns: 4, sandbox: {mode: rlimits, wall_s: 5, concurrency: 2}}
   rollout: {kind: multi_turn, max_turns: 4, max_context: 4096}
 """)
     flat = " ".join(rendered_at(make_plan(load_topology(path))).split())
