@@ -10,11 +10,9 @@ A driver must keep the scheduler's determinism contract: a chunk's rows sample w
 their stream index (so which generator takes a chunk, and when, changes nothing), and a chunk whose work was
 lost (a proc death, a resume) is done again from its prompts alone.
 
-Another kind of driver is a module beside `single_turn.py`. A multi-turn one runs an episode per prompt of a
-chunk (many at once, with `spawn`): one `generators.generate(index, request)` per turn, its tools run between
-turns by the driver itself, `generate_versioned` saying which weights sampled each turn (an episode may span
-weight updates: its rollout's `weight_version` is its oldest turn's, which the lag bound counts); finished
-episodes are scored and given teacher signals through `scoring` like single completions.
+Another kind of driver is a module beside `single_turn.py` and `multi_turn.py` (the episode driver: its
+generators take every waiting turn of the episodes in flight as one request, the environment answers between
+turns, and each turn's weight version is recorded so the lag counts from the oldest; docs/agentic.md).
 """
 
 from __future__ import annotations
