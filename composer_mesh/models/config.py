@@ -31,9 +31,11 @@ DType = Literal["float32", "bfloat16", "float16"]
 LoraSync = Literal["merged", "adapter"]
 
 # Bumped when what a config builds changes without the config changing (cached models of older recipes are
-# rebuilt): 2 = warm starts train on the task's train split only (the eval split is held out); 3 = the byte
-# tokenizer's chat template declares tools and renders tool calls (a cached copy has the old template).
-MATERIALIZE_RECIPE = 3
+# rebuilt): 2 = warm starts train on the task's train split only (the eval split is held out).
+MATERIALIZE_RECIPE = 2
+# Bumped when the byte tokenizer changes (only byte-tokenizer models are rebuilt; character ones keep their
+# caches): 2 = its chat template declares tools and renders tool calls (a cached copy has the old template).
+BYTE_TOKENIZER_VERSION = 2
 
 
 class WarmStartConfig(BaseModel):
@@ -161,6 +163,8 @@ class ModelConfig(BaseModel):
         """Stable hash of everything that determines the materialized weights and tokenizer."""
         payload = self.model_dump(mode="json")
         payload["recipe"] = MATERIALIZE_RECIPE
+        if self.is_tiny and self.tokenizer == "byte":
+            payload["byte_tokenizer"] = BYTE_TOKENIZER_VERSION
         if self.warmstart is not None and self.warmstart.data is not None:  # the rows themselves, not their path
             from composer_mesh.tasks.data import load_prompt_data
 

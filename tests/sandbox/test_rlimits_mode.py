@@ -3,6 +3,8 @@ still contains runaway CPU, processes and memory, and the session goes on."""
 
 from __future__ import annotations
 
+import signal
+
 from composer_mesh.sandbox.pool import SandboxBox
 
 from .test_sandbox import still_works
@@ -21,7 +23,8 @@ async def test_fork_bomb_is_bounded_and_killed(rbox: SandboxBox) -> None:
     assert int(counted.stdout) < rbox.pool.config.processes
     bomb = await rbox.run_python("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n"
                                  "        pass")
-    assert bomb.timed_out
+    # killed either way: by the wall timeout, or by the CPU limit first on a busy machine
+    assert bomb.timed_out or bomb.signal == signal.SIGXCPU, bomb.summary()
     await still_works(rbox)
 
 

@@ -71,7 +71,8 @@ async def test_fork_bomb_is_bounded_and_killed() -> None:
         assert int(counted.stdout) < config.processes and "Resource temporarily unavailable" in counted.summary()
         bomb = await box.run_python("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n"
                                     "        pass")
-        assert bomb.timed_out and bomb.summary() == "killed: wall time 2 s exceeded"
+        # killed either way: by the wall timeout, or by the CPU limit first on a busy machine
+        assert bomb.summary() in ("killed: wall time 2 s exceeded", "killed by SIGXCPU: cpu time limit (1 s) exceeded")
         await still_works(box)
     if os.getuid() == 0:  # the slot uids own no process once the commands are over
         assert slot_processes(config) == []
