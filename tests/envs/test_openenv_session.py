@@ -35,6 +35,9 @@ from composer_mesh.envs.session import StepResult
 from composer_mesh.orchestration.prompts import EnvironmentPrompts
 from envs.test_openenv import free_port, uvicorn
 
+# Real uvicorn servers (OpenEnv's client import alone is ~25 s on 2 cores): the slow tier, which CI runs.
+pytestmark = pytest.mark.slow
+
 # One server process for the module: a text guessing game at /guess and the shipped MCP lookup environment at
 # /lookup. The game's action "sleep <s>" sleeps, "raise" raises in the environment.
 APPS = '''
@@ -245,7 +248,6 @@ async def test_a_step_timeout_or_an_environment_error_raises_from_step(servers: 
     await broken.close()
 
 
-@pytest.mark.slow  # a server of its own to kill: about 20 s to start on a loaded 2-core machine
 async def test_a_server_killed_mid_episode_raises_from_step(tmp_path: Path) -> None:
     url = f"http://127.0.0.1:{free_port()}"
     spec = ServerCommand(command=uvicorn("composer_mesh.envs.openenv_session:lookup_app"), log=str(tmp_path / "log"))
