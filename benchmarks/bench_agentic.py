@@ -83,7 +83,14 @@ from typing import Any, ClassVar
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from machine import child_env, cpu_model, package_versions, total_memory_gib  # noqa: E402
+from machine import (  # noqa: E402
+    child_env,
+    cli_settings,
+    cpu_model,
+    package_versions,
+    total_memory_gib,
+    write_results,
+)
 from pydantic import BaseModel, Field  # noqa: E402
 
 from composer_mesh.actors.backends.generation.config import HFGeneratorSettings  # noqa: E402
@@ -764,14 +771,10 @@ def report(args: argparse.Namespace, model: dict[str, Any], rows: list[dict[str,
     print("\ngoals")
     for g in result_goals:
         print(f"  {'PASS' if g['pass'] else 'MISS'}  {g['goal']}: {g['got']}")
-    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "trl_child"}
+    settings = cli_settings(args, "trl_child")
     payload = {**info, "settings": settings, "model_dir": model["dir"], "params": model["params"],
                "prompt_tokens": model["prompt_tokens"], "rows": rows, "goals": result_goals}
-    text = json.dumps(payload, indent=2, default=str) + "\n"
-    (args.out / "results.json").write_text(text)
-    print(f"\nresults: {args.out / 'results.json'}")
-    if args.json:
-        args.json.write_text(text)
+    write_results(args.out, payload, args.json)
     return payload
 
 

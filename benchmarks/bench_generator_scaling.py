@@ -45,7 +45,14 @@ STAND_IN = "composer_mesh.actors.backends.generation.fixed_latency:FixedLatencyG
 REWARD_PATH = "composer_mesh.tasks.arithmetic:exact_match"
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from machine import child_env, cpu_model, package_versions, total_memory_gib  # noqa: E402
+from machine import (  # noqa: E402
+    child_env,
+    cli_settings,
+    cpu_model,
+    package_versions,
+    total_memory_gib,
+    write_results,
+)
 
 TIMING_KEYS = ("generate_s", "score_s", "train_s", "sync_s", "trainer_idle_s", "generator_idle_s")
 
@@ -244,12 +251,7 @@ def main() -> None:
         print(f"{key}: {text}")
     print("\ngenerator scaling (speed-up vs 1 generator; ideal = min(N, trainer-bound limit); means per step, s)")
     print("\n".join(table(rows)))
-    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    text = json.dumps({**info, "settings": settings, "rows": rows}, indent=2, default=str) + "\n"
-    (args.out / "results.json").write_text(text)
-    print(f"\nresults: {args.out / 'results.json'}")
-    if args.json:
-        args.json.write_text(text)
+    write_results(args.out, {**info, "settings": cli_settings(args), "rows": rows}, args.json)
     if any(r["status"] != "ok" for r in rows):
         sys.exit(1)
 

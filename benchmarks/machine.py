@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
+from argparse import Namespace
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 
 
 def child_env(root: str, threads: int, **extra: str) -> dict[str, str]:
@@ -60,3 +63,17 @@ def package_versions(*names: str) -> dict[str, str]:
         except PackageNotFoundError:
             out[name] = "?"
     return out
+
+
+def cli_settings(args: Namespace, *skip: str) -> dict[str, object]:
+    """The command line's settings for a results file: paths as strings, `skip` left out."""
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in skip}
+
+
+def write_results(out: Path, payload: dict[str, object], copy: Path | None = None) -> None:
+    """`payload` as `<out>/results.json` (said on stdout), and the same text at `copy` when given (`--json`)."""
+    text = json.dumps(payload, indent=2, default=str) + "\n"
+    (out / "results.json").write_text(text)
+    print(f"\nresults: {out / 'results.json'}")
+    if copy:
+        copy.write_text(text)
