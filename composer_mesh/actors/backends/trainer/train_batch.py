@@ -357,10 +357,18 @@ def _topk_teacher(dists: list[TokenDistribution | None], width: int) -> tuple[to
 
 
 def teacher_inputs(
-    dists: list[TokenDistribution | None], width: int, vocab: int, device: torch.device | str = "cpu"
+    dists: list[TokenDistribution | None], width: int, vocab: int, device: torch.device | str = "cpu",
+    temperature: float = 1.0,
 ) -> dict[str, torch.Tensor]:
     """The `LossBatch` teacher fields of rows with distributions `dists` (dense `teacher_logits` if any is dense,
-    else top-k) and `distill_mask`; {} when no row has one. Lengths are checked by `TrainRows.of`."""
+    else top-k) and `distill_mask`; {} when no row has one. Lengths are checked by `TrainRows.of`.
+
+    The teacher is divided by the sampling `temperature`, as the student's logits are (`student_forward`): channel
+    2 then matches the policy's sampling distribution softmax(z/T) to the teacher's at the same T, whose fixed
+    point is the teacher's own logits. Against the untempered teacher the fixed point is T * teacher logits, so at
+    T < 1 distillation flattened what the policy samples (docs/loss.md). Dividing log-probs by T and
+    renormalising (the loss's log_softmax) is exact for a dense teacher and renormalises a top-k one on its
+    support, as the loss already does."""
     if all(d is None for d in dists):
         return {}
     mask = torch.zeros(len(dists), width, dtype=torch.bool)
@@ -369,9 +377,10 @@ def teacher_inputs(
             mask[b, : d.num_tokens] = True
     out = {"distill_mask": mask}
     if any(d is not None and d.logits is not None for d in dists):
-        out["teacher_logits"] = _dense_teacher(dists, width, vocab)
+        out["teacher_logits"] = _dense_teacher(dists, width, vocab) / temperature
     else:
-        out["teacher_topk_ids"], out["teacher_topk_logprobs"] = _topk_teacher(dists, width)
+        ids, lps = _topk_teacher(dists, width)
+        out["teacher_topk_ids"], out["teacher_topk_logprobs"] = ids, lps / temperature
     return {k: v.to(device) for k, v in out.items()}
 
 
@@ -472,7 +481,8 @@ def build_piece(
         ref_logprobs, _ = run.reference_logprobs(prompts, completions, loss_masks)
     teacher = {}
     if run.loss.alpha_sdpo > 0:
-        teacher = teacher_inputs([data.distributions[i] for i in piece.rows], mask.shape[1], student.shape[-1], dev)
+        teacher = teacher_inputs([data.distributions[i] for i in piece.rows], mask.shape[1], student.shape[-1], dev,
+                                 run.temperature)
     if teacher:  # a teacher scores every completion token; only the policy's are distilled
         teacher["distill_mask"] = teacher["distill_mask"] & mask
     rows = torch.tensor(piece.rows)

@@ -154,6 +154,39 @@ def test_teacher_inputs_dense_and_topk():
     assert teacher_inputs([None] * 4, width=3, vocab=9) == {}
 
 
+@pytest.mark.parametrize("sparse", [False, True])
+def test_a_student_equal_to_its_teacher_has_zero_distillation_at_any_sampling_temperature(model, sparse):
+    """The teacher is tempered like the student: a teacher whose raw logits are the student's own gives a zero
+    divergence at T = 0.6 (dense, and top-k renormalised on its support). Against an untempered teacher the
+    divergence would be far from 0 and its minimum would sit at T x the teacher's logits (a flatter policy)."""
+    prompts, completions = sequences(model.config.vocab_size)
+    temperature, k = 0.6, 5
+    dists = []
+    with torch.no_grad():
+        for p, c in zip(prompts, completions):
+            raw = model(input_ids=torch.tensor([p + c])).logits[0, len(p) - 1 : len(p) - 1 + len(c)]
+            if sparse:
+                vals, ids = torch.log_softmax(raw, -1).topk(k, -1)
+                dists.append(TokenDistribution(teacher="t", topk_ids=ids, topk_logprobs=vals.float()))
+            else:
+                dists.append(TokenDistribution(teacher="t", logits=raw))
+    old = [[0.0] * len(c) for c in completions]
+    lb = build_loss_batch(_batch(prompts, completions, old, dists=dists), model, LossConfig(alpha_sdpo=1.0),
+                          temperature=temperature)
+    sel = lb.mask & lb.distill_mask
+    student = lb.logits[sel]
+    if sparse:
+        student = student.gather(-1, lb.teacher_topk_ids[sel].long())
+        teacher = lb.teacher_topk_logprobs[sel]
+    else:
+        teacher = lb.teacher_logits[sel]
+    kl = (torch.log_softmax(teacher, -1).exp() * (torch.log_softmax(teacher, -1) - torch.log_softmax(student, -1)))
+    assert kl.sum(-1).abs().max().item() < 1e-6
+    untempered = teacher * temperature  # what the teacher was before this change
+    drift = torch.log_softmax(untempered, -1).exp() * (torch.log_softmax(untempered, -1) - torch.log_softmax(student, -1))
+    assert drift.sum(-1).mean().item() > 1e-2
+
+
 def test_pad_is_right_padded_and_never_empty():
     assert pad([[1, 2], [3]], 0, torch.long).tolist() == [[1, 2], [3, 0]]
     assert pad([[], []], -1.0, torch.float32).tolist() == [[-1.0], [-1.0]]
