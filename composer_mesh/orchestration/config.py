@@ -85,6 +85,10 @@ class RolloutConfig(BaseModel):
         "played again from its start with the same seed up to this many times; after that it is trained on "
         "with status error_environment and reward 0 (not scored: `RewardResult.ok` false).")
     max_episodes: int = Field(256, ge=1, description="multi_turn: episodes in flight at once over all generators.")
+    turn_linger_s: float = Field(
+        0.05, ge=0, description="multi_turn: a free generator waits up to this long for the turns of every playing "
+        "episode (those not already being sampled) to arrive, so one request samples them all instead of the first "
+        "alone (the episodes' tool results come back a few at a time). 0: take whatever is waiting.")
 
 
 class RunConfig(BaseModel):

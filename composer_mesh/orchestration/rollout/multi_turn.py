@@ -41,6 +41,7 @@ from composer_mesh.orchestration.rollout.turns import TurnQueue, TurnRequest, Tu
 from composer_mesh.orchestration.schedule import Chunk, GroupResult, StepTimes, row_seed
 
 log = logging.getLogger("composer_mesh.rollout")
+EVERY_TURN = 1 << 30  # `take` limit of an evaluation: one request samples every turn waiting
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,7 @@ class MultiTurnConfig:
     max_episodes: int
     environment_retries: int
     dynamic_sampling: bool = False
+    turn_linger_s: float = 0.0
 
     @classmethod
     def of(cls, run: RunConfig, context: int | None = None) -> MultiTurnConfig:
@@ -61,7 +63,7 @@ class MultiTurnConfig:
                    limits=EpisodeLimits.of(run, context),
                    sampling=TurnSampling(run.max_new_tokens, run.temperature),
                    max_episodes=run.rollout.max_episodes, environment_retries=run.rollout.environment_retries,
-                   dynamic_sampling=run.dynamic_sampling)
+                   dynamic_sampling=run.dynamic_sampling, turn_linger_s=run.rollout.turn_linger_s)
 
 
 class MultiTurnRollout:
@@ -71,7 +73,7 @@ class MultiTurnRollout:
         self.cfg, self.environment = cfg, environment
         self.generators, self.scoring = services.generators, services.scoring
         self.spawn, self.stop = services.spawn, services.stop
-        self.queue = TurnQueue()
+        self.queue = TurnQueue(cfg.turn_linger_s, takers=len(services.generators))
         self.replay = self._teacher_episodes(services)
         self._intake: asyncio.Task[None] | None = None
         self._slots: asyncio.Semaphore | None = None
@@ -95,6 +97,8 @@ class MultiTurnRollout:
         except BaseException as e:
             fail(turns, e)
             raise
+        finally:
+            await self.queue.finished(turns)
         deliver(turns, groups)
         share = (time.perf_counter() - t0) / len(turns)
         for step, n in Counter(t.step for t in turns).items():
@@ -123,7 +127,7 @@ class MultiTurnRollout:
     async def _play(self, prompt: Prompt, seed: int, step: int) -> Episode:
         """One episode (played again from its start, same seed, while its environment fails and retries last)."""
         assert self._slots is not None
-        async with self._slots:
+        async with self._slots, self.queue.playing():
             for attempt in range(self.cfg.environment_retries + 1):
                 episode = await play_in_session(self.environment, prompt, seed, self.cfg.limits,
                                                 lambda p, s: self.queue.sample(p, s, step))
@@ -172,13 +176,13 @@ class MultiTurnRollout:
                        seed: int) -> tuple[int, list[ScoredGroup]]:
         """`samples` episodes of each prompt on generator 0 at `temperature` (0: greedy), scored by the
         environment; the oldest weight version any of their turns used."""
-        queue, versions = TurnQueue(), []
+        queue, versions = TurnQueue(self.cfg.turn_linger_s), []
         sampling = TurnSampling(self.cfg.sampling.max_new_tokens, temperature)
         server = asyncio.ensure_future(serve_turns(self.generators, 0, queue, sampling, versions))
         try:
             groups = await asyncio.gather(*(
                 _episodes(self.environment, p, [seed + i * samples + j for j in range(samples)], self.cfg.limits,
-                          lambda pr, s: queue.sample(pr, s, 0))
+                          queue)
                 for i, p in enumerate(prompts)))
         finally:
             server.cancel()
@@ -199,8 +203,12 @@ async def play_in_session(environment: EpisodeEnvironment, prompt: Prompt, seed:
 
 
 async def _episodes(environment: EpisodeEnvironment, prompt: Prompt, seeds: list[int], limits: EpisodeLimits,
-                    sample: TurnSampler) -> ScoredGroup:
-    episodes = await asyncio.gather(*(play_in_session(environment, prompt, s, limits, sample) for s in seeds))
+                    queue: TurnQueue) -> ScoredGroup:
+    async def play(seed: int) -> Episode:
+        async with queue.playing():
+            return await play_in_session(environment, prompt, seed, limits, lambda p, s: queue.sample(p, s, 0))
+
+    episodes = await asyncio.gather(*(play(s) for s in seeds))
     return ScoredGroup(RolloutGroup(prompt, [e.rollout for e in episodes]), [e.reward_result() for e in episodes])
 
 
@@ -208,12 +216,14 @@ async def serve_turns(generators: Generators, index: int, queue: TurnQueue, samp
                       versions: list[int]) -> None:
     """Generator `index` samples `queue`'s turns until cancelled, noting the weight version of each request."""
     while True:
-        turns = await queue.take(len(queue) or 1)
+        turns = await queue.take(EVERY_TURN)
         try:
             version, groups = await generators.generate_versioned(index, sampling.request(turns))
         except BaseException as e:
             fail(turns, e)
             raise
+        finally:
+            await queue.finished(turns)
         versions.append(version)
         deliver(turns, groups)
 

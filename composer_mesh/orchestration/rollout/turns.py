@@ -5,12 +5,23 @@ turns, so the generator that sampled turn k is rarely the one free for turn k+1;
 turns waiting samples them as one batch, which is what makes CPU and GPU generation fast. Each turn keeps its
 own seed (`GenerationRequest.seeds`), so which turns share a request, and which generator runs it, changes no
 token (the samplers make a row a function of its seed).
+
+Why a taker lingers: the turns of a round of episodes come back from their tools a few at a time (a thread hop
+each, even for an instant tool), and a free generator that took the first one alone would run a one-row request
+while the rest queue behind it: requests alternate between 1 row and the rest, and the decode steps double.
+So `take` waits, at most `linger_s`, until every episode that could put a turn soon has put it (the episodes
+playing minus the turns already being sampled), or until it has its share of them: with `takers` generators a
+request holds at most ceil(playing / takers) turns, so a round is split evenly instead of one generator taking
+it all while the others idle. With instant tools the wait is a millisecond; with slow tools it costs at most
+`linger_s` per request.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 from composer_mesh.actors.messages import GenerationRequest, Prompt, Rollout, RolloutGroup
@@ -42,28 +53,68 @@ class TurnSampling:
 class TurnQueue:
     """Episodes put turns in (`sample` waits for the turn's rollout); generators take them out in batches."""
 
-    def __init__(self) -> None:
+    def __init__(self, linger_s: float = 0.0, takers: int = 1) -> None:
+        self.linger_s, self.takers = linger_s, max(1, takers)
         self._waiting: deque[TurnRequest] = deque()
         self._changed = asyncio.Condition()
+        self._playing = 0  # episodes between their start and their end (`playing`)
+        self._in_service = 0  # turns taken by a generator and not yet delivered (`finished`)
+
+    @asynccontextmanager
+    async def playing(self) -> AsyncIterator[None]:
+        """Counts an episode as one that may put turns (what a lingering `take` waits for) while it plays."""
+        async with self._changed:
+            self._playing += 1
+        try:
+            yield
+        finally:
+            async with self._changed:
+                self._playing -= 1
+                self._changed.notify_all()
 
     async def sample(self, prompt: Prompt, seed: int, step: int) -> Rollout:
         """The turn sampled by whichever generator takes it next."""
         turn = TurnRequest(prompt, seed, step)
         async with self._changed:
             self._waiting.append(turn)
-            self._changed.notify()
+            self._changed.notify_all()
         return await turn.result
 
     async def take(self, limit: int) -> list[TurnRequest]:
-        """Up to `limit` waiting turns, oldest first (waits for one). A cancelled episode's turn is skipped."""
+        """Up to `limit` waiting turns, oldest first: waits for one, then lingers (module docstring). A cancelled
+        episode's turn is skipped. The caller reports the taken turns back with `finished`."""
         async with self._changed:
-            await self._changed.wait_for(lambda: any(not t.result.done() for t in self._waiting))
+            await self._changed.wait_for(lambda: self._live() > 0)
+            limit = min(limit, self._share())
+            try:
+                async with asyncio.timeout(self.linger_s):
+                    await self._changed.wait_for(lambda: self._live() >= min(limit, self._expected()))
+            except TimeoutError:
+                pass
             out: list[TurnRequest] = []
             while self._waiting and len(out) < limit:
                 turn = self._waiting.popleft()
                 if not turn.result.done():
                     out.append(turn)
+            self._in_service += len(out)
             return out
+
+    async def finished(self, turns: list[TurnRequest]) -> None:
+        """`turns` (from `take`) were delivered or failed: they no longer count as being sampled."""
+        async with self._changed:
+            self._in_service -= len(turns)
+            self._changed.notify_all()
+
+    def _live(self) -> int:
+        return sum(1 for t in self._waiting if not t.result.done())
+
+    def _expected(self) -> int:
+        """Turns a taker may wait for: every playing episode not waiting on a generator already."""
+        return max(1, self._playing - self._in_service)
+
+    def _share(self) -> int:
+        """One taker's share of a round: the playing episodes split evenly over the takers."""
+        return max(1, -(-self._playing // self.takers))
 
     def __len__(self) -> int:
         return len(self._waiting)
