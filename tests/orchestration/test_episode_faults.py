@@ -150,7 +150,7 @@ def trained_state(run_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(run_dir / "checkpoints" / f"step-{STEPS:08d}" / "trainer" / "r0" / "state.safetensors")
 
 
-@pytest.mark.slow  # two episode runs on real meshes, one with a generator mesh replaced (~60 s here)
+@pytest.mark.slow  # two episode runs on real meshes, one replacing its generators: 1-5 min on a busy 2-core VM
 async def test_a_generator_killed_mid_episode_has_its_turns_re_issued_from_the_same_prefix_and_seed(tmp_path):
     clean = await run(tmp_path / "clean", kill=False)
     killed = await run(tmp_path / "killed", kill=True)
