@@ -140,7 +140,7 @@ class StepScheduler:
         self.trained = 0  # steps whose weights the generators hold
         self.zero_variance_groups = 0
         self.backfilled_groups = 0
-        self.idle_s = 0.0  # generator-seconds spent waiting for admitted work
+        self.idle_s = 0.0  # generator-seconds with nothing to sample (`add_idle`)
         self._changed = asyncio.Condition()
         self._admit()
 
@@ -197,14 +197,21 @@ class StepScheduler:
                 return chunk
         return None
 
-    async def next_chunk(self) -> Chunk:
-        """The next chunk of the oldest admitted step; waits (counted as generator idle) while there is none."""
+    async def next_chunk(self, counts_idle: bool = True) -> Chunk:
+        """The next chunk of the oldest admitted step; waits while there is none (counted as generator idle unless
+        `counts_idle` is false: the episode driver's intake is no generator, see `add_idle`)."""
         t0 = time.perf_counter()
         async with self._changed:
             while (chunk := self._next_pending()) is None:
                 await self._changed.wait()
-        self.idle_s += time.perf_counter() - t0
+        if counts_idle:
+            self.add_idle(time.perf_counter() - t0)
         return chunk
+
+    def add_idle(self, seconds: float) -> None:
+        """A generator had nothing to sample for `seconds`: waiting for admitted work here, or, in an episode
+        run, for a turn (episodes waiting on their environment, or none admitted)."""
+        self.idle_s += seconds
 
     async def finish(self, chunk: Chunk, results: list[GroupResult]) -> None:
         """A chunk's groups are scored and have their teacher signals."""

@@ -163,8 +163,11 @@ class FakeChunks:
         self.finished: dict[int, list[Any]] = {}  # chunk.first -> results
         self.step_times: dict[int, StepTimes] = {}
         self.done = asyncio.Event()
+        self.idle_s = 0.0  # generator idle seconds the driver reported
+        self.uncounted = 0  # next_chunk calls whose wait was not a generator's
 
-    async def next_chunk(self) -> Any:
+    async def next_chunk(self, counts_idle: bool = True) -> Any:
+        self.uncounted += not counts_idle
         if not self.chunks:
             await asyncio.Event().wait()  # nothing more: the driver waits until cancelled
         return self.chunks.pop(0)
@@ -176,3 +179,6 @@ class FakeChunks:
 
     def times(self, step: int) -> StepTimes:
         return self.step_times.setdefault(step, StepTimes())
+
+    def add_idle(self, seconds: float) -> None:
+        self.idle_s += seconds

@@ -9,6 +9,7 @@ distributions and no single-turn traces; evaluation plays greedy episodes on gen
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -64,10 +65,11 @@ class TurnGenerators:
 
 class Counting:
     """A session that wants `calls` tool turns, then an answer: each turn before gets a tool message back;
-    reward 1 at the end. `fail_at` raises on that step; `slow_at` sleeps there."""
+    reward 1 at the end. `fail_at` raises on that step; `slow_at` sleeps there (`pause` seconds)."""
 
-    def __init__(self, calls: int = 2, fail_at: int | None = None, slow_at: int | None = None) -> None:
-        self.calls, self.fail_at, self.slow_at = calls, fail_at, slow_at
+    def __init__(self, calls: int = 2, fail_at: int | None = None, slow_at: int | None = None,
+                 pause: float = 10.0) -> None:
+        self.calls, self.fail_at, self.slow_at, self.pause = calls, fail_at, slow_at, pause
         self.steps: list[str] = []
         self.closed = False
 
@@ -80,7 +82,7 @@ class Counting:
         if k == self.fail_at:
             raise ConnectionError("server gone")
         if k == self.slow_at:
-            await asyncio.sleep(10)
+            await asyncio.sleep(self.pause)
         if k <= self.calls:
             return StepResult([{"role": "tool", "content": "x" * k}], info={"tool_calls": 1.0})
         return StepResult(reward=1.0, done=True)
@@ -240,6 +242,80 @@ async def test_failed_environments_are_played_again_from_the_start_when_retries_
     rewards = source.finished[0][0].group.rewards
     assert [rw.ok for rw in rewards] == [False, False]
     assert len(env.sessions) == 2 * 3 and all(s.closed for s in env.sessions)  # each sample: 1 + 2 retries
+
+
+class Flaky(Env):
+    """Sessions of the seeds in `failing` raise on their first step (a server that died), their first
+    `attempts` times; every other session plays as `Env`'s."""
+
+    def __init__(self, failing: set[int], attempts: int, **session: Any) -> None:
+        super().__init__(**session)
+        self.failing, self.attempts, self.tries = failing, attempts, Counter[int]()
+
+    def session(self, prompt: Any, seed: int) -> Counting:
+        self.tries[seed] += 1
+        if seed in self.failing and self.tries[seed] <= self.attempts:
+            s = Counting(**{**self.kw, "fail_at": 1})
+            self.sessions.append(s)
+            return s
+        return super().session(prompt, seed)
+
+
+def multi_turn_run(retries: int) -> RunConfig:
+    return RunConfig(samples_per_prompt=2, max_new_tokens=2, seed=3, environment={"kind": "calculator"},
+                     rollout={"kind": "multi_turn", "environment_retries": retries})
+
+
+def episodes(source: FakeChunks) -> dict[tuple[int, int], Rollout]:
+    return {(r.index, j): e for results in source.finished.values() for r in results
+            for j, e in enumerate(r.group.group.rollouts)}
+
+
+async def test_a_dead_environment_ends_its_episode_with_an_error_and_the_run_goes_on() -> None:
+    dead = row_seed(3, 1, 2) + 1  # stream prompt 1, its second episode
+    env = Flaky({dead}, attempts=1, calls=1)
+    chunks = [Chunk(1, 0, prompts(0, 2)), Chunk(2, 2, prompts(2, 2))]
+    source = await run_chunks(TurnGenerators(n=2), env, chunks, run=multi_turn_run(0))
+    played = episodes(source)
+    assert sorted(played) == [(i, j) for i in range(4) for j in range(2)]  # both chunks came back: the run went on
+    assert {k: e.status for k, e in played.items() if e.status != "done"} == {(1, 1): "error_environment"}
+    rewards = {(r.index, j): rw for results in source.finished.values() for r in results
+               for j, rw in enumerate(r.group.rewards)}
+    assert not rewards[1, 1].ok and "ConnectionError: server gone" in (rewards[1, 1].error or "")
+    assert all(rw.ok and rw.score == 1.0 for k, rw in rewards.items() if k != (1, 1))
+    assert len(env.sessions) == 8 and all(s.closed for s in env.sessions)  # not played again: no retries
+
+
+async def test_an_episode_whose_environment_died_is_played_again_and_matches_the_one_never_failed() -> None:
+    dead = row_seed(3, 0, 2)
+    env = Flaky({dead}, attempts=1, calls=2)
+    chunks = [Chunk(1, 0, prompts(0, 2))]
+    retried = episodes(await run_chunks(TurnGenerators(n=2), env, [*chunks], run=multi_turn_run(1)))
+    clean = episodes(await run_chunks(TurnGenerators(n=2), Env(calls=2), [*chunks], run=multi_turn_run(1)))
+    assert env.tries[dead] == 2 and all(n == 1 for seed, n in env.tries.items() if seed != dead)
+    assert all(e.status == "done" for e in retried.values())
+    assert {k: (e.prompt_ids, e.completion_ids, e.turns) for k, e in retried.items()} == {
+        k: (e.prompt_ids, e.completion_ids, e.turns) for k, e in clean.items()}
+
+
+async def test_generator_idle_time_is_the_generators_wait_for_a_turn_not_the_intakes_for_a_chunk() -> None:
+    """Both generators have nothing to sample while the only episodes wait 0.3 s on their environment: at least
+    2 x 0.3 s idle (a wait is counted when it ends, here when the run cancels it). The intake waits for chunks
+    without counting (it is no generator)."""
+    source = FakeChunks([Chunk(1, 0, prompts(0, 1))])
+    tasks: list[asyncio.Task[Any]] = []
+    d = driver(TurnGenerators(n=2), Env(calls=1, slow_at=1, pause=0.3), spawned=tasks)
+    t0 = asyncio.get_running_loop().time()
+    tasks += [asyncio.ensure_future(d.drive(i, source)) for i in range(2)]
+    try:
+        await asyncio.wait_for(source.done.wait(), 10)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    wall = asyncio.get_running_loop().time() - t0
+    assert source.uncounted >= 1  # the intake asked for chunks, and said its wait is not a generator's
+    assert 2 * 0.3 * 0.9 <= source.idle_s <= 2 * wall
 
 
 async def test_evaluation_plays_greedy_episodes_on_generator_0() -> None:

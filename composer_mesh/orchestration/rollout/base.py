@@ -31,8 +31,14 @@ from composer_mesh.orchestration.scoring import Scoring
 class ChunkSource(Protocol):
     """What a driver needs of the scheduler (`schedule.StepScheduler`)."""
 
-    async def next_chunk(self) -> Chunk:
-        """The next chunk of the oldest admitted step (waits while the lag bound admits nothing)."""
+    async def next_chunk(self, counts_idle: bool = True) -> Chunk:
+        """The next chunk of the oldest admitted step (waits while the lag bound admits nothing). The wait counts
+        as generator idle time unless `counts_idle` is false: a caller that is not a generator waiting for work
+        (the episode driver's intake) says so, and its driver reports its generators' idle time itself."""
+        ...
+
+    def add_idle(self, seconds: float) -> None:
+        """A generator had nothing to sample for `seconds` (the step records' `generator_idle_s`)."""
         ...
 
     async def finish(self, chunk: Chunk, results: list[GroupResult]) -> None:

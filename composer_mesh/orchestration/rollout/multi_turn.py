@@ -17,8 +17,15 @@ the weights the lag bound allows, and versions only grow, so every turn of an ad
 bound when trained on (the rollout's `weight_version` is its oldest turn's).
 
 Recovery: a generator whose proc dies has the request re-issued on its replacement with the same prompts and
-seeds (`ports.Generators`), i.e. the same token prefix; a chunk lost to a resume is played again from its prompts
-with the same seeds.
+seeds (`ports.Generators`), i.e. each turn of it continues the same token prefix with the same seed; episodes
+waiting on that request just wait longer, so at lag 0 the run trains the tokens it would have without the death
+(tests/orchestration/test_episode_faults.py). An environment that fails ends only its episode
+(`error_environment`, played again first while `run.rollout.environment_retries` last); a chunk lost to a resume
+is played again from its prompts with the same seeds.
+
+Generator idle time (`generator_idle_s` in the step records) means what it means for single completions: the
+seconds a generator had nothing to sample. Here that is a generator waiting for a turn (no episode admitted, or
+every episode in flight waiting on its environment), not the intake waiting for admission.
 """
 
 from __future__ import annotations
@@ -85,7 +92,11 @@ class MultiTurnRollout:
             self._intake = self.spawn(self._take_chunks(chunks))
         try:
             while True:
-                turns = await self.queue.take(self.cfg.max_episodes)
+                t0 = time.perf_counter()
+                try:
+                    turns = await self.queue.take(self.cfg.max_episodes)
+                finally:  # no turn to sample meanwhile: none admitted, or every episode on its environment
+                    chunks.add_idle(time.perf_counter() - t0)
                 await self._sample(index, turns, chunks)
         except RestartsExhausted as e:
             self.stop(str(e))
@@ -106,7 +117,7 @@ class MultiTurnRollout:
 
     async def _take_chunks(self, chunks: ChunkSource) -> None:
         while True:
-            chunk = await chunks.next_chunk()
+            chunk = await chunks.next_chunk(counts_idle=False)  # the generators' idle time is `drive`'s to count
             self.spawn(self._play_chunk(chunk, chunks))
 
     async def _play_chunk(self, chunk: Chunk, chunks: ChunkSource) -> None:
