@@ -250,11 +250,13 @@ LOOKUP_MAX_CALLS = 8  # tool calls after which an episode ends with reward 0
 LOOKUP_TOOLS: tuple[dict[str, Any], ...] = (
     {"type": "function", "function": {
         "name": "lookup", "description": "Look up a key in the table: another key, or a number.",
-        "parameters": {"type": "object", "properties": {"key": {"type": "string", "description": "the key to look up"}},
+        "parameters": {"type": "object", "additionalProperties": False,
+                       "properties": {"key": {"type": "string", "description": "the key to look up"}},
                        "required": ["key"]}}},
     {"type": "function", "function": {
         "name": "submit", "description": "Submit the number the chain of keys ends at; ends the task.",
-        "parameters": {"type": "object", "properties": {"answer": {"type": "string", "description": "the number"}},
+        "parameters": {"type": "object", "additionalProperties": False,
+                       "properties": {"answer": {"type": "string", "description": "the number"}},
                        "required": ["answer"]}}},
 )
 
