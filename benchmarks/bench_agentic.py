@@ -519,8 +519,8 @@ class ScriptedGenerator(HFGenerator):
 
 def ours_topology_yaml(latency_s: float, cfg: dict[str, Any]) -> str:
     """composer-mesh's side: one hf trainer, one scripted hf generator, the calculator environment with the tool
-    latency, multi-turn episodes, GRPO only (no teachers), lag 1. The environment scores the episodes; the rewarder
-    role is required by the schema and launched, but not called for episodes."""
+    latency, multi-turn episodes, GRPO only (no teachers), lag 1. The environment scores the episodes: no rewarder
+    role (a multi-turn topology has none)."""
     turns = cfg["tool_calls"] + 1
     in_flight = 2 * cfg["prompts"] * cfg["samples"]  # two steps' episodes: every tool wait of a step overlaps
     return f"""\
@@ -531,17 +531,12 @@ model: {{source: {json.dumps(cfg["model_dir"])}}}
 meshes:
   trainer:    {{backend: local, procs_per_host: 1}}
   generators: {{backend: local, procs_per_host: 1}}
-  rewarder:   {{backend: local, procs_per_host: 1}}
 roles:
   trainer:    {{mesh: trainer, binding: hf, settings: {{lr: 1.0e-6, torch_threads: {cfg["threads"]}}}}}
   generators:
     mesh: generators
     binding: "benchmarks.bench_agentic:ScriptedGenerator"
     settings: {{torch_threads: {cfg["threads"]}, tool_calls: {cfg["tool_calls"]}, max_batch: {in_flight}}}
-  rewarder:
-    mesh: rewarder
-    binding: python
-    settings: {{functions: [{{path: "composer_mesh.tasks.arithmetic:exact_match"}}]}}
 loss: {{alpha_sdpo: 0.0, beta_replay: 0.0}}
 run:
   environment: {{kind: calculator, tool_latency_s: {latency_s}, system_prompt: {json.dumps(SYSTEM)}, min_digits: 2,

@@ -274,17 +274,19 @@ composer-mesh plan FILE [--prices PRICES.yaml] [--hours H]  # what trains, what 
 From Python: `load_topology(path) -> Topology` raises `TopologyError`, whose `.errors` is a list of
 `TopologyIssue(path, line, column, message)`; `Topology` has the typed sections (`t.model`, `t.loss`,
 `t.weights`, `t.diloco`, `t.run`), `t.meshes[name]` (a `MeshSpec`: `LocalMeshSpec`, `ProcessMeshSpec` or
-`SlurmMeshSpec`, picked by its `backend`), and the roles (`t.trainer`,
-`t.generators`, `t.rewarder`, `t.teachers`), whose `settings` are instances of the binding's `Settings`
-model, whose `resolved` is the binding (class, import path, capabilities) and whose `bound()` is the
-binding with its settings as an actor receives it. `t.role_configs()` gives what each role's actors are
+`SlurmMeshSpec`, picked by its `backend`), and the roles (`t.trainer`, `t.generators`, `t.rewarder`,
+`t.teachers`; the rewarder and the teachers may be None), whose `settings` are instances of the binding's
+`Settings` model, whose `resolved` is the binding (class, import path, capabilities) and whose `bound()` is
+the binding with its settings as an actor receives it. `t.role_configs()` gives what each role's actors are
 built with (`composer_mesh.actors.configs`): exactly the sections that role needs.
 
 Placement: the trainer's replicas split the trainer mesh's procs evenly; there is one generator per proc
 and one rewarder per proc of their meshes; teachers go round-robin over the procs of the teacher mesh.
-Several roles may share a mesh. A `slurm` mesh is one Slurm job (`SlurmMeshSpec.slurm_job_kwargs` gives the
-`monarch.job.SlurmJob` arguments); `local` meshes run on this host (hosts must be 1); `process` meshes use
-Monarch's `ProcessJob` (one local worker process per host).
+Several roles may share a mesh. A single-turn run needs a rewarder; a multi-turn episode run
+(`run.rollout.kind: multi_turn`) has none, since its environment scores the episodes. A `slurm` mesh is one
+Slurm job (`SlurmMeshSpec.slurm_job_kwargs` gives the `monarch.job.SlurmJob` arguments); `local` meshes
+run on this host (hosts must be 1); `process` meshes use Monarch's `ProcessJob` (one local worker process per
+host).
 
 ## The CPU default: `topologies/local.yaml`
 

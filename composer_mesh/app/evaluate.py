@@ -10,8 +10,8 @@ run checkpoint (what `run --resume` accepts: a step directory, a checkpoints dir
 newest committed one): the trainer binding reads its state (the one reader of that format, LoRA and DiLoCo
 states included) and publishes its weights to the generators.
 
-Only what that needs is launched: the generators and the rewarder, plus the trainer for a run checkpoint;
-never the teachers (evaluation asks them nothing).
+Only what that needs is launched: the generators and the rewarder (a multi-turn run has none: its environment
+scores the episodes), plus the trainer for a run checkpoint; never the teachers (evaluation asks them nothing).
 """
 
 from __future__ import annotations
@@ -111,8 +111,11 @@ class EvalReport:
         return json.dumps({k: clean(v) for k, v in asdict(self).items()})
 
 
-def eval_roles(target: EvalTarget) -> list[str]:
-    return ["generators", "rewarder", *(["trainer"] if target.kind == "run" else [])]
+def eval_roles(target: EvalTarget, topology: Topology) -> list[str]:
+    """The roles an evaluation launches: the generators, the rewarder when the topology has one (a multi-turn
+    run's environment scores its episodes), the trainer when it must load a run checkpoint's state."""
+    rewarder = ["rewarder"] if topology.rewarder is not None else []
+    return ["generators", *rewarder, *(["trainer"] if target.kind == "run" else [])]
 
 
 @asynccontextmanager
@@ -139,7 +142,7 @@ async def evaluate_target(topology: Topology, target: EvalTarget) -> Evaluation:
     """Launch what `target` needs, set it up, evaluate `run.eval_prompts` held-out prompts once."""
     prompts = prompt_source(topology.run)
     try:
-        async with launch_roles(topology, eval_roles(target)) as mesh:
+        async with launch_roles(topology, eval_roles(target, topology)) as mesh:
             roles = MeshRoles(mesh, 0, lambda meshes: None)
             await roles.generators.setup()
             if target.url is not None:

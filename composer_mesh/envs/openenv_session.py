@@ -22,7 +22,9 @@ that times out (`message_timeout_s`), a connection the server drops and an error
 `error_environment`): replaying steps in a new session could not be the same episode.
 
 `lookup_app` is a small MCP environment that ships here for the tests and examples: follow a chain of keys with
-a `lookup` tool, then `submit` the number at its end.
+a `lookup` tool, then `submit` the number at its end (`topologies/openenv_tools.yaml` trains on it). `LookupTask`
+is the same task as a warm-start task: perfect episodes played locally on the tables the server draws, so a tiny
+model learns the tool-call format before the run plays it against the server.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ from composer_mesh.envs.openenv import (
 )
 from composer_mesh.envs.session import EpisodePrompt, Message, Observation, StepResult
 from composer_mesh.envs.tool_session import format_error_message
-from composer_mesh.envs.tools import parse_tool_calls
+from composer_mesh.envs.tools import format_tool_call, parse_tool_calls
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -241,6 +243,29 @@ WORDS = ("amber", "birch", "cedar", "delta", "ember", "fjord", "grove", "heron",
          "willow", "yarrow")
 
 
+LOOKUP_HOPS = 3  # keys to follow from the start key to the number
+LOOKUP_MAX_CALLS = 8  # tool calls after which an episode ends with reward 0
+# The tools as the server lists them (`function_schema` of its MCP tools; tests/envs/test_openenv_session.py checks
+# they are the same): what `LookupTask` declares to the chat template.
+LOOKUP_TOOLS: tuple[dict[str, Any], ...] = (
+    {"type": "function", "function": {
+        "name": "lookup", "description": "Look up a key in the table: another key, or a number.",
+        "parameters": {"type": "object", "additionalProperties": False,
+                       "properties": {"key": {"type": "string", "description": "the key to look up"}},
+                       "required": ["key"]}}},
+    {"type": "function", "function": {
+        "name": "submit", "description": "Submit the number the chain of keys ends at; ends the task.",
+        "parameters": {"type": "object", "additionalProperties": False,
+                       "properties": {"answer": {"type": "string", "description": "the number"}},
+                       "required": ["answer"]}}},
+)
+
+
+def lookup_prompt(start: str) -> str:
+    """The task as the environment's reset shows it."""
+    return f"Look up {start!r} with the lookup tool, then the key it gives, until you get a number; submit that number."
+
+
 def lookup_problem(seed: int | None, split: str, hops: int) -> tuple[str, dict[str, str], str]:
     """(start key, table, answer): a chain of `hops` keys, each `lookup` giving the next, the last a number;
     the other keys lead elsewhere. Train and eval draw from separate seeds' streams (`split` in the seed)."""
@@ -272,7 +297,7 @@ def lookup_classes() -> tuple[type, type, type]:
         right number, 0 otherwise; the episode also ends, with 0, after `max_calls` tool calls."""
 
         SUPPORTS_CONCURRENT_SESSIONS = True
-        hops, max_calls = 3, 8
+        hops, max_calls = LOOKUP_HOPS, LOOKUP_MAX_CALLS
 
         def __init__(self) -> None:
             mcp = FastMCP("lookup")
@@ -306,8 +331,7 @@ def lookup_classes() -> tuple[type, type, type]:
             start, self._table, self._answer = lookup_problem(seed, split, self.hops)
             self._calls, self._reward = 0, 0.0
             self._state = State(episode_id=episode_id, step_count=0)
-            return TaskObservation(prompt=f"Look up {start!r} with the lookup tool, then the key it gives, until you "
-                                          "get a number; submit that number.")
+            return TaskObservation(prompt=lookup_prompt(start))
 
         def _step_impl(self, action: Any, timeout_s: float | None = None, **kwargs: Any) -> Any:
             raise ValueError("this environment takes tool calls only (list_tools, call_tool)")
@@ -334,3 +358,35 @@ def lookup_app(max_sessions: int = 64) -> FastAPI:
 
     env, action, observation = lookup_classes()
     return create_app(env, action, observation, env_name="lookup", max_concurrent_envs=max_sessions)
+
+
+class LookupTask:
+    """The lookup environment as a warm-start task (`model.warmstart.task:
+    composer_mesh.envs.openenv_session:LookupTask`). `chat_demonstration` plays a perfect episode of a train
+    problem locally, on the table `lookup_problem` draws (the server's own draw for that seed): one `lookup` call a
+    turn along the chain, then `submit`. Why: an untrained tiny model never writes a tool call, so its episodes
+    against the server would be reminders only; warm-started, it calls the tools (with the keys right or not) and
+    every call is a real step of the server. Eval-split problems are never demonstrated."""
+
+    name = "lookup"
+    alphabet = "".join(sorted(set("".join(WORDS)) | set("0123456789")))
+    splits = ("train", "eval")
+
+    def sample(self, rng: random.Random, split: str = "train") -> tuple[str, str]:
+        start, _, answer = lookup_problem(rng.randrange(10**9), split, LOOKUP_HOPS)
+        return lookup_prompt(start), answer
+
+    def reward(self, prompt: str, completion: str, answer: str | None) -> float:
+        return float(answer is not None and completion.strip() == answer)
+
+    def chat_demonstration(self, rng: random.Random) -> tuple[list[Message], list[dict[str, Any]]]:
+        """A perfect episode of a train problem (the messages the session would produce) and the tools."""
+        start, table, answer = lookup_problem(rng.randrange(10**9), "train", LOOKUP_HOPS)
+        messages: list[Message] = [{"role": "user", "content": lookup_prompt(start)}]
+        key = start
+        for _ in range(LOOKUP_HOPS):
+            messages.append({"role": "assistant", "content": format_tool_call("lookup", {"key": key})})
+            messages.append({"role": "tool", "name": "lookup", "content": table[key]})
+            key = table[key]
+        messages.append({"role": "assistant", "content": format_tool_call("submit", {"answer": answer})})
+        return messages, [dict(t) for t in LOOKUP_TOOLS]

@@ -152,7 +152,8 @@ class MeshRoles:
         self._replaced = replaced
         self.recovery = Recovery(mesh, max_restarts, self._set_up)
         self.generators = MeshGenerators(mesh, self.recovery)
-        self.rewarder = MeshRewarder(mesh, self.recovery)
+        # optional roles: a multi-turn run has no rewarder (its environment scores), a run may have no teachers
+        self.rewarder = MeshRewarder(mesh, self.recovery) if mesh.has("rewarder") else None
         self.teachers = MeshTeachers(mesh, self.recovery) if mesh.has("teachers") else None  # optional role
 
     async def setup(self) -> None:
@@ -167,7 +168,7 @@ class MeshRoles:
         if "generators" in roles:
             self.generators.refresh()
             await self.mesh.generators.update_weights.call(self.generators.manifest)
-        if "rewarder" in roles:
+        if "rewarder" in roles and self.rewarder is not None:
             self.rewarder.refresh()
         if "teachers" in roles and self.teachers is not None:
             self.teachers.refresh()

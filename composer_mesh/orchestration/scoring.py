@@ -22,6 +22,7 @@ from composer_mesh.actors.messages import (
     TokenDistribution,
     TrainBatch,
 )
+from composer_mesh.errors import UserInputError
 from composer_mesh.loss.config import LossConfig
 from composer_mesh.orchestration.config import RunConfig
 from composer_mesh.orchestration.ports import Rewarder, Teachers
@@ -58,10 +59,17 @@ def merge_signals(parts: list[TeacherSignals], num_rollouts: int) -> TeacherSign
     return TeacherSignals(distributions=dists, traces=traces, usage=usage)
 
 
-class Scoring:
-    """Rewards, teacher signals and trace scores for generated groups (`teachers` None: no teachers role)."""
+class NoRewarder(UserInputError, RuntimeError):
+    """Completions to score in a run without a rewarder role (validation refuses a single-turn run without one;
+    this is the same refusal for a run put together in code)."""
 
-    def __init__(self, cfg: ScoringConfig, rewarder: Rewarder, teachers: Teachers | None) -> None:
+
+class Scoring:
+    """Rewards, teacher signals and trace scores for generated groups. `rewarder` None: no rewarder role (a
+    multi-turn run, whose environment scores its episodes and never calls `score`); `teachers` None: no teachers
+    role."""
+
+    def __init__(self, cfg: ScoringConfig, rewarder: Rewarder | None, teachers: Teachers | None) -> None:
         self.cfg = cfg
         self.rewarder = rewarder
         self.teachers = teachers
@@ -69,6 +77,9 @@ class Scoring:
         self.teacher_usage: dict[str, float] = {}  # the teachers' latest usage report
 
     async def score(self, groups: list[RolloutGroup], times: StepTimes | None = None) -> list[ScoredGroup]:
+        if self.rewarder is None:
+            raise NoRewarder("there are completions to score but the topology has no roles.rewarder: single_turn "
+                             "runs need one (only multi_turn runs are scored by run.environment)")
         t0 = time.perf_counter()
         scored = await self.rewarder.score(groups)
         if times is not None:

@@ -39,6 +39,8 @@ CROSS_CHECKS: tuple[str, ...] = (
     "`gpus > 0`) is not on a mesh with `gpus_per_proc: 0`",
     "a teacher's channel `distill` / `replay` needs the binding capability of the same name "
     "(e.g. `openrouter` gives no per-token distributions, so it cannot feed `distill`)",
+    "`roles.rewarder` is given exactly when `run.rollout.kind` is `single_turn`: a single completion is scored by "
+    "the rewarder, a `multi_turn` episode by its environment (a rewarder there would never be asked)",
     "`loss.alpha_sdpo > 0` needs a teacher with channel `distill`; `loss.beta_replay > 0` needs a teacher with "
     "channel `replay` (both default to 1.0, so set them to 0 to run without teachers)",
     "`diloco` is given exactly when `roles.trainer.replicas > 1`, and `diloco.replicas` equals it",
@@ -214,6 +216,26 @@ def check_loss_channels_fed(parts: Parts) -> Iterator[Problem]:
             )
 
 
+def check_rewarder_role(parts: Parts) -> Iterator[Problem]:
+    """`roles.rewarder` exactly when the run scores single completions (`run.rollout.kind: single_turn`).
+
+    A `multi_turn` run that names a rewarder is refused, not warned about and skipped: its episodes are scored
+    by `run.environment` alone, so a reward function there would silently never run, and a user who wrote one
+    (a shaping term, a grader of the final answer) would train on another reward than the one they read in the
+    file. The refusal says so and names the line; removing the role (and its mesh) is the whole fix."""
+    run = parts.sections.get("run")
+    kind = getattr(getattr(run, "rollout", None), "kind", None)
+    if kind is None or "rewarder" not in parts.roles:  # an invalid run or rewarder section: reported already
+        return
+    rewarder = parts.roles["rewarder"]
+    if kind == "single_turn" and rewarder is None:
+        yield (("roles",), "a single_turn run (run.rollout.kind) needs roles.rewarder to score its completions; "
+               "only multi_turn runs, scored by run.environment, leave it out")
+    elif kind == "multi_turn" and rewarder is not None:
+        yield (("roles", "rewarder"), "a multi_turn run never asks a rewarder (run.environment scores its "
+               f"episodes): remove roles.rewarder (and mesh {rewarder.mesh!r} if no other role uses it)")
+
+
 def check_backend_meshes(parts: Parts) -> Iterator[Problem]:
     """Each backend's own checks across its meshes (`MeshSpec.check_meshes`, e.g. Slurm's worker ports)."""
     for member in MESH_SPECS:
@@ -319,6 +341,7 @@ CHECKS: tuple[Callable[[Parts], Iterator[Problem]], ...] = (
     check_gpu_meshes,
     check_teacher_channels,
     check_loss_channels_fed,
+    check_rewarder_role,
     check_backend_meshes,
     check_local_gpus,
     check_diloco_replicas,

@@ -239,7 +239,10 @@ class RolesSpec(StrictModel):
 
     trainer: TrainerSpec = Field(description="The policy trainer.")
     generators: GeneratorsSpec = Field(description="Rollout generators (sample completions from the policy).")
-    rewarder: RewarderSpec = Field(description="Reward functions / graders.")
+    rewarder: RewarderSpec | None = Field(
+        None, description="Reward functions / graders: required by `single_turn` runs (each completion is scored by "
+        "it); left out of `multi_turn` runs, whose episodes `run.environment` scores (one there is refused)."
+    )
     teachers: TeachersSpec | None = Field(
         None, description="Teacher pool for loss channels 2 and 3; omit when both channels are off."
     )
@@ -372,7 +375,8 @@ class Topology(StrictModel):
         return self.roles.generators
 
     @property
-    def rewarder(self) -> RewarderSpec:
+    def rewarder(self) -> RewarderSpec | None:
+        """None in a multi-turn episode run: its environment scores the episodes (`checks.check_rewarder_role`)."""
         return self.roles.rewarder
 
     @property
@@ -409,10 +413,9 @@ class Topology(StrictModel):
                 weights=self.weights,
                 adapter=self._published_adapter(),
             ),
-            "rewarder": RewarderConfig(
-                role="rewarder", mesh=self.rewarder.mesh, binding=self.rewarder.bound()
-            ),
         }
+        if self.rewarder is not None:
+            configs["rewarder"] = RewarderConfig(role="rewarder", mesh=self.rewarder.mesh, binding=self.rewarder.bound())
         if self.teachers is not None:
             configs["teachers"] = self._teachers_config(self.teachers)
         return configs

@@ -40,7 +40,7 @@ async def test_eval_of_a_run_checkpoint_is_the_runs_eval_at_that_step(tmp_path: 
     topo, events = await _run(run_dir)
     after = events["after"]
     target = EvalTarget.of(str(run_dir))  # a run directory: its newest full checkpoint, as --resume takes it
-    assert target.kind == "run" and target.step == 2 and eval_roles(target) == ["generators", "rewarder", "trainer"]
+    assert target.kind == "run" and target.step == 2 and eval_roles(target, topo) == ["generators", "rewarder", "trainer"]
     result = await evaluate_target(topo, target)
     assert (result.greedy, result.pass_at_k, result.k, result.weight_version) == (
         after["reward"], after["pass_at_k"], after["k"], after["weight_version"])
@@ -52,7 +52,7 @@ async def test_eval_of_the_final_model_and_of_the_initial_policy_are_the_runs_ev
     topo, events = await _run(run_dir)
     before, after = events["before"], events["after"]
     model = EvalTarget.of(str(run_dir / "checkpoint"))  # the final model directory: no trainer launched
-    assert model.kind == "model" and model.step == 2 and eval_roles(model) == ["generators", "rewarder"]
+    assert model.kind == "model" and model.step == 2 and eval_roles(model, topo) == ["generators", "rewarder"]
     result = await evaluate_target(load_topology(TOPOLOGY, [*SETS, *model.overrides()]), model)
     assert (result.greedy, result.pass_at_k) == (after["reward"], after["pass_at_k"])
 

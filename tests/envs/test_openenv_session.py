@@ -25,11 +25,13 @@ from composer_mesh.envs.openenv import (
     ServerCommand,
 )
 from composer_mesh.envs.openenv_session import (
+    LOOKUP_TOOLS,
     NO_TOOL_CALL,
     OpenEnvEpisodes,
     OpenEnvSession,
     OpenEnvStepTimeout,
     lookup_problem,
+    lookup_prompt,
 )
 from composer_mesh.envs.session import StepResult
 from composer_mesh.orchestration.prompts import EnvironmentPrompts
@@ -186,6 +188,8 @@ async def test_mcp_tools_are_listed_at_reset_and_calls_round_trip(servers: str) 
     first = await s.reset()
     start, table, answer = lookup_problem(7, "train", hops=3)
     assert first.messages[0]["role"] == "user" and repr(start) in first.messages[0]["content"]
+    assert first.tools == list(LOOKUP_TOOLS)  # what the warm-start task (LookupTask) declares to the template
+    assert first.messages == [{"role": "user", "content": lookup_prompt(start)}]
     by_name = {t["function"]["name"]: t for t in first.tools}
     assert sorted(by_name) == ["lookup", "submit"] and all(t["type"] == "function" for t in first.tools)
     lookup = by_name["lookup"]["function"]

@@ -297,7 +297,8 @@ def test_the_example_price_file_is_outside_topologies() -> None:
 
 def test_plan_of_a_coding_run_says_its_sandbox_and_episode_shape(tmp_path: Path) -> None:
     path = tmp_path / "coding.yaml"
-    path.write_text((VALID / "minimal.yaml").read_text() + """
+    rewarder = '  rewarder: {mesh: cpu, binding: "topology.fake_bindings:Rewarder"}\n'
+    path.write_text((VALID / "minimal.yaml").read_text().replace(rewarder, "") + """
 run:
   steps: 3
   max_new_tokens: 64

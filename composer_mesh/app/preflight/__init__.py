@@ -49,5 +49,6 @@ def preflight(topology: Topology, resume: ResumePoint | None = None) -> list[str
     checked, sample = check_prompts(topology)
     passed.append(checked)
     check_rewards(topology, sample)
-    passed.append("reward functions: each called once on a sample prompt")
+    passed.append("reward functions: each called once on a sample prompt" if topology.rewarder is not None
+                  else "reward functions: none (no rewarder: run.environment scores the episodes)")
     return passed

@@ -17,10 +17,13 @@ def check_rewards(topology: Topology, sample: Prompt | None = None) -> None:
     """Call each of the `python` rewarder's functions once on `sample` (the preflight passes the first prompt
     its prompt check read; else the run's first train prompt), in a worker process with its timeout
     (`check_reward_functions`), so a function that raises, hangs or returns the wrong type is named before
-    launch, not found as a failure on every rollout. Skipped for an OpenEnv environment (scoring replays
-    episodes on its server) and when the prompts cannot be read (the data checks name that)."""
+    launch, not found as a failure on every rollout. Skipped without a rewarder (a multi-turn run: its
+    environment scores), for an OpenEnv environment (scoring replays episodes on its server) and when the prompts
+    cannot be read (the data checks name that)."""
     from composer_mesh.actors.backends.rewards.config import PythonRewarderSettings
 
+    if topology.rewarder is None:
+        return
     settings = topology.rewarder.bound().settings
     env = topology.run.environment
     if not isinstance(settings, PythonRewarderSettings) or not settings.functions or (env and env.kind == "openenv"):
