@@ -31,6 +31,12 @@ class HFTrainerSettings(TorchSettings):
     lr_min_ratio: float = Field(
         0.1, ge=0, le=1, description="The decayed learning rate as a fraction of `lr` (with `lr_decay_steps`)."
     )
+    lr_warmup_steps: int = Field(
+        0, ge=0,
+        description="Raise the learning rate linearly from lr / lr_warmup_steps to `lr` over this many first optimizer "
+        "steps (then `lr_decay_steps` applies, counted from step 0). Adam's first steps move every weight by about "
+        "`lr` whatever its gradient; a policy fresh from a short warm start can lose a skill to them. 0 = none.",
+    )
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW betas.")
     grad_clip: float | None = Field(1.0, gt=0, description="Clip the global gradient norm to this (None: off).")
@@ -81,9 +87,11 @@ class HFTrainerSettings(TorchSettings):
 
 def scheduled_lr(settings: HFTrainerSettings, step: int) -> float:
     """The learning rate of optimizer step `step` (0-based): `lr`, cosine-decayed over `lr_decay_steps` to
-    `lr * lr_min_ratio` when that is set. A pure function of the step, so a resumed trainer continues the schedule."""
+    `lr * lr_min_ratio` when that is set, times a linear warm-up over the first `lr_warmup_steps`. A pure function
+    of the step, so a resumed trainer continues the schedule."""
+    warm = min(1.0, (step + 1) / settings.lr_warmup_steps) if settings.lr_warmup_steps else 1.0
     if settings.lr_decay_steps is None:
-        return settings.lr
+        return settings.lr * warm
     frac = min(step, settings.lr_decay_steps) / settings.lr_decay_steps
     floor = settings.lr * settings.lr_min_ratio
-    return floor + (settings.lr - floor) * 0.5 * (1 + math.cos(math.pi * frac))
+    return (floor + (settings.lr - floor) * 0.5 * (1 + math.cos(math.pi * frac))) * warm

@@ -203,7 +203,7 @@ class HFTrainer:
         if s.grad_clip is not None:
             params = [p for group in self.optimizer.param_groups for p in group["params"]]
             metrics["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, s.grad_clip))
-        if s.lr_decay_steps is not None:
+        if s.lr_decay_steps is not None or s.lr_warmup_steps:
             metrics["lr"] = scheduled_lr(s, self.step)
             for group in self.optimizer.param_groups:
                 group["lr"] = metrics["lr"]

@@ -244,3 +244,23 @@ def test_lr_decay_follows_the_trainer_step_and_holds_at_its_floor():
     assert 0.5e-3 < moved < 1.5e-3  # an AdamW first step of ~lr, not of the undecayed 1e-2
     with pytest.raises(ValueError, match="lr_min_ratio"):
         HFTrainerSettings(lr_min_ratio=2)
+
+
+def test_lr_warmup_rises_linearly_then_hands_over_to_the_decay():
+    """`lr_warmup_steps` scales the first steps' lr by (step + 1) / warmup, on top of the decay; the optimizer's
+    first step really is the small one (AdamW's first step moves each weight by about its lr)."""
+    from composer_mesh.actors.backends.trainer.config import scheduled_lr
+
+    flat = HFTrainerSettings(lr=1e-2, lr_warmup_steps=4)
+    assert [scheduled_lr(flat, s) for s in range(6)] == pytest.approx([2.5e-3, 5e-3, 7.5e-3, 1e-2, 1e-2, 1e-2])
+    decayed = HFTrainerSettings(lr=1e-2, lr_warmup_steps=2, lr_decay_steps=4, lr_min_ratio=0.1)
+    plain = HFTrainerSettings(lr=1e-2, lr_decay_steps=4, lr_min_ratio=0.1)
+    assert scheduled_lr(decayed, 0) == pytest.approx(scheduled_lr(plain, 0) / 2)
+    assert [scheduled_lr(decayed, s) for s in range(1, 7)] == pytest.approx([scheduled_lr(plain, s) for s in range(1, 7)])
+    trainer = HFTrainer(HFTrainerSettings(lr=1e-2, lr_warmup_steps=10))
+    trainer.start(MODEL, LossConfig(alpha_sdpo=0.0, beta_replay=0.0))
+    before = {k: v.clone() for k, v in trainer.named_weights().items()}
+    m = trainer.train_step(make_batch(trainer, with_teacher=False))
+    assert m.metrics["lr"] == pytest.approx(1e-3)
+    moved = max(float((v - before[k]).abs().max()) for k, v in trainer.named_weights().items())
+    assert 0.5e-3 < moved < 1.5e-3
