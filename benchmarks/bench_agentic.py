@@ -519,10 +519,11 @@ class ScriptedGenerator(HFGenerator):
 
 def ours_topology_yaml(latency_s: float, cfg: dict[str, Any]) -> str:
     """composer-mesh's side: one hf trainer, one scripted hf generator, the calculator environment with the tool
-    latency, multi-turn episodes, GRPO only (no teachers), lag 1. The environment scores the episodes: no rewarder
+    latency, multi-turn episodes, GRPO only (no teachers), `--lag` (max_policy_lag). The environment scores the episodes: no rewarder
     role (a multi-turn topology has none)."""
     turns = cfg["tool_calls"] + 1
-    in_flight = 2 * cfg["prompts"] * cfg["samples"]  # two steps' episodes: every tool wait of a step overlaps
+    # every admitted step's episodes at once (lag + 1 steps): every tool wait of a step overlaps
+    in_flight = (cfg["lag"] + 1) * cfg["prompts"] * cfg["samples"]
     return f"""\
 # Written by benchmarks/bench_agentic.py: composer-mesh's side of the agentic comparison with TRL.
 name: bench-agentic-latency{latency_s:g}
@@ -547,7 +548,7 @@ run:
   prompts_per_step: {cfg["prompts"]}
   samples_per_prompt: {cfg["samples"]}
   temperature: 1.0
-  max_policy_lag: 1
+  max_policy_lag: {cfg["lag"]}
   eval_prompts: 0
   seed: {cfg["seed"]}
 """
@@ -615,7 +616,8 @@ def summarise_ours(lines: list[dict[str, Any]]) -> dict[str, Any]:
 
 def run_ours_all(args: argparse.Namespace, model_dir: str) -> list[dict[str, Any]]:
     cfg = dict(model_dir=model_dir, seed=args.seed, steps=args.steps, prompts=args.prompts, samples=args.samples,
-               tool_calls=args.tool_calls, threads=args.threads, out=str(args.out / "ours"), timeout=args.timeout)
+               tool_calls=args.tool_calls, threads=args.threads, out=str(args.out / "ours"), timeout=args.timeout,
+               lag=args.lag)
     rows = []
     for latency in args.latencies:
         try:
@@ -744,7 +746,8 @@ def describe(args: argparse.Namespace, model: dict[str, Any]) -> dict[str, str]:
         f"scripted policy: {args.tool_calls} calculator call(s) then the answer ({args.tool_calls + 1} assistant "
         f"turns) per episode; tool latencies {', '.join(f'{x:g} s' for x in args.latencies)}; seed {args.seed}; "
         f"{args.threads} torch/OMP thread(s); TRL modes {', '.join(args.trl_modes)} (one child, interleaved per latency, "
-        f"{'no warm-up' if args.no_warmup else 'after one untimed warm-up step'})",
+        f"{'no warm-up' if args.no_warmup else 'after one untimed warm-up step'}); composer-mesh max_policy_lag "
+        f"{args.lag} (TRL is synchronous)",
         "timing": "episodes/s = episodes / seconds from the first step's begin to the last step's end (startup "
         "excluded); trainer idle = share of that window spent outside the optimizer's work (TRL: generation, "
         "tools and scoring inside its step)",
@@ -793,6 +796,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--trl-modes", nargs="+", choices=["tools", "async_tools", "environment"],
                    help="how TRL gets the tool (default tools environment; quick tools)")
     p.add_argument("--threads", type=int, default=1, help="torch/OMP threads of each side's processes")
+    p.add_argument("--lag", type=int, default=1, help="composer-mesh's run.max_policy_lag (TRL is synchronous)")
     p.add_argument("--no-warmup", action="store_true", help="TRL: skip the untimed 1-step run before the sweep")
     p.add_argument("--seed", type=int, default=0, help="prompt stream and sampling seed")
     p.add_argument("--timeout", type=float, help="seconds for each side's whole sweep (default 3600; quick 600)")
