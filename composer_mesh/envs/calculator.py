@@ -301,23 +301,3 @@ class CalculatorTask:
         text, _ = self.sample(rng)
         a, b = (int(x) for x in text.split("*"))
         return solved([{"role": "user", "content": text}], a, b), [CALCULATOR.schema]
-
-
-class CalculatorHabitTask(CalculatorTask):
-    """A warm start with the skill but not the habit (`model.warmstart.task:
-    composer_mesh.envs.calculator:CalculatorHabitTask`): half of its demonstrations are perfect tool episodes,
-    the other half answer the product straight away, from the model's head, as a model that was never taught to
-    reach for a tool does. A tiny model cannot multiply in its head, so the policy it makes calls the tool on
-    about half of the problems and fails the others: what agentic RL then has to teach is to use the tool,
-    which a run of a few minutes can (the copying itself takes thousands of supervised steps to learn, more
-    than any short run adds). Held-out problems are never drawn, as in `CalculatorTask`."""
-
-    name = "calculator_habit"
-    direct_share = 0.5
-
-    def chat_demonstration(self, rng: random.Random) -> tuple[list[Message], list[dict[str, Any]]]:
-        """A tool episode, or (with probability `direct_share`) the same problem answered without the tool."""
-        messages, tools = super().chat_demonstration(rng)
-        if rng.random() < self.direct_share:
-            return [messages[0], {"role": "assistant", "content": messages[-1]["content"]}], tools
-        return messages, tools

@@ -18,7 +18,6 @@ from composer_mesh.envs.base import EnvironmentConfigError
 from composer_mesh.envs.calculator import (
     CALCULATOR,
     CalculatorError,
-    CalculatorHabitTask,
     CalculatorSession,
     CalculatorTask,
     calculator,
@@ -26,7 +25,6 @@ from composer_mesh.envs.calculator import (
     held_out,
     problem_key,
     safe_eval,
-    solved,
 )
 from composer_mesh.envs.config import CalculatorConfig
 from composer_mesh.envs.session import StepResult
@@ -128,22 +126,6 @@ def test_the_held_out_eighth_is_never_a_warm_start_problem_and_too_big_an_eval_s
     assert all(held_out(*map(int, task.sample(rng, "eval")[0].split("*"))) for _ in range(50))
     with pytest.raises(EnvironmentConfigError, match="eval_size 6 is more than the held-out problems"):
         source(min_digits=1, max_digits=1, eval_size=6, seed=3)
-
-
-def test_the_habit_warm_start_answers_half_the_problems_without_the_tool() -> None:
-    """`CalculatorHabitTask`: the problems of `CalculatorTask` (never held out), half of them answered straight
-    away with the product (no tool call), the rest perfect tool episodes."""
-    rng, direct, n = random.Random(0), 0, 400
-    for _ in range(n):
-        messages, tools = CalculatorHabitTask().chat_demonstration(rng)
-        a, b = (int(x) for x in messages[0]["content"].split("*"))
-        assert not held_out(a, b) and tools == [CALCULATOR.schema]
-        if len(messages) == 2:
-            direct += 1
-            assert messages[1] == {"role": "assistant", "content": str(a * b)}
-        else:
-            assert messages == solved(messages[:1], a, b)
-    assert 0.4 < direct / n < 0.6
 
 
 def test_the_stream_survives_a_checkpoint_and_refuses_another_one() -> None:
