@@ -519,8 +519,8 @@ class ScriptedGenerator(HFGenerator):
 
 def ours_topology_yaml(latency_s: float, cfg: dict[str, Any]) -> str:
     """composer-mesh's side: one hf trainer, one scripted hf generator, the calculator environment with the tool
-    latency, multi-turn episodes, GRPO only (no teachers), `--lag` (max_policy_lag). The environment scores the episodes: no rewarder
-    role (a multi-turn topology has none)."""
+    latency, multi-turn episodes, GRPO only (no teachers), `max_policy_lag` from `--lag`. The environment scores
+    the episodes: no rewarder role (a multi-turn topology has none)."""
     turns = cfg["tool_calls"] + 1
     # every admitted step's episodes at once (lag + 1 steps): every tool wait of a step overlaps
     in_flight = (cfg["lag"] + 1) * cfg["prompts"] * cfg["samples"]
