@@ -71,11 +71,12 @@ class KillingGenerators:
             out = await self.inner.generate(index, request)
             self.answered += not self.killed
             return out
+        # noted before the first await: two generators sample a round's later turns at once, and only one dies
+        self.killed.append(request)
         where = await self.mesh.procs("generators")[index].process.call_one()
         call = asyncio.ensure_future(self.inner.generate(index, request))
         await asyncio.sleep(0.05)  # the request is on its way (or being sampled) when the proc dies
         os.kill(int(where["pid"]), signal.SIGKILL)
-        self.killed.append(request)
         return await call
 
 
