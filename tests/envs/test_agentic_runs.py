@@ -54,7 +54,7 @@ async def run_episodes(data: dict[str, Any], where: Path) -> list[dict[str, Any]
 async def test_the_calculator_topology_trains_on_tool_episodes(tmp_path: Path) -> None:
     data = shortened("agentic.yaml", tmp_path)
     # a shorter warm start (tests/orchestration/tiny_agentic.yaml's: one cached build for both) calls the tool,
-    # with operands it does not copy yet, so episodes have turns; the shipped 800 steps copy them too
+    # with operands it does not copy yet, so episodes have turns; the shipped 1200 steps copy about half
     data["model"]["warmstart"].update(steps=300)
     data["roles"]["teachers"]["members"][0]["settings"]["model"]["warmstart"].update(steps=20)
     steps = await run_episodes(data, ROOT / "topologies" / "agentic.yaml")
