@@ -44,7 +44,7 @@ from composer_mesh.orchestration.rollout.base import ChunkSource, RolloutFactory
 from composer_mesh.orchestration.rollout.episode import Episode, EpisodeLimits, TurnSampler, play_episode
 from composer_mesh.orchestration.rollout.single_turn import group_results, spread
 from composer_mesh.orchestration.rollout.teacher_episodes import TeacherEpisodes, TeacherTurns
-from composer_mesh.orchestration.rollout.turns import TurnQueue, TurnRequest, TurnSampling, deliver, fail
+from composer_mesh.orchestration.rollout.turns import TurnQueue, TurnRequest, TurnSampling, deliver
 from composer_mesh.orchestration.schedule import Chunk, GroupResult, StepTimes, row_seed
 
 log = logging.getLogger("composer_mesh.rollout")
@@ -103,13 +103,8 @@ class MultiTurnRollout:
 
     async def _sample(self, index: int, turns: list[TurnRequest], chunks: ChunkSource) -> None:
         t0 = time.perf_counter()
-        try:
+        async with self.queue.serving(turns):
             groups = await self.generators.generate(index, self.cfg.sampling.request(turns))
-        except BaseException as e:
-            fail(turns, e)
-            raise
-        finally:
-            await self.queue.finished(turns)
         deliver(turns, groups)
         share = (time.perf_counter() - t0) / len(turns)
         for step, n in Counter(t.step for t in turns).items():
@@ -228,13 +223,8 @@ async def serve_turns(generators: Generators, index: int, queue: TurnQueue, samp
     """Generator `index` samples `queue`'s turns until cancelled, noting the weight version of each request."""
     while True:
         turns = await queue.take(EVERY_TURN)
-        try:
+        async with queue.serving(turns):
             version, groups = await generators.generate_versioned(index, sampling.request(turns))
-        except BaseException as e:
-            fail(turns, e)
-            raise
-        finally:
-            await queue.finished(turns)
         versions.append(version)
         deliver(turns, groups)
 

@@ -105,6 +105,19 @@ class TurnQueue:
             self._in_service -= len(turns)
             self._changed.notify_all()
 
+    @asynccontextmanager
+    async def serving(self, turns: list[TurnRequest]) -> AsyncIterator[None]:
+        """Around the request that samples `turns` (from `take`): if it fails their episodes see the error
+        (`fail`), and either way the turns stop counting as being sampled (`finished`), so every take is paired
+        with its release in one place."""
+        try:
+            yield
+        except BaseException as e:
+            fail(turns, e)
+            raise
+        finally:
+            await self.finished(turns)
+
     def _live(self) -> int:
         return sum(1 for t in self._waiting if not t.result.done())
 
