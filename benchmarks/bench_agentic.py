@@ -444,36 +444,30 @@ def script_ids(tokenizer: Any, conversation: list[int], tool_calls: int, end_id:
 
 
 def forced_decode(model: Any, prompts: list[list[int]], targets: list[list[int]], temperature: float,
-                  pad_id: int) -> list[list[float]]:
-    """Decode `targets` after `prompts` as the hf generator decodes (one left-padded batch, one forward per token
-    with the KV cache), feeding each row its target token instead of a draw. The log-prob of each token is the
-    model's under the distribution the hf generator would sample from (`log_softmax(logits / T)`, T 0: untempered):
-    what a sampled token's would be, so the trainer sees the usual behaviour log-probs."""
+                  pad_id: int, end_id: int) -> list[list[float]]:
+    """Decode `targets` after `prompts` with the hf generator's own loop (`sampling.decode`: one left-padded
+    batch, one forward per token with the KV cache, rows leave the batch at their stop token `end_id`), choosing
+    each row's target token instead of a draw. The log-prob of each token is the model's under the distribution
+    the hf generator would sample from (`log_softmax(logits / T)`, T 0: untempered): what a sampled token's
+    would be, so the trainer sees the usual behaviour log-probs."""
     import torch
 
-    from composer_mesh.models.sampling import _decode_mask, _left_padded
+    from composer_mesh.models.sampling import _left_padded, decode
 
     steps = max(map(len, targets))
     device = next(model.parameters()).device
+    table = torch.tensor([t + [t[-1]] * (steps - len(t)) for t in targets], dtype=torch.long, device=device)
+
+    def script(logits: Any, rows: Any, step: int) -> tuple[Any, Any]:
+        logits = logits.float()
+        logp = torch.log_softmax(logits / temperature if temperature > 0 else logits, dim=-1)
+        tok = table[rows, step]
+        return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+
     with torch.inference_mode():
         ids, mask, positions = _left_padded(prompts, pad_id, steps, device)
-        width = ids.shape[1]
-        table = torch.tensor([t + [t[-1]] * (steps - len(t)) for t in targets], dtype=torch.long, device=device)
-        step_mask = _decode_mask(model)
-        out = model(input_ids=ids, attention_mask=mask[:, :width], position_ids=positions, use_cache=True,
-                    logits_to_keep=1)
-        logps = torch.zeros((len(prompts), steps), dtype=torch.float32, device=device)
-        pos = positions[:, -1:] + 1
-        for step in range(steps):
-            logits = out.logits[:, -1, :].float()
-            logp = torch.log_softmax(logits / temperature if temperature > 0 else logits, dim=-1)
-            tok = table[:, step]
-            logps[:, step] = logp.gather(-1, tok[:, None]).squeeze(-1)
-            if step + 1 == steps:
-                break
-            out = model(input_ids=tok[:, None], attention_mask=step_mask(mask, width + step + 1), position_ids=pos,
-                        past_key_values=out.past_key_values, use_cache=True)
-            pos = pos + 1
+        _, logps, _, _ = decode(model, ids, mask, positions, max_new_tokens=steps, choose=script,
+                                stop=torch.tensor([end_id], device=device), check_every=1)
         rows = logps.tolist()
     return [row[: len(t)] for row, t in zip(rows, targets, strict=True)]
 
@@ -507,7 +501,7 @@ class ScriptedGenerator(HFGenerator):
             for start in range(0, len(flat), self.settings.max_batch):
                 rows = slice(start, start + self.settings.max_batch)
                 logprobs += forced_decode(model, [p for _, p in flat[rows]], targets[rows], request.temperature,
-                                          self._pad_id)
+                                          self._pad_id, end_id)
         groups = [RolloutGroup(prompt=p, rollouts=[]) for p in request.prompts]
         for (i, p_ids), tokens, lps in zip(flat, targets, logprobs, strict=True):
             groups[i].rollouts.append(Rollout(

@@ -8,9 +8,11 @@ convention:
   recorded log-prob is `log_softmax(logits / T)[token]` — the log-prob under the distribution actually
   sampled from. At `T == 0` decoding is greedy and the recorded log-prob is `log_softmax(logits)[token]`.
   The loop keeps tokens, log-probs, lengths and stop flags on the device and copies them to the host once
-  per batch; the host reads only "are all rows done?", every `CHECK_EVERY` tokens (every token on the CPU,
-  where a read costs nothing). Row i's draw at step t is an inverse-CDF draw with a uniform that is a hash
-  of (its seed, t): same seed, same tokens, whatever else is in the batch or how it is padded.
+  per batch; the host reads only how many rows are still running, every `CHECK_EVERY` tokens (every token on
+  the CPU, where a read costs nothing). When that check finds a quarter of the rows finished, they leave the
+  batch (their KV cache rows are dropped), so rows that end early stop costing forwards. Row i's draw at step t
+  is an inverse-CDF draw with a uniform that is a hash of (its seed, t): same seed, same tokens, whatever else
+  is in the batch, how it is padded or when other rows leave it (up to float rounding of the batch shape).
 - In-flight weight updates: with `refresh` (a host-side callable) the sampler calls `refresh()` before every
   forward — the prefill and each decode step — and `refresh()` returns the weight version active for that
   forward (it may first have copied a newer version into the model's parameters in place). Each row then
@@ -145,12 +147,18 @@ def _decode_mask(model: PreTrainedModel) -> Callable[[torch.Tensor, int], torch.
     transformers passes to sdpa as is. Otherwise it gets the 2D prefix and builds its own mask (which may read
     the mask on the host each step: transformers checks whether any position is padded).
     """
+    if _plain_sdpa(model):
+        return lambda mask, n: mask[:, None, None, :n]
+    return lambda mask, n: mask[:, :n]
+
+
+def _plain_sdpa(model: PreTrainedModel) -> bool:
+    """Whether every layer is full attention through sdpa (no sliding window): its cache is plain
+    `DynamicLayer`s and a [B, 1, 1, kv] boolean mask is all a decode step needs."""
     cfg = model.config
     types = getattr(cfg, "layer_types", None) or ["full_attention"]
     sliding = getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True)
-    if getattr(cfg, "_attn_implementation", None) == "sdpa" and set(types) == {"full_attention"} and not sliding:
-        return lambda mask, n: mask[:, None, None, :n]
-    return lambda mask, n: mask[:, :n]
+    return getattr(cfg, "_attn_implementation", None) == "sdpa" and set(types) == {"full_attention"} and not sliding
 
 
 def _left_padded(
@@ -208,10 +216,10 @@ def sample(
         check_every = 1 if device.type == "cpu" else CHECK_EVERY
     ids, mask, positions = _left_padded(prompts, pad_id, max_new_tokens, device)
     stop = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=device)
-    versions: list[int] = []  # filled by _decode when refresh is given: the version of each step
-    toks, logps, lengths, stopped = _decode(
-        model, ids, mask, positions, max_new_tokens=max_new_tokens, temperature=temperature, stop=stop,
-        keys=keys, check_every=max(1, check_every), refresh=refresh, versions=versions,
+    versions: list[int] = []  # filled by decode when refresh is given: the version of each step
+    toks, logps, lengths, stopped = decode(
+        model, ids, mask, positions, max_new_tokens=max_new_tokens, choose=Draws(temperature, keys, max_new_tokens),
+        stop=stop, check_every=max(1, check_every), refresh=refresh, versions=versions,
     )
     toks_l, logps_l, lengths_l, stopped_l = toks.tolist(), logps.tolist(), lengths.tolist(), stopped.tolist()
     return [
@@ -220,23 +228,92 @@ def sample(
     ]
 
 
-def _decode(
+def _prefill(
+    model: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, extra: dict[str, int]
+) -> tuple[object, torch.Tensor]:
+    """(KV cache, last-position logits [B, V]) of the left-padded prompts `ids` ([B, W], `mask` True = real).
+
+    On the CPU, prompts of different lengths are run as one unpadded forward per length and their caches
+    left-padded into one: a padded batch needs an attention mask, which sends CPU sdpa down its math path
+    (the full [B, H, W, W] scores; 2.6x slower than the unpadded forwards on the agentic benchmark's rounds of
+    turns), while an unpadded batch takes the fused causal kernel. The padded columns' keys are zeros that the
+    decode mask hides, so the result is the padded forward's up to float rounding. Elsewhere (or for layers
+    whose caches this cannot merge: `_plain_sdpa`) it is the one padded forward: GPU kernels take masks at full speed."""
+    lengths = mask.sum(1).tolist() if ids.device.type == "cpu" else []
+    if len(set(lengths)) < 2 or not _plain_sdpa(model):
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **extra)
+        return out.past_key_values, out.logits[:, -1, :]
+    width = ids.shape[1]
+    logits: torch.Tensor | None = None
+    layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for length in sorted(set(lengths)):
+        rows = torch.tensor([i for i, n in enumerate(lengths) if n == length], device=ids.device)
+        out = model(input_ids=ids[rows, width - length :], position_ids=positions[rows, width - length :],
+                    use_cache=True, **extra)
+        if logits is None:
+            logits = out.logits.new_zeros((ids.shape[0], out.logits.shape[-1]))
+            layers = [(k.new_zeros((ids.shape[0], *k.shape[1:2], width, k.shape[-1])),
+                       v.new_zeros((ids.shape[0], *v.shape[1:2], width, v.shape[-1])))
+                      for k, v in _cache_tensors(out.past_key_values)]
+        logits[rows] = out.logits[:, -1, :]
+        for (keys, values), (k, v) in zip(layers, _cache_tensors(out.past_key_values), strict=True):
+            keys[rows, :, width - length :] = k
+            values[rows, :, width - length :] = v
+    assert logits is not None
+    from transformers import DynamicCache
+
+    return DynamicCache(ddp_cache_data=layers), logits
+
+
+def _cache_tensors(cache: object) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's (keys, values) [b, heads, length, head_dim] of a transformers `DynamicCache`."""
+    return [(layer.keys, layer.values) for layer in cache.layers]  # type: ignore[attr-defined]
+
+
+# Chooses each decode step's tokens: (logits [b, V] of the rows still decoding, their indices in the batch [b],
+# the step) -> (token [b], its log-prob [b]). Sampling draws (`Draws`); a benchmark may force a script instead.
+Choose = Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+
+
+class Draws:
+    """`sample`'s choice: row r's token at step t is `_pick`'s with its uniform (row seed, t); greedy at T 0.
+    Indexed by the rows' batch indices, so a row draws the same whatever rows have left the batch."""
+
+    def __init__(self, temperature: float, keys: torch.Tensor | None, max_new_tokens: int) -> None:
+        self.temperature, self.keys, self.max_new_tokens = temperature, keys, max_new_tokens
+        self._block: torch.Tensor | None = None
+
+    def __call__(self, logits: torch.Tensor, rows: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.keys is None:
+            return _pick(logits, self.temperature, None)
+        if step % UNIFORM_BLOCK == 0 or self._block is None:
+            self._block = _uniforms(self.keys, step, min(UNIFORM_BLOCK, self.max_new_tokens - step))
+        return _pick(logits, self.temperature, self._block[rows, step % UNIFORM_BLOCK])
+
+
+# A check that finds at most this share of the decoding rows still running drops the finished ones from the
+# batch (their KV cache, mask and positions): a batch whose completions end at different lengths (short answers
+# beside long tool calls, a finished sample beside a rambling one) stops paying forwards for rows already done.
+COMPACT_AT = 0.75
+
+
+def decode(
     model: PreTrainedModel,
     ids: torch.Tensor,
     mask: torch.Tensor,
     positions: torch.Tensor,
     *,
     max_new_tokens: int,
-    temperature: float,
+    choose: Choose,
     stop: torch.Tensor,
-    keys: torch.Tensor | None,
     check_every: int,
     refresh: Callable[[], int] | None = None,
     versions: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The decode loop, all on the device: (tokens [B, S], log-probs [B, S], lengths [B], stopped [B]), S the
     steps run. A row's length counts its tokens up to and including its first stop token; later columns are
-    what it kept decoding (discarded). The only host read is the all-done check every `check_every` steps.
+    what it kept decoding, or zeros once it left the batch (discarded either way). The only host read is the
+    check every `check_every` steps: are all rows done, and have enough finished to compact (`COMPACT_AT`)?
 
     With `refresh`, it is called before each forward and its result appended to `versions` (one entry per
     step: the version that produced that column's logits). Neither touches the device queue."""
@@ -246,27 +323,32 @@ def _decode(
     versions = [] if versions is None else versions
     if refresh is not None:
         versions.append(refresh())
-    out = model(input_ids=ids, attention_mask=mask[:, :width], position_ids=positions, use_cache=True, **extra)
-    cache, logits = out.past_key_values, out.logits[:, -1, :]
+    cache, logits = _prefill(model, ids, mask[:, :width], positions, extra)
     toks = torch.zeros((bsz, max_new_tokens), dtype=torch.long, device=ids.device)
     logps = torch.zeros((bsz, max_new_tokens), dtype=torch.promote_types(logits.dtype, torch.float32), device=ids.device)
     lengths = torch.zeros(bsz, dtype=torch.long, device=ids.device)
     done = torch.zeros(bsz, dtype=torch.bool, device=ids.device)
+    rows = torch.arange(bsz, device=ids.device)  # the batch indices of the rows still decoding
     pos = positions[:, -1:] + 1
-    steps, uniforms, u = 0, None, None
+    steps = 0
     for step in range(max_new_tokens):
-        if keys is not None:
-            if step % UNIFORM_BLOCK == 0:
-                uniforms = _uniforms(keys, step, min(UNIFORM_BLOCK, max_new_tokens - step))
-            u = uniforms[:, step % UNIFORM_BLOCK]
-        tok, tok_logp = _pick(logits, temperature, u)
-        toks[:, step] = tok
-        logps[:, step] = tok_logp
-        lengths += ~done
-        done |= torch.isin(tok, stop)
+        tok, tok_logp = choose(logits, rows, step)
+        toks[rows, step] = tok
+        logps[rows, step] = tok_logp
+        lengths[rows] += ~done[rows]
+        done[rows] |= torch.isin(tok, stop)
         steps = step + 1
-        if steps == max_new_tokens or (steps % check_every == 0 and bool(done.all())):
+        if steps == max_new_tokens:
             break
+        if steps % check_every == 0:
+            live = ~done[rows]
+            running = int(live.sum())
+            if running == 0:
+                break
+            if running <= COMPACT_AT * len(rows) and hasattr(cache, "batch_select_indices"):
+                keep = live.nonzero().squeeze(-1)
+                cache.batch_select_indices(keep)
+                rows, mask, pos, tok = rows[keep], mask[keep], pos[keep], tok[keep]
         if refresh is not None:
             versions.append(refresh())  # may swap the weights in place; the KV cache is kept
         out = model(

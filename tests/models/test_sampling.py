@@ -111,14 +111,18 @@ def test_row_uniforms_are_uniform_and_independent():
 @pytest.mark.parametrize("check_every", [1, 4, 16])
 def test_stops_finish_reasons_and_lengths(model_tok, check_every):
     """A row ends at its first stop token (kept, "stop") or after max_new_tokens ("length"); checking for
-    "all done" less often decodes extra columns that are discarded, never different results."""
+    "all done" less often decodes extra columns that are discarded, never different tokens (the log-probs move
+    by float rounding only: finished rows leave the batch at other steps, so the batch shapes differ)."""
     model, tok = model_tok
     prompts = ids(tok) * 3
     reasons = set()
     for temperature, new in ((2.0, 5), (1.0, 8)):  # some rows run out of tokens; every row stops early
         kw = dict(max_new_tokens=new, temperature=temperature, pad_id=0, seeds=range(len(prompts)))
         out = sample(model, prompts, stop_ids=stops(tok), check_every=check_every, **kw)
-        assert out == sample(model, prompts, stop_ids=stops(tok), check_every=1, **kw)
+        every = sample(model, prompts, stop_ids=stops(tok), check_every=1, **kw)
+        assert [(s.token_ids, s.finish_reason) for s in out] == [(s.token_ids, s.finish_reason) for s in every]
+        for s, e in zip(out, every):
+            assert s.logprobs == pytest.approx(e.logprobs, abs=1e-5)
         for s in out:
             reasons.add(s.finish_reason)
             at = [i for i, t in enumerate(s.token_ids) if t in stops(tok)]
@@ -136,11 +140,66 @@ def test_stops_finish_reasons_and_lengths(model_tok, check_every):
     assert [(s.token_ids, s.logprobs, s.finish_reason) for s in empty] == [([], [], "length")] * 2
 
 
+def test_finished_rows_leave_the_batch_and_change_nothing(model64, model_tok, monkeypatch):
+    """Rows that stop early leave the batch (fewer row-forwards than rows x steps); every row's tokens and
+    log-probs equal those of a batch that keeps every row to the end (float64: rounding only)."""
+    from composer_mesh.models import sampling
+
+    _, tok = model_tok
+    prompts, seeds = ids(tok) * 4, range(24)
+    kw = dict(max_new_tokens=12, temperature=1.0, stop_ids=stops(tok), pad_id=0, seeds=seeds)
+    widths: list[int] = []
+    def decode_step(_module, _args, kwargs):  # a decode step feeds one token per row
+        if kwargs["input_ids"].shape[1] == 1:
+            widths.append(kwargs["input_ids"].shape[0])
+
+    hook = model64.register_forward_pre_hook(decode_step, with_kwargs=True)
+    try:
+        compacted = sample(model64, prompts, **kw)
+        shrinking = list(widths)  # the decode steps' batch sizes
+        monkeypatch.setattr(sampling, "COMPACT_AT", 0.0)  # never compact: every row decodes to the last step
+        widths.clear()
+        kept = sample(model64, prompts, **kw)
+    finally:
+        hook.remove()
+    assert set(widths) == {24}
+    assert shrinking[0] == 24 and shrinking[-1] < 24 and shrinking == sorted(shrinking, reverse=True)
+    assert any(len(s.token_ids) < 12 for s in compacted)  # the test needs rows that stop early
+    for c, k in zip(compacted, kept):
+        assert (c.token_ids, c.finish_reason) == (k.token_ids, k.finish_reason)
+        assert c.logprobs == pytest.approx(k.logprobs, abs=1e-12)
+
+
+def test_cpu_prefill_of_mixed_lengths_runs_unpadded_and_equals_the_padded_forward(model64, model_tok):
+    """On the CPU, prompts of different lengths are prefilled one unpadded forward per length (no attention
+    mask: CPU sdpa's fused kernel) and their caches left-padded into one; logits and the real columns of every
+    layer's keys and values equal one padded forward's (float64)."""
+    from composer_mesh.models.sampling import _cache_tensors, _left_padded, _prefill
+
+    _, tok = model_tok
+    prompts = ids(tok) * 2
+    input_ids, mask, positions = _left_padded(prompts, 0, 0, torch.device("cpu"))
+    masks: list[object] = []
+    hook = model64.register_forward_pre_hook(lambda _m, _a, k: masks.append(k.get("attention_mask")),
+                                             with_kwargs=True)
+    try:
+        with torch.inference_mode():
+            cache, logits = _prefill(model64, input_ids, mask, positions, {})
+            padded = model64(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True)
+    finally:
+        hook.remove()
+    assert masks[:-1] == [None] * len({len(p) for p in prompts})  # one unmasked forward per length
+    assert torch.allclose(logits, padded.logits[:, -1], atol=1e-10)
+    for (k, v), (pk, pv) in zip(_cache_tensors(cache), _cache_tensors(padded.past_key_values), strict=True):
+        real = mask[:, None, :, None].expand_as(k)  # [B, heads, W, head_dim]: the real tokens' columns
+        assert torch.allclose(k[real], pk[real], atol=1e-10) and torch.allclose(v[real], pv[real], atol=1e-10)
+
+
 class _HostReads(TorchDispatchMode):
     """Counts the ops that copy a value to the host and wait for it (item/bool/int, nonzero, equal)."""
 
-    OPS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default,
-           torch.ops.aten.nonzero.default, torch.ops.aten.equal.default)
+    OPS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default,  # item: under inference_mode
+           torch.ops.aten.is_nonzero.default, torch.ops.aten.nonzero.default, torch.ops.aten.equal.default)
 
     def __init__(self) -> None:
         super().__init__()
@@ -165,7 +224,7 @@ def test_host_reads_do_not_grow_with_rows_or_tokens(model_tok):
         return mode.count
 
     assert reads(2, 32) == reads(12, 32)
-    assert reads(12, 48) - reads(12, 16) == 2  # one "all done?" read per 16 tokens
+    assert reads(12, 48) - reads(12, 16) == 2  # one "how many still run?" read per 16 tokens
     assert reads(12, 16) <= 4  # prefill (transformers' mask check) + nothing per token
 
 
