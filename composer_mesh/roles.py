@@ -130,9 +130,10 @@ class RoleMesh:
     for loops that address actors one by one.
     """
 
-    def __init__(self, launched: LaunchedMeshes, run_name: str) -> None:
+    def __init__(self, launched: LaunchedMeshes, run_name: str, procs_per_replica: int = 1) -> None:
         self.launched = launched
         self.run_name = run_name
+        self.procs_per_replica = procs_per_replica  # the trainer's: procs that train one replica together
 
     def _role(self, role: Role) -> Any:
         try:

@@ -28,24 +28,32 @@ from composer_mesh.mesh.weights.plane import WeightManifest, WeightPublisher
 class TrainerService:
     """A trainer binding plus its weight publisher."""
 
-    def __init__(self, backend: TrainerBackend, weights: WeightPlaneConfig) -> None:
+    def __init__(self, backend: TrainerBackend, weights: WeightPlaneConfig, publishes: bool = True) -> None:
         self.backend = backend
         self.weights_config = weights
+        # Rank 0 of a replica publishes; the other ranks of a sharded replica only join the weights' gathering
+        # (`named_weights` is a collective there) and count the versions.
+        self.publishes = publishes
+        self._version = 0
         self.publisher: WeightPublisher | None = None
         self.last_publish_s = 0.0
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="trainer-state-writer")
         self._writes: list[tuple[str, Future[None]]] = []  # full-state writes not yet reported
 
     def start(self, model: Any, loss: Any, temperature: float, diloco: Any = None, replica_id: int = 0,
-              seed: int = 0) -> None:
-        """Start the binding, then seed the process's RNGs (torch, Python, NumPy) from the run's seed and the
-        replica: what building the model consumed (a cold or a warm model cache) must not change the run."""
+              seed: int = 0, shard: Any = None) -> None:
+        """Start the binding (with `shard`: as one rank of a sharded replica), then seed the process's RNGs
+        (torch, Python, NumPy) from the run's seed and the replica: what building the model consumed (a cold or
+        a warm model cache) must not change the run."""
         import random
 
         import numpy as np
         import torch
 
-        self.backend.start(model, loss, temperature=temperature, diloco=diloco, replica_id=replica_id)
+        if shard is None:
+            self.backend.start(model, loss, temperature=temperature, diloco=diloco, replica_id=replica_id)
+        else:
+            self.backend.start(model, loss, temperature=temperature, diloco=diloco, replica_id=replica_id, shard=shard)
         rng_seed = seed * 1_000_003 + replica_id
         torch.manual_seed(rng_seed)
         random.seed(rng_seed)
@@ -59,11 +67,16 @@ class TrainerService:
         step = int(self.backend.rejoin(round_id))
         return step, self.publish(version=first_version + step)
 
-    def publish(self, version: int | None = None) -> WeightManifest:
+    def publish(self, version: int | None = None) -> WeightManifest | None:
         """Copy the current weights into the next slot of the plane (registered once, on first use), as the next
-        version or as `version` (a resumed run's)."""
+        version or as `version` (a resumed run's). A rank that does not publish gathers with the others and
+        returns None."""
         t0 = time.perf_counter()
         named = self.backend.named_weights()
+        if not self.publishes:
+            self._version = self._version + 1 if version is None else version
+            self.last_publish_s = time.perf_counter() - t0
+            return None
         if self.publisher is None:
             self.publisher = WeightPublisher(named, self.weights_config)
         manifest = self.publisher.publish(named, version)
@@ -72,16 +85,16 @@ class TrainerService:
 
     @property
     def version(self) -> int:
-        return self.publisher.version if self.publisher is not None else 0
+        return self.publisher.version if self.publisher is not None else self._version
 
-    def train_step(self, batch: TrainBatch) -> tuple[TrainMetrics, WeightManifest]:
+    def train_step(self, batch: TrainBatch) -> tuple[TrainMetrics, WeightManifest | None]:
         """One optimizer step, then publish: the plane's version is the one weight-version counter."""
         t0 = time.perf_counter()
         written = self._collect_writes(wait=False)
         metrics = self.backend.train_step(batch)
         metrics.states_written = written
         manifest = self.publish()
-        metrics.weight_version = manifest.version
+        metrics.weight_version = self.version
         metrics.metrics["publish_s"] = self.last_publish_s
         metrics.metrics["train_step_s"] = time.perf_counter() - t0  # the trainer's own time (no messaging)
         return metrics, manifest
@@ -98,7 +111,16 @@ class TrainerService:
         self._writes.append((url, self._writer.submit(self.backend.write_state, url, snapshot)))
         if wait:
             self.flush_states()
+        elif self.shards:
+            # A sharded replica's ranks each write their own shards: rank 0 reports the state written (in a later
+            # step) only once every rank's part is, so every rank finishes its write before it trains on.
+            self._writes[-1][1].exception()
         return url
+
+    @property
+    def shards(self) -> bool:
+        """Whether this proc is one rank of a replica sharded over several procs."""
+        return getattr(self.backend, "shard", None) is not None
 
     def flush_states(self) -> list[str]:
         """Wait for every background state write; the URLs written since the last report."""
@@ -115,7 +137,7 @@ class TrainerService:
             done.append(url)
         return done
 
-    def load_state(self, url: str) -> WeightManifest:
+    def load_state(self, url: str) -> WeightManifest | None:
         """Continue from `save_state`'s state: load it and publish its weights under the version it had."""
         extra = self.backend.load_state(url)
         return self.publish(version=int(extra["weight_version"]))
@@ -142,14 +164,40 @@ class TrainerActor(RoleActor[TrainerService]):
         self.config = config
 
     @endpoint
-    async def setup(self) -> WeightManifest:
-        """Build model, optimizer and loss; publish the initial policy as version 1."""
+    async def rendezvous(self) -> str:
+        """A "host:port" on this proc's host where a sharded replica whose rank 0 this is can meet (the
+        controller asks rank 0 and hands the address to every rank's `setup`)."""
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return f"{socket.gethostname()}:{port}"
+
+    @endpoint
+    async def setup(self, address: str | None = None) -> WeightManifest | None:
+        """Build model, optimizer and loss; publish the initial policy as version 1. A replica of several procs
+        (`procs_per_replica`) is sharded: its ranks meet at `address` (its rank 0's `rendezvous`)."""
         cfg = self.config
-        service = TrainerService(cfg.binding.build(), cfg.weights)
+        shard = self.shard_group(address)
+        service = TrainerService(cfg.binding.build(), cfg.weights, publishes=shard is None or shard.rank == 0)
         await asyncio.to_thread(service.start, cfg.model, cfg.loss, cfg.temperature, cfg.diloco, self.replica_id(),
-                                cfg.seed)
+                                cfg.seed, shard)
         self._service = service
-        return service.publish()
+        return await asyncio.to_thread(service.publish)
+
+    def shard_group(self, address: str | None) -> Any:
+        """This proc's `ShardGroup` in its replica, or None for a replica of one proc."""
+        cfg = self.config
+        if cfg.procs_per_replica == 1:
+            return None
+        if address is None:
+            raise ValueError(f"trainer replica of {cfg.procs_per_replica} procs: setup needs its rank 0's rendezvous "
+                             "address")
+        from composer_mesh.actors.backends.trainer.sharding import ShardGroup
+
+        rank, _ = actor_position()
+        return ShardGroup(rank % cfg.procs_per_replica, cfg.procs_per_replica, address)
 
     @endpoint
     async def rejoin(self, replica_id: int, round_id: int, first_version: int) -> tuple[int, WeightManifest]:
@@ -164,8 +212,7 @@ class TrainerActor(RoleActor[TrainerService]):
         return step, manifest
 
     def replica_id(self) -> int:
-        """This proc's DiLoCo replica: a replica is `procs_per_replica` consecutive procs of the mesh (one today:
-        validation refuses more until a sharded binding lands, so every proc is a replica of its own)."""
+        """This proc's replica: a replica is `procs_per_replica` consecutive procs of the mesh."""
         rank, procs = actor_position()
         cfg = self.config
         if procs != cfg.replicas * cfg.procs_per_replica:
@@ -177,7 +224,7 @@ class TrainerActor(RoleActor[TrainerService]):
         return rank // cfg.procs_per_replica
 
     @endpoint
-    async def train_step(self, batch: TrainBatch) -> tuple[TrainMetrics, WeightManifest]:
+    async def train_step(self, batch: TrainBatch) -> tuple[TrainMetrics, WeightManifest | None]:
         """One optimizer step on `batch`; returns metrics and the manifest of the new version."""
         return await asyncio.to_thread(self.service.train_step, batch)
 
@@ -197,7 +244,7 @@ class TrainerActor(RoleActor[TrainerService]):
         return await asyncio.to_thread(self.service.flush_states)
 
     @endpoint
-    async def load_state(self, url: str) -> WeightManifest:
+    async def load_state(self, url: str) -> WeightManifest | None:
         """Resume from `save_state`'s state; returns the manifest of its weights (generators pull it)."""
         return await asyncio.to_thread(self.service.load_state, url)
 
@@ -215,4 +262,5 @@ class TrainerActor(RoleActor[TrainerService]):
     async def weights_digest(self) -> tuple[int, str]:
         """(version, digest) of the current weights: compare with `GeneratorActor.weights_digest`."""
         svc = self.service
-        return svc.version, weights_digest(svc.backend.named_weights())
+        named = await asyncio.to_thread(svc.backend.named_weights)  # a collective on a sharded replica's ranks
+        return svc.version, weights_digest(named)

@@ -61,7 +61,7 @@ async def _launch(
         ready_timeout=ready_timeout,
         stop_timeout=stop_timeout,
     ) as launched:
-        yield RoleMesh(launched, topo.name)
+        yield RoleMesh(launched, topo.name, topo.roles.trainer.procs_per_replica)
 
 
 def role_placements(topo: Topology, actors: Mapping[str, type | str] | None = None) -> list[ActorPlacement]:

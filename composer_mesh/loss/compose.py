@@ -14,6 +14,7 @@ which every channel computes its logits chunk by chunk (`loss/hidden.py`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -44,6 +45,7 @@ from composer_mesh.loss.hidden import (
     hidden_token_logprobs,
 )
 from composer_mesh.loss.preference import ReplayPairs, dpo_loss, replay_metrics, sequence_logps, simpo_loss
+from composer_mesh.loss.ranks import Ranks, merge_distill, merge_policy, merge_replay, merge_sums
 
 __all__ = [
     "BatchTotals",
@@ -259,8 +261,14 @@ class LossAccumulator:
             self._sums[name] = self._sums[name] + value.detach() if name in self._sums else value.detach()
         return LossResult(total=total, parts=parts)
 
-    def finish(self) -> LossResult:
-        """The whole batch's total and parts (detached) and its metrics; updates the adaptive TAID state once."""
+    def finish(self, ranks: Ranks | None = None, teachers: Sequence[str] = ()) -> LossResult:
+        """The whole batch's total and parts (detached) and its metrics; updates the adaptive TAID state once.
+
+        With `ranks` (a sharded replica, each rank holding its own pieces of the batch), every rank's sums and
+        diagnostics are merged first (`loss/ranks.py`), so every rank returns the whole batch's; `teachers`
+        lists every replay teacher name of the batch (names cross ranks as indices into it)."""
+        if ranks is not None:
+            self._merge(ranks, teachers)
         config, diag, parts = self.config, self._diag, dict(self._sums)
         metrics: dict[str, float] = {}
         if self.taid_t is not None:
@@ -289,6 +297,13 @@ class LossAccumulator:
             metrics[f"loss/{name}"] = float(value)
         metrics["loss/total"] = float(total)
         return LossResult(total=total, parts=parts, metrics=metrics)
+
+    def _merge(self, ranks: Ranks, teachers: Sequence[str]) -> None:
+        diag = self._diag
+        self._sums, self._saw = merge_sums(ranks, self._sums, self._saw)
+        diag.policy, diag.advantages = merge_policy(ranks, diag.policy, diag.advantages)
+        diag.distill = merge_distill(ranks, diag.distill)
+        diag.replay = merge_replay(ranks, diag.replay, teachers)
 
     def _step_taid(self, sdpo: Tensor, metrics: dict[str, float]) -> None:
         config, state, t = self.config, self.state, self.taid_t

@@ -118,7 +118,7 @@ class RLLoop:
 
     async def setup(self) -> None:
         """Build every role's model; the trainer publishes its first version and the generators pull it."""
-        manifests, _ = await asyncio.gather(self.trainers.each("setup"), self.roles.setup())
+        manifests, _ = await asyncio.gather(self.trainers.setup(), self.roles.setup())
         self.versions.set(manifests[0].version)
         await self.roles.generators.load_weights(manifests[0])
 

@@ -67,6 +67,47 @@ class _Lane:
         call.future = getattr(self.handle, call.endpoint).call_one(*call.args)
 
 
+async def _none() -> None:
+    return None
+
+
+class _AllRanks:
+    """One endpoint of every rank of a sharded replica: a call goes to each rank now (so it takes its place in
+    every rank's mailbox), and its answer is rank 0's once every rank answered (a rank's failure is the call's)."""
+
+    def __init__(self, endpoints: list[Any]) -> None:
+        self.endpoints = endpoints
+
+    def call_one(self, *args: Any) -> asyncio.Future[Any]:
+        futures = [e.call_one(*args) for e in self.endpoints]
+
+        async def first() -> Any:
+            return (await asyncio.gather(*futures))[0]
+
+        return asyncio.ensure_future(first())
+
+
+class ShardedReplica:
+    """The ranks of a replica sharded over several procs, called as one (SPMD: the same calls, in the same order,
+    on every rank; `TrainerActor.setup` makes them one FSDP2 group)."""
+
+    def __init__(self, ranks: list[Any]) -> None:
+        self.ranks = ranks
+
+    def __getattr__(self, endpoint: str) -> _AllRanks:
+        if endpoint.startswith("_"):
+            raise AttributeError(endpoint)
+        return _AllRanks([getattr(rank, endpoint) for rank in self.ranks])
+
+
+def replica_handles(procs: list[Any], per: int) -> list[Any]:
+    """One handle per replica from the trainer's per-proc handles: the proc itself, or a `ShardedReplica` of its
+    `per` (`procs_per_replica`) consecutive procs."""
+    if per <= 1:
+        return list(procs)
+    return [ShardedReplica(procs[i:i + per]) for i in range(0, len(procs), per)]
+
+
 class TrainerReplicas:
     """Sends each replica its calls at once (they wait in its mailbox) and hands out awaitables for the
     answers; with DiLoCo, an answer lost to a proc death arrives from the replica's stand-in instead."""
@@ -77,7 +118,8 @@ class TrainerReplicas:
         self.recovery = recovery
         self.diloco = diloco if diloco is not None and diloco.replicas > 1 else None
         self.first_version = first_version
-        self.lanes = [_Lane(i, handle) for i, handle in enumerate(mesh.procs("trainer"))]
+        handles = replica_handles(mesh.procs("trainer"), mesh.procs_per_replica)
+        self.lanes = [_Lane(i, handle) for i, handle in enumerate(handles)]
         # Steps kept for replay: back to the round before the newest (its checkpoint may be the dead one's).
         self._keep = 2 * (self.diloco.sync_every // self.diloco.fragments) + _IN_FLIGHT if self.diloco else 0
 
@@ -104,6 +146,15 @@ class TrainerReplicas:
         for lane in self.lanes:
             for url in urls:
                 lane.unreported.pop(url, None)
+
+    async def setup(self) -> list[Any]:
+        """`setup` every replica, answers in replica order; a sharded replica's ranks first get its rank 0's
+        rendezvous address."""
+        addresses = await asyncio.gather(*[
+            lane.handle.ranks[0].rendezvous.call_one() if isinstance(lane.handle, ShardedReplica) else _none()
+            for lane in self.lanes])
+        return await asyncio.gather(*[self._send(lane, "setup", () if address is None else (address,), -1)
+                                      for lane, address in zip(self.lanes, addresses, strict=True)])
 
     async def each(self, endpoint: str, *args: Any) -> list[Any]:
         """Call `endpoint(*args)` on every replica (sent to all first), answers in replica order."""

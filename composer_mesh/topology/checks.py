@@ -30,6 +30,8 @@ from composer_mesh.topology.yaml_errors import Loc, field_type
 GPU_CAPABILITY = "gpu"
 # A generator binding that applies LoRA adapters itself and takes adapter tensors from the weight plane.
 ADAPTERS_CAPABILITY = "adapters"
+# A trainer binding that trains one replica over several procs (FSDP2): `procs_per_replica > 1`.
+SHARDED_CAPABILITY = "sharded"
 # The sections owned by the components (validated on their own for the checks).
 SECTIONS: tuple[str, ...] = ("model", "loss", "weights", "diloco", "run")
 
@@ -44,7 +46,9 @@ CROSS_CHECKS: tuple[str, ...] = (
     "`loss.alpha_sdpo > 0` needs a teacher with channel `distill`; `loss.beta_replay > 0` needs a teacher with "
     "channel `replay` (both default to 1.0, so set them to 0 to run without teachers)",
     "`diloco` is given exactly when `roles.trainer.replicas > 1`, and `diloco.replicas` equals it",
-    "the trainer mesh's procs (hosts × procs_per_host) split evenly into `roles.trainer.replicas`",
+    "the trainer mesh has exactly `roles.trainer.replicas` × `procs_per_replica` procs (hosts × procs_per_host)",
+    "`procs_per_replica > 1` needs a trainer binding with capability `sharded` (`hf`: FSDP2), and for now one "
+    "replica and no LoRA",
     "a trainer with `settings.lora` has no `diloco`; `lora.sync: adapter` needs a generator binding with "
     "capability `adapters` (one that applies the same LoRA config and loads adapter tensors)",
     "Slurm meshes that may share a node (`exclusive: false`, same partition) use different `monarch_port`s",
@@ -279,17 +283,38 @@ def check_diloco_replicas(parts: Parts) -> Iterator[Problem]:
 
 
 def check_replicas_fit_mesh(parts: Parts) -> Iterator[Problem]:
-    """The trainer mesh's procs split evenly into the trainer replicas."""
+    """The trainer mesh holds exactly `replicas` × `procs_per_replica` procs."""
     trainer = parts.roles.get("trainer")
     if not isinstance(trainer, TrainerSpec):
         return
     mesh = parts.meshes.get(trainer.mesh)
-    if mesh is not None and (trainer.replicas > mesh.procs or mesh.procs % trainer.replicas):
+    if mesh is not None and mesh.procs != trainer.replicas * trainer.procs_per_replica:
         yield (
             ("roles", "trainer", "replicas"),
-            f"replicas = {trainer.replicas} cannot be split evenly "
-            f"over the {mesh.procs} procs of mesh {trainer.mesh!r} (hosts × procs_per_host)",
+            f"replicas = {trainer.replicas} × procs_per_replica = {trainer.procs_per_replica} needs "
+            f"{trainer.replicas * trainer.procs_per_replica} procs, mesh {trainer.mesh!r} has {mesh.procs} "
+            "(hosts × procs_per_host)",
         )
+
+
+def check_sharded_trainer(parts: Parts) -> Iterator[Problem]:
+    """A replica of several procs needs a binding that shards (capability `sharded`), and not yet with DiLoCo or
+    LoRA."""
+    trainer = parts.roles.get("trainer")
+    if not isinstance(trainer, TrainerSpec) or trainer.procs_per_replica == 1:
+        return
+    where = ("roles", "trainer", "procs_per_replica")
+    caps = trainer.resolved.capabilities
+    if SHARDED_CAPABILITY not in caps:
+        yield (where, f"procs_per_replica = {trainer.procs_per_replica}: trainer binding {trainer.binding!r} trains a "
+                      f"replica on one proc (its capabilities are {sorted(caps) or 'none'}, a sharded replica needs "
+                      f"{SHARDED_CAPABILITY!r}); use 1, or the hf binding")
+    if trainer.replicas > 1:
+        yield (where, f"procs_per_replica = {trainer.procs_per_replica} with replicas = {trainer.replicas}: DiLoCo "
+                      "between sharded replicas is not built yet; use one sharded replica, or one proc per replica")
+    if getattr(trainer.settings, "lora", None) is not None:
+        yield (where, f"procs_per_replica = {trainer.procs_per_replica} with settings.lora: sharded LoRA is not "
+                      "built yet; use one proc per replica for LoRA")
 
 
 def check_lora(parts: Parts) -> Iterator[Problem]:
@@ -346,6 +371,7 @@ CHECKS: tuple[Callable[[Parts], Iterator[Problem]], ...] = (
     check_local_gpus,
     check_diloco_replicas,
     check_replicas_fit_mesh,
+    check_sharded_trainer,
     check_lora,
     check_warmstart_held_out,
 )

@@ -151,21 +151,10 @@ class TrainerSpec(BoundSpec):
     procs_per_replica: int = Field(
         1,
         ge=1,
-        description="Procs that train one replica together: the trainer's mesh has `replicas` × this many procs "
-        "(checked when the trainer starts). Only 1 for now (every trainer binding trains a replica on one proc); "
-        "a replica sharded over several procs needs the sharded trainer, which has not landed yet (issue 27).",
+        description="Procs that train one replica together: more than 1 shards the replica over them with FSDP2 "
+        "(binding capability `sharded`; docs/trainer.md). The trainer's mesh has `replicas` × this many procs.",
     )
     settings: Settings = _settings_field()
-
-    @field_validator("procs_per_replica")
-    @classmethod
-    def _one_proc_per_replica(cls, v: int) -> int:
-        if v > 1:
-            raise ValueError(
-                f"procs_per_replica = {v}: a replica sharded over several procs needs the sharded trainer, which "
-                "has not landed yet (issue 27); use 1 (one proc per replica, more replicas for more procs)"
-            )
-        return v
 
 
 class GeneratorsSpec(BoundSpec):

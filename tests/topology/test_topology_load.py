@@ -228,9 +228,10 @@ name: t
 meshes:
   cpu: &cpu {backend: local, procs_per_host: 2}
   gpu: {<<: *cpu, gpus_per_proc: 1}
+  learner: {backend: local}
   7: {backend: local}
 roles:
-  trainer: {mesh: cpu, binding: "topology.fake_bindings:Trainer", settings: null}
+  trainer: {mesh: learner, binding: "topology.fake_bindings:Trainer", settings: null}
   generators: {mesh: gpu, binding: "topology.fake_bindings:Generator"}
   rewarder: {mesh: cpu, binding: "topology.fake_bindings:Rewarder"}
 loss: {alpha_sdpo: 0, beta_replay: 0}
@@ -238,7 +239,7 @@ loss: {alpha_sdpo: 0, beta_replay: 0}
     with pytest.raises(TopologyError) as info:
         parse_topology(text)
     got = {(e.path, e.line) for e in info.value.errors}
-    assert ("meshes.7", 5) in got  # a number is not a mesh name (and the path says so)
+    assert ("meshes.7", 6) in got  # a number is not a mesh name (and the path says so)
     t = parse_topology(text.replace("  7: {backend: local}\n", ""))
     assert t.meshes["gpu"].procs_per_host == 2 and t.meshes["gpu"].gpus_per_proc == 1  # merged
     assert t.trainer.settings == TrainerSettings()  # `settings: null` means defaults

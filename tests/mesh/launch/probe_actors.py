@@ -30,7 +30,7 @@ class ProbeBinding:
     """A binding that can be named for any role in a test topology; it does nothing."""
 
     Settings = ProbeSettings
-    capabilities = frozenset({"distill", "replay"})
+    capabilities = frozenset({"distill", "replay", "sharded"})
 
     def __init__(self, settings: ProbeSettings) -> None:
         self.settings = settings

@@ -6,10 +6,11 @@ to the actor. The weight version is not the binding's: the service's weight publ
 the published one to `save_checkpoint`.
 
 Where a binding runs: a trainer replica is `procs_per_replica` procs of the trainer mesh (`TrainerConfig`), and
-the mesh holds `replicas x procs_per_replica` procs; the actor gives `start` the proc's replica. Today every
-binding trains one replica on one proc (`procs_per_replica` is 1; validation refuses more until a sharded binding
-lands, issue 27): such a binding's `named_weights` are the full tensors of that replica and its state is one
-snapshot per replica.
+the mesh holds `replicas x procs_per_replica` procs; the actor gives `start` the proc's replica and, for a replica
+of several procs, the proc's `ShardGroup` (its rank in the replica and where the ranks meet). Such a binding is
+SPMD: every rank gets every call, with the same arguments, in the same order (the controller sends each replica's
+calls to all its ranks and reads rank 0's answer). `named_weights` are the full tensors on every rank (gathered:
+a collective), and the state is one snapshot per rank (`url/rank<r>`). Capability `sharded` says a binding can.
 """
 
 from __future__ import annotations
@@ -31,10 +32,10 @@ class TrainerBackend(Protocol):
     capabilities: ClassVar[frozenset[str]]
 
     def start(self, model_config: Any, loss: Any, temperature: float = 1.0, diloco: Any = None,
-              replica_id: int = 0) -> None:
+              replica_id: int = 0, shard: Any = None) -> None:
         """Build the policy (`model_config`: a `ModelConfig`), optimizer and loss state (`loss`: a `LossConfig`);
-        with `diloco` (a `DiLoCoConfig`), as DiLoCo replica `replica_id`. Called once, on the proc's thread that
-        then runs every other call."""
+        with `diloco` (a `DiLoCoConfig`), as DiLoCo replica `replica_id`; with `shard` (a `sharding.ShardGroup`),
+        as one rank of a sharded replica. Called once, on the proc's thread that then runs every other call."""
 
     def rejoin(self, round_id: int) -> int:
         """Right after `start`, in place of a dead DiLoCo replica: heal from the store at round `round_id`; the

@@ -12,10 +12,10 @@ from pydantic import Field
 from composer_mesh.actors.backends.config import TorchSettings
 from composer_mesh.models.config import LoraConfig
 
-HF_TRAINER_CAPABILITIES: frozenset[str] = frozenset()
+HF_TRAINER_CAPABILITIES: frozenset[str] = frozenset({"sharded"})  # FSDP2 over procs_per_replica procs
 
 
-Precision = Literal["fp32", "bf16-mixed", "bf16"]
+Precision = Literal["fp32", "bf16-mixed", "bf16", "fp64"]
 
 
 class HFTrainerSettings(TorchSettings):
@@ -65,7 +65,8 @@ class HFTrainerSettings(TorchSettings):
     precision: Precision = Field(
         "fp32",
         description="'fp32'; 'bf16-mixed': bf16 autocast compute, float32 master weights and AdamW state; "
-        "'bf16': weights, gradients and AdamW state in bf16 (half the memory, lossy updates). "
+        "'bf16': weights, gradients and AdamW state in bf16 (half the memory, lossy updates); 'fp64': everything in "
+        "float64, for checking exactness (a sharded replica against one process), not for training. "
         "Loss math is float32 in every case.",
     )
     activation_checkpointing: bool = Field(
@@ -76,6 +77,17 @@ class HFTrainerSettings(TorchSettings):
         description="transformers attention kernel of the policy ('sdpa', 'eager', 'flash_attention_2', ...; "
         "null = the model's default). With packing, sdpa and eager build a dense [L, L] block-diagonal mask "
         "per packed row; flash_attention_2 runs packed rows as variable-length sequences.",
+    )
+    fsdp_reshard_after_forward: bool = Field(
+        True,
+        description="Sharded replicas (procs_per_replica > 1): free each layer's gathered parameters after its forward "
+        "and gather them again in backward (FSDP2's default: least memory). false keeps them from forward to backward "
+        "(one all-gather fewer per layer and step, the full layer held meanwhile).",
+    )
+    fsdp_cpu_offload: bool = Field(
+        False,
+        description="Sharded replicas: keep the parameter, gradient and AdamW shards in host memory (FSDP2 "
+        "CPUOffloadPolicy); each layer's parameters come to the device for its forward and backward.",
     )
     lm_head: Literal["chunked", "full"] = Field(
         "chunked",

@@ -33,6 +33,7 @@ from composer_mesh.actors.backends.trainer.config import (
     scheduled_lr,
 )
 from composer_mesh.actors.backends.trainer.train_batch import (
+    Piece,
     StudentPass,
     TrainRows,
     build_piece,
@@ -45,6 +46,7 @@ from composer_mesh.loss.config import LossConfig
 from composer_mesh.loss.grpo import group_advantages
 
 if TYPE_CHECKING:
+    from composer_mesh.actors.backends.trainer.sharding import ShardGroup, TorchRanks
     from composer_mesh.actors.backends.trainer.trainer_state import TrainerSnapshot
 
 WeightKind = Literal["full", "adapter"]
@@ -59,6 +61,8 @@ class HFTrainer:
     def __init__(self, settings: HFTrainerSettings) -> None:
         self.settings = settings
         self.model: torch.nn.Module | None = None
+        self.shard: ShardGroup | None = None
+        self._ranks: TorchRanks | None = None
         self.step = 0  # optimizer steps taken
         self.loss_state: Any = None
         # What `named_weights` holds: the full weights ('full'), or the LoRA adapter tensors ('adapter', with
@@ -68,23 +72,27 @@ class HFTrainer:
     # ---- setup -----------------------------------------------------------------------------------
     def start(
         self, model_config: Any, loss: LossConfig, temperature: float = 1.0,
-        diloco: Any = None, replica_id: int = 0,
+        diloco: Any = None, replica_id: int = 0, shard: ShardGroup | None = None,
     ) -> None:
         """Build model (with LoRA adapters if set), reference, AdamW and the loss state; with `diloco` (a
         `DiLoCoConfig`), wrap the optimizer in DiLoCo so every `sync_every` inner steps this replica syncs
-        through the object store."""
+        through the object store. With `shard`, this proc is one rank of a replica sharded with FSDP2 over
+        `shard.world` procs (`sharding.py`): policy and reference are sharded, AdamW holds this rank's shards."""
         from composer_mesh.models.loading import load_pretrained, torch_dtype
 
         if self.settings.lora is not None and diloco is not None:
             raise ValueError("trainer.settings.lora and diloco (roles.trainer.replicas > 1) cannot be combined: "
                              "DiLoCo would synchronise and checkpoint the whole frozen model, not the adapters; "
                              "drop one of them")
+        if shard is not None and (self.settings.lora is not None or diloco is not None):
+            raise ValueError("a sharded trainer replica (procs_per_replica > 1) does not take lora or DiLoCo yet")
+        self.shard = shard
         torch.set_num_threads(self.settings.torch_threads)
         self.model, self.tokenizer = load_pretrained(model_config, device=self.settings.device)
         # Training keeps its own dtype (float32 master weights unless precision is 'bf16'); generators load
         # `model.dtype`, so that is the dtype the weights are published in.
         self.publish_dtype = torch_dtype(model_config.dtype)
-        self.model.to(torch.bfloat16 if self.settings.precision == "bf16" else torch.float32)
+        self.model.to({"bf16": torch.bfloat16, "fp64": torch.float64}.get(self.settings.precision, torch.float32))
         if self.settings.attn_implementation is not None:
             self.model.set_attn_implementation(self.settings.attn_implementation)
         if self.settings.lora is not None:
@@ -99,6 +107,11 @@ class HFTrainer:
         self.loss = loss
         self.temperature = temperature
         self._build_reference(loss)
+        self._ranks: TorchRanks | None = None
+        if shard is not None:  # FSDP2 on policy and reference, before AdamW takes the (sharded) parameters
+            from composer_mesh.actors.backends.trainer.sharding import shard_trainer
+
+            self._ranks = shard_trainer(self.model, self.reference, shard, self.settings)
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],  # with LoRA: the adapters only
             lr=self.settings.lr, weight_decay=self.settings.weight_decay,
@@ -164,10 +177,13 @@ class HFTrainer:
             if self.weight_kind == "adapter":
                 return adapter_weights(self.model)
             return merged_weights(self.model, self.publish_dtype)
-        return {
-            name: t.to(self.publish_dtype) if t.is_floating_point() else t
-            for name, t in named_weights(self.model).items()
-        }
+        if self.shard is not None:
+            from composer_mesh.actors.backends.trainer.sharding import full_weights
+
+            weights = dict(full_weights(self.model))  # every rank gathers, rank 0 publishes
+        else:
+            weights = named_weights(self.model)
+        return {name: t.to(self.publish_dtype) if t.is_floating_point() else t for name, t in weights.items()}
 
     # ---- one step ----------------------------------------------------------------------------------
     def _autocast(self) -> Any:
@@ -185,13 +201,23 @@ class HFTrainer:
                           self.reference_scope)
         advantages = group_advantages(data.rewards, data.group_ids, self.loss.scale_std, self.loss.advantage_eps)
         accumulator = LossAccumulator(self.loss, data.totals(), step=self.step, state=self.loss_state)
-        pieces = data.micro_batches(s.micro_batch_tokens, s.packing)
+        pieces: list[Piece | None] = list(data.micro_batches(s.micro_batch_tokens, s.packing))
+        if self.shard is not None:  # this rank's share, padded to the busiest rank's count
+            from composer_mesh.actors.backends.trainer.sharding import rank_pieces
+
+            pieces = rank_pieces(data, self.shard.world, self.shard.rank, s.micro_batch_tokens, s.packing)
         for piece in pieces:
             with self._autocast():
-                loss_batch = build_piece(data, piece, run, advantages)
+                if piece is None:  # a sharded rank with fewer micro-batches than the busiest
+                    from composer_mesh.actors.backends.trainer.sharding import idle_pass
+
+                    idle_pass(data, run)
+                    continue
+                loss_batch = build_piece(data, piece, run, advantages, uniform=self.shard is not None)
             accumulator.add(loss_batch).total.backward()
             del loss_batch
-        result: LossResult = accumulator.finish()  # one host sync for the whole step, not one per micro-batch
+        # one host sync for the whole step, not one per micro-batch; sharded: merged over the replica's ranks
+        result: LossResult = accumulator.finish(self._ranks, sorted({t.teacher for t, _ in data.pairs}))
         if not torch.isfinite(result.total):  # before the optimizer: the weights stay as they were
             raise FloatingPointError(f"non-finite loss at step {self.step}: {float(result.total)}")
         metrics = dict(result.metrics)
@@ -202,7 +228,8 @@ class HFTrainer:
             metrics["replay/traces_not_better"] = float(data.traces_not_better)
         if s.grad_clip is not None:
             params = [p for group in self.optimizer.param_groups for p in group["params"]]
-            metrics["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, s.grad_clip))
+            norm = torch.nn.utils.clip_grad_norm_(params, s.grad_clip)
+            metrics["grad_norm"] = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         if s.lr_decay_steps is not None or s.lr_warmup_steps:
             metrics["lr"] = scheduled_lr(s, self.step)
             for group in self.optimizer.param_groups:
@@ -240,10 +267,12 @@ class HFTrainer:
         assert self.model is not None, "call start() first"
         extra_tensors, extra_json = None, {}
         if self.diloco is not None:
-            tensors, meta = self._diloco_call(self.diloco.replica_state)
+            tensors, meta = diloco_call(self.diloco.replica_state)
             extra_tensors, extra_json = {"diloco": tensors}, {"diloco": meta}
         if self.settings.lora is not None:
             extra_json["lora"] = self._lora_shape()
+        if self.shard is not None:
+            extra_json["shard"] = {"rank": self.shard.rank, "world": self.shard.world}
         loss_state = self.loss_state.state_dict() if self.loss_state is not None else None
         return capture_trainer_state(self.model, self.optimizer, self.step, loss_state, extra, extra_tensors,
                                      extra_json or None, trainable_only=self.settings.lora is not None)
@@ -258,7 +287,11 @@ class HFTrainer:
         touches nothing of the live trainer, so the trainer service runs it on its writer thread."""
         from composer_mesh.actors.backends.trainer.trainer_state import write_trainer_state
 
-        write_trainer_state(url, snapshot)
+        write_trainer_state(self._state_url(url), snapshot)
+
+    def _state_url(self, url: str) -> str:
+        """Where this proc's state goes: `url`, or for rank r of a sharded replica `url/rank<r>` (its shards)."""
+        return url if self.shard is None else f"{url.rstrip('/')}/rank{self.shard.rank}"
 
     def save_state(self, url: str, extra: dict[str, Any] | None = None) -> None:
         """`snapshot_state` written under `url` (any fsspec URL), on this thread."""
@@ -277,56 +310,86 @@ class HFTrainer:
         )
 
         assert self.model is not None, "call start() first"
-        snapshot = read_trainer_state(url)
-        if (snapshot.meta["loss_state"] is None) != (self.loss_state is None):
-            raise TrainerStateError(f"{url}: the loss state does not match this loss config (adaptive TAID on/off)")
+        snapshot = read_trainer_state(self._state_url(url))
+        shard = None if self.shard is None else {"rank": self.shard.rank, "world": self.shard.world}
+        check_same_setup(url, snapshot.meta, self.loss_state is not None, self._lora_shape(), shard)
         saved = snapshot.meta["extra_json"].get("diloco")
         if (saved is None) != (self.diloco is None):
             live = ("no DiLoCo" if self.diloco is None else
                     f"DiLoCo replica {self.diloco.manager.replica_id} of {self.diloco.config.replicas}")
             was = "no DiLoCo" if saved is None else f"DiLoCo replica {saved['replica_id']} of {saved['replicas']}"
             raise TrainerStateError(f"{url}: saved by a trainer with {was}, this trainer has {live}")
-        saved_lora = snapshot.meta["extra_json"].get("lora")
-        if saved_lora != self._lora_shape():
-            raise TrainerStateError(f"{url}: saved by a trainer with lora {saved_lora or 'off'}, this trainer has "
-                                    f"lora {self._lora_shape() or 'off'}")
         if self.diloco is not None:
-            self._diloco_call(self.diloco.check_replica_state, snapshot.group("diloco"), saved, url=url)
+            diloco_call(self.diloco.check_replica_state, snapshot.group("diloco"), saved, url=url)
         restore_trainer_state(url, snapshot, self.model, self.optimizer, trainable_only=self.settings.lora is not None)
         if self.loss_state is not None:
             self.loss_state.load_state_dict(snapshot.meta["loss_state"])
         if self.diloco is not None:
-            self._diloco_call(self.diloco.load_replica_state, snapshot.group("diloco"), saved, url=url)
+            diloco_call(self.diloco.load_replica_state, snapshot.group("diloco"), saved, url=url)
         self.step = snapshot.step
         return snapshot.extra
-
-    @staticmethod
-    def _diloco_call(fn: Any, *args: Any, url: str | None = None) -> Any:
-        """`fn(*args)` with a DiLoCo state refusal raised as the TrainerStateError callers of the state expect."""
-        from composer_mesh.actors.backends.trainer.trainer_state import TrainerStateError
-        from composer_mesh.mesh.objectstore.diloco import DiLoCoStateError
-
-        try:
-            return fn(*args)
-        except DiLoCoStateError as e:
-            raise TrainerStateError(f"{url}: {e}" if url else str(e)) from e
 
     def save_checkpoint(self, directory: Path, weight_version: int) -> Path:
         """Weights as safetensors + the tokenizer, loadable with `from_pretrained` (no pickles), and
         `trainer_state.json` with the optimizer step and `weight_version` (the published version, given by the
         trainer service: the one weight-version counter). With LoRA the weights are the merged model (a plain
-        transformers model), and the adapter alone is under `adapter/` in peft's format."""
+        transformers model), and the adapter alone is under `adapter/` in peft's format. A sharded replica's
+        ranks all gather the weights; rank 0 writes them."""
         assert self.model is not None
-        directory.mkdir(parents=True, exist_ok=True)
-        if self.settings.lora is None:
-            self.model.save_pretrained(directory, safe_serialization=True)
-        else:
-            from composer_mesh.models.lora import merged_weights, save_adapter
+        state_dict = None
+        if self.shard is not None:
+            from composer_mesh.actors.backends.trainer.sharding import full_weights
 
-            self.model.save_pretrained(directory, state_dict=merged_weights(self.model), safe_serialization=True)
-            save_adapter(self.model, directory / "adapter")
-        self.tokenizer.save_pretrained(directory)
-        state = {"step": self.step, "weight_version": weight_version}
-        (directory / "trainer_state.json").write_text(json.dumps(state) + "\n")
-        return directory
+            state_dict = dict(full_weights(self.model))  # training dtype
+            if self.shard.rank != 0:
+                return directory
+        return write_checkpoint(self.model, self.tokenizer, directory, state_dict, self.settings.lora is not None,
+                                {"step": self.step, "weight_version": weight_version})
 
+
+def write_checkpoint(model: torch.nn.Module, tokenizer: Any, directory: Path, state_dict: dict[str, torch.Tensor] | None,
+                     lora: bool, state: dict[str, int]) -> Path:
+    """`HFTrainer.save_checkpoint`'s files: `state_dict` (gathered shards) or the model's own weights (LoRA:
+    merged, and the adapter under `adapter/`), the tokenizer, and `trainer_state.json`."""
+    directory.mkdir(parents=True, exist_ok=True)
+    if state_dict is not None or not lora:
+        model.save_pretrained(directory, state_dict=state_dict, safe_serialization=True)
+    else:
+        from composer_mesh.models.lora import merged_weights, save_adapter
+
+        model.save_pretrained(directory, state_dict=merged_weights(model), safe_serialization=True)
+        save_adapter(model, directory / "adapter")
+    tokenizer.save_pretrained(directory)
+    (directory / "trainer_state.json").write_text(json.dumps(state) + "\n")
+    return directory
+
+
+def check_same_setup(url: str, meta: dict[str, Any], loss_state: bool, lora: dict[str, Any] | None,
+                     shard: dict[str, int] | None) -> None:
+    """A trainer state loads only into a trainer set up like the one that saved it: adaptive TAID on or off, the
+    same LoRA shape, the same sharding (rank r of a replica of the same number of procs)."""
+    from composer_mesh.actors.backends.trainer.trainer_state import TrainerStateError
+
+    extra = meta["extra_json"]
+    if extra.get("shard") != shard:
+        def procs(s: dict[str, int] | None) -> str:
+            return "one proc" if s is None else f"{s['world']} sharded procs"
+
+        raise TrainerStateError(f"{url}: saved by a replica of {procs(extra.get('shard'))}, this replica has "
+                                f"{procs(shard)}: resume with the same roles.trainer.procs_per_replica")
+    if (meta["loss_state"] is None) == loss_state:
+        raise TrainerStateError(f"{url}: the loss state does not match this loss config (adaptive TAID on/off)")
+    if extra.get("lora") != lora:
+        raise TrainerStateError(f"{url}: saved by a trainer with lora {extra.get('lora') or 'off'}, this trainer has "
+                                f"lora {lora or 'off'}")
+
+
+def diloco_call(fn: Any, *args: Any, url: str | None = None) -> Any:
+    """`fn(*args)` with a DiLoCo state refusal raised as the TrainerStateError callers of the state expect."""
+    from composer_mesh.actors.backends.trainer.trainer_state import TrainerStateError
+    from composer_mesh.mesh.objectstore.diloco import DiLoCoStateError
+
+    try:
+        return fn(*args)
+    except DiLoCoStateError as e:
+        raise TrainerStateError(f"{url}: {e}" if url else str(e)) from e

@@ -156,15 +156,33 @@ def student_forward(
     if head == "full":
         logits = model(**inputs, use_cache=False).logits
         return logits.reshape(-1, logits.shape[-1])[lay.index] / temperature
-    hidden = model.base_model(**inputs, use_cache=False).last_hidden_state
+    hidden = _last_hidden(model, inputs)
     device_type = hidden.device.type
     if torch.is_autocast_enabled(device_type):  # the head runs in the autocast dtype, as model(...) would run it
         hidden = hidden.to(torch.get_autocast_dtype(device_type))
-    out = _output_head(model)
+    out = _output_head(model)  # read after the forward: an FSDP2 root holds its parameters gathered until backward
     extra = {} if chunk_elements is None else {"chunk_elements": chunk_elements}
     return HiddenStates(
         hidden.reshape(-1, hidden.shape[-1])[lay.index], out.weight, out.bias, scale=1.0 / temperature, **extra
     )
+
+
+def _last_hidden(model: torch.nn.Module, inputs: dict[str, torch.Tensor | None]) -> torch.Tensor:
+    """The base model's last hidden state (after its final norm). A model sharded with FSDP2 is run through its
+    root's forward (which gathers the embeddings, final norm and head), asking the head for no positions
+    (`logits_to_keep` empty) and taking the hidden state from the base model's output."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(model, FSDPModule):
+        return model.base_model(**inputs, use_cache=False).last_hidden_state  # type: ignore[no-any-return]
+    captured: list[torch.Tensor] = []
+    handle = model.base_model.register_forward_hook(lambda _m, _a, out: captured.append(out.last_hidden_state))
+    try:
+        none = torch.zeros(0, dtype=torch.long, device=next(iter(v for v in inputs.values() if v is not None)).device)
+        model(**inputs, use_cache=False, logits_to_keep=none)
+    finally:
+        handle.remove()
+    return captured[0]
 
 
 def completion_logits(model: torch.nn.Module, prompts: list[list[int]], completions: list[list[int]]) -> torch.Tensor:
@@ -274,18 +292,21 @@ class TrainRows:
             replay_pairs=len(self.pairs),
         )
 
-    def micro_batches(self, budget_tokens: int | None, packed: bool = False) -> list[Piece]:
-        """Pieces whose forward holds at most `budget_tokens` tokens (padded rows x longest, or packed total),
-        counting each row's replay traces with it. A row over the budget on its own still gets a piece."""
+    def micro_batches(self, budget_tokens: int | None, packed: bool = False,
+                      rows: list[int] | None = None) -> list[Piece]:
+        """Pieces of `rows` (default: every row) whose forward holds at most `budget_tokens` tokens (padded rows x
+        longest, or packed total), counting each row's replay traces with it. A row over the budget on its own
+        still gets a piece."""
         traces_of: dict[int, list[int]] = {}
         for i, (_, row) in enumerate(self.pairs):
             traces_of.setdefault(row, []).append(i)
+        rows = list(range(len(self.rollouts))) if rows is None else rows
         if budget_tokens is None:
-            return [Piece(list(range(len(self.rollouts))), list(range(len(self.pairs))))]
+            return [Piece(rows, [p for r in rows for p in traces_of.get(r, [])])]
         lengths = [len(r.prompt_ids) + len(r.completion_ids) for r in self.rollouts]
         trace_len = [len(self.rollouts[row].prompt_ids) + len(t.completion_ids) for t, row in self.pairs]
         # Padded rows are taken longest first, so rows of similar length share a piece and little is padding.
-        order = range(len(lengths)) if packed else sorted(range(len(lengths)), key=lambda i: -lengths[i])
+        order = rows if packed else sorted(rows, key=lambda i: -lengths[i])
         pieces: list[Piece] = []
         current: list[int] = []
         for row in order:
@@ -428,57 +449,79 @@ class StudentPass:
             return self.logprobs(self.reference, prompts, completions, loss_masks)
 
 
+def _span(student: torch.Tensor | HiddenStates, start: int, stop: int, width: int) -> torch.Tensor | HiddenStates:
+    """Rows `start:stop`, first `width` completion columns, of one forward's student output."""
+    if isinstance(student, HiddenStates):
+        return HiddenStates(student.hidden[start:stop, :width], student.weight, student.bias, student.scale,
+                            student.chunk_elements)
+    return student[start:stop, :width]
+
+
 def _rows_of(student: torch.Tensor | HiddenStates, rows: list[int]) -> torch.Tensor | HiddenStates:
     if isinstance(student, HiddenStates):
         return HiddenStates(student.hidden[rows], student.weight, student.bias, student.scale, student.chunk_elements)
     return student[rows]
 
 
-def _replay_pairs(
-    data: TrainRows, piece: Piece, run: StudentPass, student: torch.Tensor | HiddenStates,
-    token_ids: torch.Tensor, mask: torch.Tensor,
-) -> ReplayPairs | None:
-    """chosen = each teacher trace (a forward with grad), rejected = the lowest-reward student rollout of the
-    same prompt (its rows of `student`). With a reference (DPO), both sides also get its summed log-probs."""
-    if not piece.pairs:
-        return None
-    local = {row: i for i, row in enumerate(piece.rows)}
-    traces = [data.pairs[p][0] for p in piece.pairs]
-    rows = [local[data.pairs[p][1]] for p in piece.pairs]
-    rejected = [data.rollouts[piece.rows[i]] for i in rows]
-    chosen_prompts, chosen_ids = [r.prompt_ids for r in rejected], [t.completion_ids for t in traces]
-    chosen_masks = [t.loss_mask() for t in traces]  # a teacher's episode: its own turns only
-    chosen_logps, chosen_mask = run.logprobs(run.model, chosen_prompts, chosen_ids, chosen_masks)
-    rejected_logps = student_logprobs(_rows_of(student, rows), token_ids[rows], mask[rows], run.loss.loss_chunk_elements)
-    ref_chosen = ref_rejected = None
-    if run.reference is not None and run.loss.dpo_variant == "dpo":
-        lp, m = run.reference_logprobs(chosen_prompts, chosen_ids, chosen_masks)
-        ref_chosen = (lp * m).sum(-1)
-        lp, m = run.reference_logprobs([r.prompt_ids for r in rejected], [r.completion_ids for r in rejected],
-                                       [r.loss_mask() for r in rejected])
-        ref_rejected = (lp * m).sum(-1)
-    return ReplayPairs(
-        chosen_logps=chosen_logps, chosen_mask=chosen_mask, rejected_logps=rejected_logps,
-        rejected_mask=mask[rows], ref_chosen_logps=ref_chosen, ref_rejected_logps=ref_rejected,
-        teachers=[t.teacher for t in traces],
-    )
+def _width(completions: list[list[int]]) -> int:
+    """The completion columns `layout` and `pad` give these completions alone."""
+    return max(max((len(c) for c in completions), default=1), 1)
+
+
+@dataclass
+class _PieceInputs:
+    """A piece's sequences as one forward: its rows, then the chosen side of its replay pairs (teacher traces,
+    conditioned on the rejected row's prompt). The rejected side is among the rows (`rejected`: row positions)."""
+
+    rollouts: list[Rollout]
+    traces: list[TeacherTrace]
+    rejected: list[int]
+
+    @classmethod
+    def of(cls, data: TrainRows, piece: Piece) -> _PieceInputs:
+        local = {row: i for i, row in enumerate(piece.rows)}
+        return cls(rollouts=[data.rollouts[i] for i in piece.rows], traces=[data.pairs[p][0] for p in piece.pairs],
+                   rejected=[local[data.pairs[p][1]] for p in piece.pairs])
+
+    def prompts(self) -> list[list[int]]:
+        return [r.prompt_ids for r in self.rollouts] + [self.rollouts[i].prompt_ids for i in self.rejected]
+
+    def completions(self) -> list[list[int]]:
+        return [r.completion_ids for r in self.rollouts] + [t.completion_ids for t in self.traces]
+
+    def loss_masks(self) -> list[list[int]]:
+        return [r.loss_mask() for r in self.rollouts] + [t.loss_mask() for t in self.traces]  # a trace: its turns
+
+
+def needs_reference(data: TrainRows, run: StudentPass) -> bool:
+    """Whether a piece's loss reads the reference: KL to it, or DPO's reference log-probs of a replay pair."""
+    if run.reference is None:
+        return False
+    return run.loss.kl_beta > 0 or (bool(data.pairs) and run.loss.beta_replay > 0 and run.loss.dpo_variant == "dpo")
 
 
 def build_piece(
-    data: TrainRows, piece: Piece, run: StudentPass, advantages: torch.Tensor | None = None
+    data: TrainRows, piece: Piece, run: StudentPass, advantages: torch.Tensor | None = None,
+    uniform: bool = False,
 ) -> LossBatch:
     """The `LossBatch` of one piece under `run.model` (with grad). Each channel's inputs are computed only when
     `run.loss` weights it: reference log-probs for `kl_beta > 0`, teacher inputs for `alpha_sdpo > 0`, replay
-    pairs for `beta_replay > 0`. `advantages` [N] are the WHOLE batch's (a piece may split a group)."""
-    rollouts = [data.rollouts[i] for i in piece.rows]
-    prompts, completions = [r.prompt_ids for r in rollouts], [r.completion_ids for r in rollouts]
-    student, lay = run.forward(run.model, prompts, completions)
-    loss_masks = [r.loss_mask() for r in rollouts]
-    dev, mask = lay.mask.device, policy_mask(lay.mask, loss_masks)
-    token_ids = pad(completions, 0, torch.long, dev)
-    ref_logprobs = None
-    if run.reference is not None and run.loss.kl_beta > 0:
-        ref_logprobs, _ = run.reference_logprobs(prompts, completions, loss_masks)
+    pairs for `beta_replay > 0`. `advantages` [N] are the WHOLE batch's (a piece may split a group).
+
+    One student forward holds the piece's rows and its replay traces, and at most one reference forward (no
+    grad) holds them too: the model runs the same forwards for every piece of a batch. `uniform` runs the
+    reference forward for every piece of a batch that needs one (`needs_reference`), also one without pairs:
+    ranks of a sharded replica must call the sharded model equally often (`sharding.py`)."""
+    inputs = _PieceInputs.of(data, piece)
+    n, width = len(inputs.rollouts), _width([r.completion_ids for r in inputs.rollouts])
+    everything, lay = run.forward(run.model, inputs.prompts(), inputs.completions())
+    dev = lay.mask.device
+    all_masks = policy_mask(lay.mask, inputs.loss_masks())
+    student, mask = _span(everything, 0, n, width), all_masks[:n, :width]
+    token_ids = pad([r.completion_ids for r in inputs.rollouts], 0, torch.long, dev)
+    reference = None
+    if needs_reference(data, run) and (uniform or run.loss.kl_beta > 0 or inputs.traces):
+        reference, _ = run.reference_logprobs(inputs.prompts(), inputs.completions(), inputs.loss_masks())
     teacher = {}
     if run.loss.alpha_sdpo > 0:
         teacher = teacher_inputs([data.distributions[i] for i in piece.rows], mask.shape[1], student.shape[-1], dev,
@@ -488,10 +531,39 @@ def build_piece(
     rows = torch.tensor(piece.rows)
     return LossBatch(
         logits=student, token_ids=token_ids, mask=mask,
-        old_logprobs=pad([r.logprobs for r in rollouts], 0.0, torch.float32, dev),
-        rewards=data.rewards[rows].to(dev), group_ids=data.group_ids[rows].to(dev), ref_logprobs=ref_logprobs,
-        replay=_replay_pairs(data, piece, run, student, token_ids, mask) if data.pairs else None,
+        old_logprobs=pad([r.logprobs for r in inputs.rollouts], 0.0, torch.float32, dev),
+        rewards=data.rewards[rows].to(dev), group_ids=data.group_ids[rows].to(dev),
+        ref_logprobs=reference[:n, :width] if reference is not None and run.loss.kl_beta > 0 else None,
+        replay=_replay_pairs(inputs, run, everything, all_masks, token_ids, reference) if inputs.traces else None,
         advantages=None if advantages is None else advantages[rows].to(dev), **teacher,
+    )
+
+
+def _replay_pairs(
+    inputs: _PieceInputs, run: StudentPass, everything: torch.Tensor | HiddenStates, all_masks: torch.Tensor,
+    token_ids: torch.Tensor, reference: torch.Tensor | None,
+) -> ReplayPairs:
+    """chosen = each teacher trace (its rows of the piece's forward, with grad), rejected = the lowest-reward
+    student rollout of the same prompt (its row). With a reference (DPO), both sides also get its summed
+    log-probs, from the piece's reference forward."""
+    n, width = len(inputs.rollouts), token_ids.shape[1]
+    chosen_width = _width([t.completion_ids for t in inputs.traces])
+    chosen_ids = pad([t.completion_ids for t in inputs.traces], 0, torch.long, all_masks.device)
+    chosen_mask = all_masks[n:, :chosen_width]
+    chosen_logps = student_logprobs(_span(everything, n, len(all_masks), chosen_width), chosen_ids, chosen_mask,
+                                    run.loss.loss_chunk_elements)
+    rows = inputs.rejected
+    rejected_mask = all_masks[:n, :width][rows]
+    rejected_logps = student_logprobs(_rows_of(_span(everything, 0, n, width), rows), token_ids[rows], rejected_mask,
+                                      run.loss.loss_chunk_elements)
+    ref_chosen = ref_rejected = None
+    if reference is not None and run.loss.dpo_variant == "dpo":
+        ref_chosen = (reference[n:, :chosen_width] * chosen_mask).sum(-1)
+        ref_rejected = (reference[:n, :width][rows] * rejected_mask).sum(-1)
+    return ReplayPairs(
+        chosen_logps=chosen_logps, chosen_mask=chosen_mask, rejected_logps=rejected_logps,
+        rejected_mask=rejected_mask, ref_chosen_logps=ref_chosen, ref_rejected_logps=ref_rejected,
+        teachers=[t.teacher for t in inputs.traces],
     )
 
 

@@ -78,8 +78,27 @@ def _state_dir(url: str) -> CommittedDir:
 
 def _copy(t: torch.Tensor) -> torch.Tensor:
     """A contiguous CPU tensor that owns its memory: `copy=True` copies even a CPU tensor (a plain `.cpu()` of
-    one returns the tensor itself, which training would go on changing)."""
-    return t.detach().to("cpu", copy=True, memory_format=torch.contiguous_format)
+    one returns the tensor itself, which training would go on changing). A sharded tensor (a `DTensor`, FSDP2)
+    is this rank's shard: each rank of a sharded replica saves its own."""
+    return _local(t).detach().to("cpu", copy=True, memory_format=torch.contiguous_format)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a sharded tensor (a view of its storage), or the tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _sharded_like(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """A saved AdamW state tensor of a sharded parameter as a DTensor sharded like it (its moments have the
+    parameter's shard shape; scalars such as the step stay plain)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(param, DTensor) or value.dim() == 0 or value.shape != param.to_local().shape:
+        return value
+    return DTensor.from_local(value.to(param.device), param.device_mesh, param.placements, run_check=False,
+                              shape=param.shape, stride=param.stride())
 
 
 def capture_trainer_state(
@@ -160,6 +179,12 @@ def check_trainer_state(url: str) -> None:
     """What `read_trainer_state` would refuse, found without reading the tensors (a large model's state is
     gigabytes): the marker, `state.json` and its format, and the safetensors header of `state.safetensors`
     against the file's size. Raises TrainerStateError naming the file."""
+    if FsspecBlobs(url).exists("rank0/state.json"):  # a sharded replica: one state per rank
+        world = int(_state_dir(f"{url}/rank0").read_json("state.json").get("extra_json", {}).get("shard", {})
+                    .get("world", 1))
+        for rank in range(world):
+            check_trainer_state(f"{url}/rank{rank}")
+        return
     state = _state_dir(url)
     try:
         if state.marker() is None:
@@ -204,7 +229,8 @@ def restore_trainer_state(
         held = {"all": "the whole model", "trainable": "only the trainable parameters (LoRA adapters)"}
         raise TrainerStateError(f"{url}: the state holds {held[meta['model_tensors']]}, this trainer needs {held[kind]}")
     live = _model_tensors(model, optimizer, trainable_only)
-    _check_model(url, live, tensors, "adapter (trainable parameters)" if trainable_only else "model")
+    _check_model(url, {k: _local(v) for k, v in live.items()}, tensors,
+                 "adapter (trainable parameters)" if trainable_only else "model")
     names = _param_names(model, optimizer)
     if meta["param_names"] != names:
         first = next((i, a, b) for i, (a, b) in enumerate(zip([*meta["param_names"], None], [*names, None])) if a != b)
@@ -212,16 +238,17 @@ def restore_trainer_state(
                                 f"{len(names)}); the first difference is at {first[0]}: saved {first[1]}, live {first[2]}")
     saved = {k[len("model/"):]: v for k, v in tensors.items() if k.startswith("model/")}
     with torch.no_grad():
-        if trainable_only:
-            for name, t in live.items():
-                t.copy_(saved[name])
+        if trainable_only or _is_sharded(live):
+            for name, t in live.items():  # a sharded model: each rank's shard, in place
+                _local(t).copy_(saved[name])
         else:
             model.load_state_dict(saved)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
     optim_state: dict[int, dict[str, torch.Tensor]] = {}
     for key, value in tensors.items():
         if key.startswith("optim/"):
             _, index, name = key.split("/", 2)
-            optim_state.setdefault(int(index), {})[name] = value
+            optim_state.setdefault(int(index), {})[name] = _sharded_like(value, params[int(index)])
     optimizer.load_state_dict({"state": optim_state, "param_groups": meta["param_groups"]})
     torch.set_rng_state(tensors["rng/torch"])
     random.setstate(_tupled(meta["python_rng"]))
@@ -248,6 +275,12 @@ def _model_tensors(
         return model.state_dict()
     trained = {id(p) for group in optimizer.param_groups for p in group["params"]}
     return {n: p for n, p in model.named_parameters() if id(p) in trained}
+
+
+def _is_sharded(tensors: dict[str, torch.Tensor]) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(t, DTensor) for t in tensors.values())
 
 
 def _check_model(url: str, model_tensors: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor],

@@ -29,7 +29,7 @@ class FakeTrainer:
         self.calls: list[str] = []
 
     def start(self, model_config: Any, loss: Any, temperature: float = 1.0, diloco: Any = None,
-              replica_id: int = 0) -> None:
+              replica_id: int = 0, shard: Any = None) -> None:
         self.calls.append(f"start replica {replica_id}")
 
     def rejoin(self, round_id: int) -> int:

@@ -1,0 +1,184 @@
+"""One trainer replica over several procs: FSDP2 (`torch.distributed.fsdp.fully_shard`), SPMD.
+
+Every rank of a replica receives the replica's whole `TrainBatch` and decides for itself, with no communication,
+which rows are its own (`rank_pieces`: rows dealt out by tokens, then cut into micro-batches), so every rank also
+knows every other rank's share. That makes the collectives line up: FSDP2 all-gathers a layer's parameters in
+each forward and reduce-scatters its gradients in each backward, so every rank must run the same number of
+forwards and backwards. A rank with fewer micro-batches than the busiest one runs `idle_pass`es (the same
+forwards on one token, a zero loss), and each micro-batch runs the same forwards whatever it holds
+(`train_batch.build_piece(uniform=True)`).
+
+Exactness: each rank's pieces are divided by the WHOLE batch's counts (`LossAccumulator`), so the ranks'
+gradients SUM to the whole batch's gradient. FSDP2 averages gradients over ranks by default; the sharded model
+sets the divide factor to 1 (a sum). Metrics, the total and adaptive TAID are merged over ranks
+(`loss/ranks.py`), so every rank reports the whole batch.
+
+The process group is one per replica (a DiLoCo replica must fail alone), rendezvoused over TCP at its rank 0's
+address: `monarch.spmd.setup_torch_elastic_env_async` sets one world over a whole proc mesh, which would tie the
+replicas of a trainer mesh together. Gloo on the CPU, NCCL on CUDA.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from composer_mesh.actors.backends.trainer.config import HFTrainerSettings
+from composer_mesh.actors.backends.trainer.train_batch import Piece, StudentPass, TrainRows, needs_reference
+
+
+@dataclass(frozen=True)
+class ShardGroup:
+    """Where this proc sits in its replica: rank `rank` of `world`, meeting the others at `address`
+    ("host:port" of the replica's rank 0)."""
+
+    rank: int
+    world: int
+    address: str
+    timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world:
+            raise ValueError(f"ShardGroup: rank {self.rank} is not in 0..{self.world - 1}")
+        host, _, port = self.address.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"ShardGroup: address {self.address!r} is not host:port")
+
+
+def join(group: ShardGroup, device: torch.device) -> torch.distributed.device_mesh.DeviceMesh:
+    """Join the replica's process group (this proc's default group) and return its 1-D device mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend, init_method=f"tcp://{group.address}", rank=group.rank,
+                                world_size=group.world, timeout=datetime.timedelta(seconds=group.timeout_s))
+    elif (dist.get_rank(), dist.get_world_size()) != (group.rank, group.world):
+        raise RuntimeError(f"this proc is already rank {dist.get_rank()} of {dist.get_world_size()}, not "
+                           f"{group.rank} of {group.world}")
+    return init_device_mesh(device.type, (group.world,), mesh_dim_names=("shard",))
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules FSDP wraps one by one: transformers names them in `_no_split_modules` (its decoder layer)."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ValueError(f"{type(model).__name__} names no decoder layer class (`_no_split_modules`): cannot shard it "
+                         "layer by layer")
+    return layers
+
+
+def shard_model(model: torch.nn.Module, mesh: torch.distributed.device_mesh.DeviceMesh, *,
+                bf16_mixed: bool = False, cpu_offload: bool = False, reshard_after_forward: bool = True) -> None:
+    """`fully_shard` each decoder layer, then the root (embeddings, final norm, head); gradients are summed
+    over ranks, not averaged (see the module doc). `bf16_mixed`: parameters all-gathered and computed in bf16,
+    gradients reduced in float32, the sharded master weights stay float32."""
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        FSDPModule,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        fully_shard,
+    )
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16_mixed else (
+        MixedPrecisionPolicy())
+    # Pinned host memory needs an accelerator; a CPU trainer's "offload" keeps its shards where they are anyway.
+    offload = CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu") if cpu_offload else OffloadPolicy()
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh, mp_policy=policy, offload_policy=offload,
+                    reshard_after_forward=reshard_after_forward)
+    # The root (embeddings, final norm, head) stays gathered from its forward to its backward: the chunked head
+    # (`lm_head: chunked`) reads the head's weight after the forward, in the loss.
+    fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=offload, reshard_after_forward=False)
+    for module in model.modules():  # each FSDP module holds its own group's factor
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no PREMUL_SUM(1.0)
+
+
+def shard_trainer(model: torch.nn.Module, reference: torch.nn.Module | None, group: ShardGroup,
+                  settings: HFTrainerSettings) -> TorchRanks:
+    """Join the replica's process group and shard the policy and the reference (the hf trainer's settings);
+    the ranks the trainer's loss merges over."""
+    device = torch.device(settings.device)
+    mesh = join(group, device)
+    options = dict(bf16_mixed=settings.precision == "bf16-mixed", cpu_offload=settings.fsdp_cpu_offload,
+                   reshard_after_forward=settings.fsdp_reshard_after_forward)
+    shard_model(model, mesh, **options)
+    if reference is not None:
+        shard_model(reference, mesh, **options)
+    return TorchRanks(device)
+
+
+class TorchRanks:
+    """`loss.ranks.Ranks` over the default process group (tensors travel on `device`: NCCL needs CUDA)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.world = dist.get_world_size()
+
+    def sum(self, t: Tensor) -> Tensor:
+        out = t.to(self.device, copy=True)
+        dist.all_reduce(out)
+        return out.to(t.device)
+
+    def cat(self, t: Tensor) -> Tensor:
+        sizes = [torch.zeros(1, dtype=torch.long, device=self.device) for _ in range(self.world)]
+        dist.all_gather(sizes, torch.tensor([t.shape[0]], dtype=torch.long, device=self.device))
+        counts = [int(s) for s in sizes]
+        padded = torch.zeros((max(counts), *t.shape[1:]), dtype=t.dtype, device=self.device)
+        padded[: t.shape[0]] = t.to(self.device)
+        gathered = [torch.empty_like(padded) for _ in range(self.world)]
+        dist.all_gather(gathered, padded)
+        return torch.cat([g[:n] for g, n in zip(gathered, counts, strict=True)]).to(t.device)
+
+
+def rank_rows(data: TrainRows, world: int) -> list[list[int]]:
+    """The batch's rows dealt out to `world` ranks by tokens (each row with its replay traces), longest first to
+    the rank holding the fewest tokens so far; each rank's rows in batch order. The same on every rank."""
+    cost = [len(r.prompt_ids) + len(r.completion_ids) for r in data.rollouts]
+    for trace, row in data.pairs:
+        cost[row] += len(data.rollouts[row].prompt_ids) + len(trace.completion_ids)
+    load, out = [0] * world, [[] for _ in range(world)]  # type: tuple[list[int], list[list[int]]]
+    for row in sorted(range(len(cost)), key=lambda i: (-cost[i], i)):
+        rank = min(range(world), key=lambda k: (load[k], k))
+        load[rank] += cost[row]
+        out[rank].append(row)
+    return [sorted(rows) for rows in out]
+
+
+def rank_pieces(data: TrainRows, world: int, rank: int, budget_tokens: int | None, packed: bool) -> list[Piece | None]:
+    """This rank's micro-batches, padded with None (an `idle_pass`) to the busiest rank's count."""
+    every = [data.micro_batches(budget_tokens, packed, rows) if rows else [] for rows in rank_rows(data, world)]
+    mine: list[Piece | None] = list(every[rank])
+    return mine + [None] * (max(map(len, every)) - len(mine))
+
+
+def idle_pass(data: TrainRows, run: StudentPass) -> None:
+    """The forwards and the backward a micro-batch runs, on one token and with a zero loss: this rank's part in
+    the collectives of a micro-batch it does not have (gradients unchanged)."""
+    row = data.rollouts[0]
+    prompts, completions = [row.prompt_ids[:1]], [row.completion_ids[:1] or [0]]
+    student, _ = run.forward(run.model, prompts, completions)
+    if needs_reference(data, run):
+        run.reference_logprobs(prompts, completions)
+    tensor = student if isinstance(student, Tensor) else student.hidden.sum() + student.weight.sum()
+    (tensor.sum() * 0.0).backward()
+
+
+def full_weights(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """`models.loading.named_weights` as full tensors, one at a time: a sharded parameter is all-gathered
+    (`DTensor.full_tensor`, a collective every rank must join, in this order)."""
+    from torch.distributed.tensor import DTensor
+
+    from composer_mesh.models.loading import named_weights
+
+    for name, t in named_weights(model).items():
+        yield name, t.full_tensor() if isinstance(t, DTensor) else t

@@ -1,0 +1,112 @@
+"""A trainer replica sharded with FSDP2 over 1, 2 and 4 real Monarch procs (gloo) equals one process.
+
+Every rank gets the whole batch and trains its own rows (`sharding.py`); the ranks' gradients sum to the whole
+batch's. In float64 (`precision: fp64`) the loss, every channel, the metrics and the weights after two AdamW
+steps match one unsharded process to 1e-10, for every loss channel, both normalisations, dense and top-k
+teachers, DPO (with reference and KL) and SimPO, micro-batches and packing, activation checkpointing and CPU
+offload."""
+
+from __future__ import annotations
+
+import itertools
+import socket
+
+import monarch.actor
+import pytest
+import torch
+from actors.backends.trainer.shard_actors import ShardedRank
+from actors.backends.trainer.test_hf_trainer import MODEL, make_batch, make_trainer
+from monarch.actor import this_host
+
+from composer_mesh.actors.backends.trainer.hf_trainer import HFTrainer, HFTrainerSettings
+from composer_mesh.actors.backends.trainer.sharding import rank_pieces, rank_rows
+from composer_mesh.actors.backends.trainer.train_batch import TrainRows
+from composer_mesh.loss.config import LossConfig
+
+WORLDS = (1, 2, 4)
+CASES = {
+    "token-dense-dpo-kl-micro": (
+        {"micro_batch_tokens": 8},
+        {"alpha_sdpo": 1.0, "beta_replay": 1.0, "kl_beta": 0.01, "dpo_variant": "dpo"}, 0),
+    "sequence-topk-simpo-packed-full-head": (
+        {"micro_batch_tokens": 12, "packing": True, "lm_head": "full"},
+        {"alpha_sdpo": 1.0, "beta_replay": 1.0, "normalization": "sequence", "dpo_variant": "simpo"}, 4),
+    "activation-checkpointing-cpu-offload-kept-gathers": (
+        {"activation_checkpointing": True, "fsdp_cpu_offload": True, "fsdp_reshard_after_forward": False},
+        {"alpha_sdpo": 1.0, "beta_replay": 0.0, "kl_beta": 0.01}, 0),
+}
+_names = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def meshes():
+    """One proc mesh per world size, kept for the module (a proc joins its process group once)."""
+    faults: list[object] = []
+    previous_hook = monarch.actor.unhandled_fault_hook
+    monarch.actor.unhandled_fault_hook = faults.append  # a fault must fail a test, not exit the session
+    procs = {world: this_host().spawn_procs(per_host={"procs": world}, name=f"shard{world}") for world in WORLDS}
+    yield procs
+    for mesh in procs.values():
+        mesh.stop().get()
+    monarch.actor.unhandled_fault_hook = previous_hook
+    assert not faults, faults
+
+
+def free_address() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def batches(top_k: int):
+    """Two batches (every channel's inputs), made by a float32 trainer as the sampler would."""
+    trainer = make_trainer()
+    return [make_batch(trainer, top_k=top_k), make_batch(trainer, top_k=top_k)]
+
+
+def one_process(settings: dict, loss: dict, data) -> tuple[list, dict[str, torch.Tensor]]:
+    trainer = HFTrainer(HFTrainerSettings(**settings))
+    trainer.start(MODEL, LossConfig(**loss))
+    steps = [trainer.train_step(b) for b in data]
+    return steps, trainer.named_weights()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_sharded_replica_equals_one_process(meshes, case):
+    extra, loss, top_k = CASES[case]
+    settings = {"lr": 1e-2, "precision": "fp64", **extra}
+    data = batches(top_k)
+    want_steps, want_weights = one_process(settings, loss, data)
+    for world in WORLDS:
+        ranks = meshes[world].spawn(f"rank{next(_names)}", ShardedRank)
+        results = ranks.train.call(free_address(), world, settings, loss, MODEL, data).get()
+        outputs = [out for _, out in results.items()]
+        for steps, _ in outputs:  # every rank reports the whole batch
+            for got, want in zip(steps, want_steps, strict=True):
+                assert got["loss"] == pytest.approx(want.loss, abs=1e-10), (world, got["loss"], want.loss)
+                assert got["channels"].keys() == want.channels.keys()
+                for name, value in want.channels.items():
+                    assert got["channels"][name] == pytest.approx(value, abs=1e-10), (world, name)
+                for name in ("grad_norm", "grpo/ratio_mean", "sdpo/tokens", "replay/pairs", "replay/accuracy"):
+                    if name in want.metrics:
+                        assert got["metrics"][name] == pytest.approx(want.metrics[name], abs=1e-9), (world, name)
+                assert got["metrics"]["micro_batches"] >= 1
+        weights = outputs[0][1]
+        assert weights.keys() == want_weights.keys()
+        worst = max(float((weights[n].double() - want_weights[n].double()).abs().max()) for n in want_weights)
+        assert worst < 1e-10, (world, worst)
+        changed = max(float((want_weights[n] - w).abs().max()) for n, w in one_process(settings, loss, [])[1].items())
+        assert changed > 1e-4  # the steps moved the weights: equality is not two untouched models
+
+
+def test_rows_are_dealt_by_tokens_and_every_rank_runs_as_many_micro_batches():
+    data = TrainRows.of(batches(0)[0], LossConfig(beta_replay=1.0, alpha_sdpo=1.0))
+    for world in (2, 3, 4):
+        split = rank_rows(data, world)
+        assert sorted(r for rows in split for r in rows) == list(range(len(data.rollouts)))  # each row once
+        pieces = [rank_pieces(data, world, rank, 8, False) for rank in range(world)]
+        assert len({len(p) for p in pieces}) == 1  # padded with idle passes to the busiest rank
+        held = [r for rank in pieces for p in rank if p is not None for r in p.rows]
+        assert sorted(held) == list(range(len(data.rollouts)))
+        pairs = [x for rank in pieces for p in rank if p is not None for x in p.pairs]
+        assert sorted(pairs) == list(range(len(data.pairs)))  # each replay pair with its rejected row
