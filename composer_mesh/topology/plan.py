@@ -231,7 +231,37 @@ def _training(topology: Topology) -> tuple[tuple[str, str], ...]:
     sandbox = getattr(run.environment, "sandbox", None)
     if sandbox is not None:
         rows.append(("sandbox", sandbox.describe()))
+    memory = _trainer_memory(topology)
+    if memory is not None:
+        rows.append(("trainer memory", memory))
     return tuple(rows)
+
+
+GPU_BYTES = 80 * 10**9  # what the memory estimate is held against: an 80 GB GPU (A100/H100)
+
+
+def _trainer_memory(topology: Topology) -> str | None:
+    """One trainer rank's memory estimated from the model config (`memory.py`), with a warning when a GPU
+    trainer's rank would not fit an 80 GB GPU; None for a binding without the hf trainer's settings or a model
+    whose config is not available offline."""
+    from composer_mesh.topology.memory import model_shapes, rank_memory
+
+    trainer, loss = topology.roles.trainer, topology.loss
+    settings = trainer.settings
+    shapes = model_shapes(topology.model) if hasattr(settings, "precision") else None
+    if shapes is None:
+        return None
+    reference = bool(getattr(settings, "reference_model", False)) and settings.lora is None and (
+        loss.kl_beta > 0 or (loss.beta_replay > 0 and loss.dpo_variant == "dpo"))
+    memory = rank_memory(shapes, settings, trainer.procs_per_replica, reference, settings.micro_batch_tokens)
+    text = memory.describe()
+    if settings.micro_batch_tokens is None:
+        text += "; activations not estimated (set micro_batch_tokens)"
+    gpu = topology.meshes[trainer.mesh].gpus_per_proc > 0
+    if gpu and memory.total > GPU_BYTES:
+        text += (" — warning: more than an 80 GB GPU holds; shard the replica over more procs "
+                 "(roles.trainer.procs_per_replica), or set activation_checkpointing / a smaller micro_batch_tokens")
+    return text
 
 
 def _cost(spec: MeshSpecBase, gpus: int, prices: _Prices | None) -> float | None:
