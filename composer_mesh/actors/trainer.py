@@ -50,10 +50,8 @@ class TrainerService:
         import numpy as np
         import torch
 
-        if shard is None:
-            self.backend.start(model, loss, temperature=temperature, diloco=diloco, replica_id=replica_id)
-        else:
-            self.backend.start(model, loss, temperature=temperature, diloco=diloco, replica_id=replica_id, shard=shard)
+        sharded = {} if shard is None else {"shard": shard}  # a binding that cannot shard never sees the argument
+        self.backend.start(model, loss, temperature=temperature, diloco=diloco, replica_id=replica_id, **sharded)
         rng_seed = seed * 1_000_003 + replica_id
         torch.manual_seed(rng_seed)
         random.seed(rng_seed)
