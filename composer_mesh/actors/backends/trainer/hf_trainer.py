@@ -307,10 +307,18 @@ class HFTrainer:
             TrainerStateError,
             read_trainer_state,
             restore_trainer_state,
+            sharded_world,
         )
 
         assert self.model is not None, "call start() first"
-        snapshot = read_trainer_state(self._state_url(url))
+        saved_world = sharded_world(url)
+        if saved_world == (None if self.shard is None else self.shard.world):
+            snapshot = read_trainer_state(self._state_url(url))
+        else:  # saved by another number of ranks: every rank's file, cut again for this rank
+            from composer_mesh.actors.backends.trainer.sharding import reshard_snapshot
+
+            urls = [url] if saved_world is None else [f"{url.rstrip('/')}/rank{r}" for r in range(saved_world)]
+            snapshot = reshard_snapshot([read_trainer_state(u) for u in urls], self.model, self.optimizer, self.shard)
         shard = None if self.shard is None else {"rank": self.shard.rank, "world": self.shard.world}
         check_same_setup(url, snapshot.meta, self.loss_state is not None, self._lora_shape(), shard)
         saved = snapshot.meta["extra_json"].get("diloco")

@@ -30,6 +30,7 @@ from torch import Tensor
 
 from composer_mesh.actors.backends.trainer.config import HFTrainerSettings
 from composer_mesh.actors.backends.trainer.train_batch import Piece, StudentPass, TrainRows, needs_reference
+from composer_mesh.actors.backends.trainer.trainer_state import TrainerSnapshot
 
 
 @dataclass(frozen=True)
@@ -182,3 +183,48 @@ def full_weights(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
 
     for name, t in named_weights(model).items():
         yield name, t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def reshard_snapshot(snapshots: list[TrainerSnapshot], model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                     group: ShardGroup | None) -> TrainerSnapshot:
+    """A trainer state saved by `len(snapshots)` ranks (one snapshot each, in rank order; one for an unsharded
+    state) as this rank's of `group` (None: one unsharded proc). FSDP2 shards dim 0 in `torch.chunk` order, so a
+    sharded tensor is its ranks' parts concatenated; a tensor whose part already has the full shape (a buffer,
+    AdamW's step) is taken from rank 0. The JSON part (step, RNGs, loss state) is rank 0's. Every rank reads
+    every part: the whole state passes through each rank's memory once."""
+    import copy
+
+    live = model.state_dict()
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+
+    def full_shape(key: str) -> tuple[int, ...] | None:
+        kind, _, rest = key.partition("/")
+        if kind == "model" and rest in live:
+            return tuple(live[rest].shape)
+        if kind == "optim":
+            return tuple(params[int(rest.split("/", 1)[0])].shape)
+        return None
+
+    tensors = {}
+    for key, first in snapshots[0].tensors.items():
+        shape = full_shape(key)
+        if shape is None or first.dim() == 0:
+            tensors[key] = first
+            continue
+        full = first if tuple(first.shape) == shape else torch.cat([s.tensors[key] for s in snapshots])
+        if tuple(full.shape) != shape:
+            raise ValueError(f"trainer state: {key}'s {len(snapshots)} parts make {tuple(full.shape)}, the model has "
+                             f"{shape}")
+        tensors[key] = full if group is None else _my_chunk(full, group)
+    meta = copy.deepcopy(snapshots[0].meta)
+    meta["extra_json"].pop("shard", None)
+    if group is not None:
+        meta["extra_json"]["shard"] = {"rank": group.rank, "world": group.world}
+    return TrainerSnapshot(tensors, meta)
+
+
+def _my_chunk(full: Tensor, group: ShardGroup) -> Tensor:
+    """This rank's rows of `full` as FSDP2 shards dim 0 (`torch.chunk`: ceil(n / world) rows each, the last ranks
+    fewer or none)."""
+    size = -(-full.shape[0] // group.world)
+    return full[group.rank * size:(group.rank + 1) * size].clone()

@@ -179,9 +179,8 @@ def check_trainer_state(url: str) -> None:
     """What `read_trainer_state` would refuse, found without reading the tensors (a large model's state is
     gigabytes): the marker, `state.json` and its format, and the safetensors header of `state.safetensors`
     against the file's size. Raises TrainerStateError naming the file."""
-    if FsspecBlobs(url).exists("rank0/state.json"):  # a sharded replica: one state per rank
-        world = int(_state_dir(f"{url}/rank0").read_json("state.json").get("extra_json", {}).get("shard", {})
-                    .get("world", 1))
+    world = sharded_world(url)
+    if world is not None:  # a sharded replica: one state per rank
         for rank in range(world):
             check_trainer_state(f"{url}/rank{rank}")
         return
@@ -198,6 +197,18 @@ def check_trainer_state(url: str) -> None:
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise TrainerStateError(f"{url}/state.json: format {meta.get('format') if isinstance(meta, dict) else meta!r}, "
                                 f"expected {FORMAT}")
+
+
+def sharded_world(url: str) -> int | None:
+    """The ranks of the sharded replica whose state is under `url` (one state per rank, `rank<r>/`), or None for
+    a state of one proc."""
+    if not FsspecBlobs(url).exists("rank0/state.json"):
+        return None
+    try:
+        meta = _state_dir(f"{url}/rank0").read_json("state.json")
+        return int(meta["extra_json"]["shard"]["world"])
+    except (StorageError, KeyError, TypeError, ValueError) as e:
+        raise TrainerStateError(f"{url}/rank0/state.json: not a sharded trainer state: {type(e).__name__}: {e}") from e
 
 
 def _check_safetensors(blobs: FsspecBlobs, name: str) -> None:

@@ -110,3 +110,25 @@ def test_rows_are_dealt_by_tokens_and_every_rank_runs_as_many_micro_batches():
         assert sorted(held) == list(range(len(data.rollouts)))
         pairs = [x for rank in pieces for p in rank if p is not None for x in p.pairs]
         assert sorted(pairs) == list(range(len(data.pairs)))  # each replay pair with its rejected row
+
+
+def test_a_state_saved_by_two_ranks_resumes_on_one_and_on_four(meshes, tmp_path):
+    """Resharding: two ranks train step 1 and save (one file per rank); four ranks, and one unsharded process,
+    load it and train step 2. Both equal one process that trained both steps without stopping (float64)."""
+    extra, loss, top_k = CASES["token-dense-dpo-kl-micro"]
+    settings = {"lr": 1e-2, "precision": "fp64", **extra}
+    first, second = batches(top_k)
+    _, want = one_process(settings, loss, [first, second])
+    saved = str(tmp_path / "state")
+    meshes[2].spawn(f"rank{next(_names)}", ShardedRank).train.call(
+        free_address(), 2, settings, loss, MODEL, [first], save=saved).get()
+    assert sorted(p.name for p in (tmp_path / "state").iterdir()) == ["rank0", "rank1"]
+    results = meshes[4].spawn(f"rank{next(_names)}", ShardedRank).train.call(
+        free_address(), 4, settings, loss, MODEL, [second], load=saved).get()
+    four = next(weights for _, (_, weights) in results.items() if weights)  # rank 0 returns them
+    alone = HFTrainer(HFTrainerSettings(**settings))
+    alone.start(MODEL, LossConfig(**loss))
+    alone.load_state(saved)
+    alone.train_step(second)
+    for weights in (four, alone.named_weights()):
+        assert max(float((weights[n] - want[n]).abs().max()) for n in want) < 1e-10
