@@ -73,7 +73,8 @@ async def _none() -> None:
 
 class _AllRanks:
     """One endpoint of every rank of a sharded replica: a call goes to each rank now (so it takes its place in
-    every rank's mailbox), and its answer is rank 0's once every rank answered (a rank's failure is the call's)."""
+    every rank's mailbox), and its answer is rank 0's once every rank answered. A rank's failure is the call's;
+    when a rank's proc died, that death is the one raised (the survivors fail after it, in their collectives)."""
 
     def __init__(self, endpoints: list[Any]) -> None:
         self.endpoints = endpoints
@@ -82,7 +83,11 @@ class _AllRanks:
         futures = [e.call_one(*args) for e in self.endpoints]
 
         async def first() -> Any:
-            return (await asyncio.gather(*futures))[0]
+            answers = await asyncio.gather(*futures, return_exceptions=True)
+            errors = [a for a in answers if isinstance(a, BaseException)]
+            if errors:
+                raise next((e for e in errors if is_proc_death(e)), errors[0])
+            return answers[0]
 
         return asyncio.ensure_future(first())
 

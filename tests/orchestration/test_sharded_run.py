@@ -1,7 +1,8 @@
 """A run whose trainer replica is sharded over two procs (FSDP2, gloo; `tiny_sharded_run.yaml`) on real meshes:
 it trains, the generators hold the trainer's exact weights after every sync, its first step's loss is the
-one-proc run's, the final model is a plain HF directory, and at lag 0 a stopped and resumed run is bitwise the
-uninterrupted one (each rank saves and restores its own shards)."""
+one-proc run's, the final model is a plain HF directory, at lag 0 a stopped and resumed run is bitwise the
+uninterrupted one (each rank saves and restores its own shards), and a rank killed with SIGKILL fails the run (no
+hang) with the trainer named, after which `--resume` finishes it."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from safetensors.torch import load_file
 from composer_mesh.app.launch import launch
 from composer_mesh.orchestration.loop import RLLoop
 
-pytestmark = pytest.mark.slow  # three short runs on seven procs
+pytestmark = pytest.mark.slow  # short runs on seven procs each, ~5 minutes in all
 
 
 def rank_state(run_dir: Path, steps: int, rank: int) -> dict[str, torch.Tensor]:
@@ -56,3 +57,33 @@ async def test_lag_0_sharded_resume_is_bitwise_the_uninterrupted_run(tmp_path):
     keys = ("step", "weight_version", "reward", "loss", "channels", "rollouts", "prompts")
     whole, cut = records(tmp_path / "whole"), records(tmp_path / "cut")
     assert [{k: r[k] for k in keys} for r in whole] == [{k: r[k] for k in keys} for r in cut]
+
+
+async def test_a_killed_rank_fails_the_run_and_resume_finishes_it(tmp_path):
+    """kill -9 of rank 1 mid-run: the run fails with the trainer named (no hang in a collective: the survivor's
+    gloo sees its peer gone), and `--resume` from the last checkpoint finishes the run on a fresh replica."""
+    import asyncio
+    import os
+    import signal
+
+    from composer_mesh.app.runner import checkpoint_policy
+    from composer_mesh.mesh.launch import MeshFailureError
+
+    topo = topology("tiny_sharded_run.yaml", tmp_path / "run", steps=8, max_policy_lag=0, eval_prompts=0,
+                    checkpoint_every=2)
+    with pytest.raises(MeshFailureError, match="'trainer' on mesh 'trainer'.*Killed"):
+        async with launch(topo) as mesh:
+            where = await mesh.trainer.process.call()
+            victim = sorted(int(w["pid"]) for w in where.values())[1]
+
+            def progress(record) -> None:
+                if record.step == 3:
+                    os.kill(victim, signal.SIGKILL)
+
+            loop = RLLoop(mesh, topo.run, topo.loss, progress=progress, checkpoints=checkpoint_policy(topo))
+            await asyncio.wait_for(loop.run(), timeout=240)
+    steps = [r["step"] for r in records(tmp_path / "run")]
+    assert 3 <= steps[-1] < 8
+    resumed = await run_session(topo, resume=True)
+    assert resumed.stopped is None and resumed.resumed_from is not None and resumed.resumed_from >= 2
+    assert [r["step"] for r in records(tmp_path / "run")][-1] == 8
