@@ -512,6 +512,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, help="timed steps per case, after 1 warm-up")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per case (trainer default 1)")
     p.add_argument("--peak-tflops", type=float, help="peak FLOP/s for MFU (default: by GPU name and precision)")
+    p.add_argument("--ranks", type=int, nargs="+",
+                   help="instead of the sweep: one replica sharded with FSDP2 over each of these numbers of procs, "
+                   "the same global batch (--table-rollouts rollouts) at every N (benchmarks/trainer_ranks.py)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per case")
     p.add_argument("--json", type=Path, help="also write hardware, settings and every row here")
     p.add_argument("--child", help=argparse.SUPPRESS)
@@ -549,6 +552,32 @@ def report(args: argparse.Namespace, cases: Cases, rows: list[dict[str, Any]]) -
         args.json.write_text(json.dumps(payload, indent=2, default=str) + "\n")
 
 
+def report_ranks(args: argparse.Namespace, model_dir: Path, params: int) -> None:
+    """`--ranks`: the sharded replica at each N, one table (and the JSON when asked)."""
+    # Monarch procs import the actor's module (`trainer_ranks`) and this one by name: both on their path.
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(os.path.abspath(__file__)), ROOT,
+                                                             os.environ.get("PYTHONPATH")]))
+    from trainer_ranks import run_ranks, table
+
+    rollouts, budget = args.table_rollouts, (args.micro_batch_tokens or [None])[0]
+    spec = dict(model_dir=str(model_dir), device=args.device, precision=args.precision, prompt=args.prompt,
+                completion=args.completion, vocab=args.vocab, group_size=args.group_size, steps=args.steps,
+                threads=args.threads, lm_head=args.lm_head, rollouts=rollouts, micro_batch_tokens=budget,
+                tokens=rollouts * (args.prompt + args.completion))
+    rows = run_ranks(spec, args.ranks)
+    info = describe(args, params, [])
+    info["memory"] = "each rank's parameter shards and AdamW state (DTensor.to_local), counted after the warm-up step"
+    info.pop("mfu", None)
+    print()
+    for key, text in info.items():
+        print(f"{key}: {text}")
+    print(f"\none replica sharded over N procs (FSDP2), the same global batch: {rollouts} rollouts x "
+          f"{args.prompt + args.completion} tokens, micro_batch_tokens {budget}")
+    print("\n".join(table(rows)))
+    if args.json:
+        args.json.write_text(json.dumps({**info, "params": params, "ranks": rows}, indent=2, default=str) + "\n")
+
+
 def main() -> None:
     """Build the model once, run every case in its own child, print the tables."""
     args = parse_args()
@@ -559,6 +588,9 @@ def main() -> None:
     try:
         save_dtype = "bfloat16" if args.model == "qwen0.5b" else "float32"
         params = build_model_dir(args.shape, model_dir, save_dtype)
+        if args.ranks:
+            report_ranks(args, model_dir, params)
+            return
         cases = Cases(args, model_dir, params)
         rows = run_all(args, cases)
         report(args, cases, rows)

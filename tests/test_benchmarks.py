@@ -48,6 +48,17 @@ def test_bench_trainer_quick_writes_both_implementations(tmp_path: Path) -> None
 
 
 @pytest.mark.bench
+@pytest.mark.slow  # ~40 s: proc meshes of 1 and 2 procs, each building the sharded trainer
+def test_bench_trainer_ranks_shards_parameters_and_adamw(tmp_path: Path) -> None:
+    stdout, result = run_quick("bench_trainer.py", tmp_path / "ranks.json", 300, "--ranks", "1", "2")
+    assert "one replica sharded over N procs" in stdout and "goal ≤ 1/N + 10%" in stdout
+    rows = {r["ranks"]: r for r in result["ranks"]}
+    assert set(rows) == {1, 2} and all(r["tokens_per_s"] > 0 and r["step_s"] > 0 for r in rows.values())
+    assert len(rows[2]["per_rank"]) == 2 and rows[2]["comm_s"] > 0  # two ranks, their collectives timed
+    assert rows[1]["held_vs_one"] == 1.0 and rows[2]["held_vs_one"] <= 0.5 + 0.10
+
+
+@pytest.mark.bench
 @pytest.mark.slow  # ~40 s on 2 cores: the HF implementations, then a vLLM engine in a child when vllm imports
 def test_bench_generate_quick_writes_every_implementation(tmp_path: Path) -> None:
     stdout, result = run_quick("bench_generate.py", tmp_path / "bench_generate.json", 300, "--device", "cpu")
