@@ -14,10 +14,11 @@ import torch
 from orchestration.test_resume import assert_bitwise, records, run_session, stop_and_resume, topology
 from safetensors.torch import load_file
 
-from composer_mesh.app.launch import launch
+from composer_mesh.app.launch import launch, run_config
+from composer_mesh.app.runner import checkpoint_policy
 from composer_mesh.orchestration.loop import RLLoop
 
-pytestmark = pytest.mark.slow  # short runs on seven procs each, ~5 minutes in all
+pytestmark = pytest.mark.slow  # short runs on seven procs each, ~4 minutes in all
 
 
 def rank_state(run_dir: Path, steps: int, rank: int) -> dict[str, torch.Tensor]:
@@ -25,38 +26,35 @@ def rank_state(run_dir: Path, steps: int, rank: int) -> dict[str, torch.Tensor]:
     return load_file(path)
 
 
-async def test_sharded_replica_trains_and_generators_hold_its_weights(tmp_path):
-    topo = topology("tiny_sharded_run.yaml", tmp_path / "sharded", steps=2, max_policy_lag=0, eval_prompts=0)
-    async with launch(topo) as mesh:
-        loop = RLLoop(mesh, topo.run, topo.loss)
-        summary = await loop.run()
-        assert summary.steps == 2
+async def test_sharded_run_trains_syncs_and_resumes_bitwise_at_lag_0(tmp_path):
+    kw = {"steps": 4, "max_policy_lag": 0, "eval_prompts": 0}
+    topo = topology("tiny_sharded_run.yaml", tmp_path / "whole", **kw)
+    async with launch(topo) as mesh:  # the uninterrupted run, checked from inside
+        summary = await RLLoop(mesh, run_config(topo), topo.loss, checkpoints=checkpoint_policy(topo)).run()
+        assert summary.steps == 4
         trainer = await mesh.trainer.weights_digest.call()  # every rank gathers the same full weights
         generators = await mesh.generators.weights_digest.call()
         assert len(set(trainer.values())) == 1 and set(generators.values()) == set(trainer.values())
-    sharded = records(tmp_path / "sharded")
-    assert [r["step"] for r in sharded] == [1, 2] and all(math.isfinite(r["loss"]) for r in sharded)
-    assert set(sharded[0]["channels"]) >= {"grpo", "sdpo"}
-    await run_session(topology("tiny_run.yaml", tmp_path / "plain", steps=1, max_policy_lag=0, eval_prompts=0))
-    plain = records(tmp_path / "plain")
-    # Same rollouts at step 1 (same initial weights and seeds): the same loss, up to float32 sums in another order.
-    assert sharded[0]["loss"] == pytest.approx(plain[0]["loss"], rel=1e-5, abs=1e-6)
-    assert sharded[0]["channels"] == pytest.approx(plain[0]["channels"], rel=1e-5, abs=1e-6)
+    whole = records(tmp_path / "whole")
+    assert [r["step"] for r in whole] == [1, 2, 3, 4] and all(math.isfinite(r["loss"]) for r in whole)
+    assert set(whole[0]["channels"]) >= {"grpo", "sdpo"}
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "sharded" / "checkpoint")  # rank 0 wrote it, gathered
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "whole" / "checkpoint")  # rank 0 wrote it, gathered
     assert sum(p.numel() for p in model.parameters()) > 0
 
-
-async def test_lag_0_sharded_resume_is_bitwise_the_uninterrupted_run(tmp_path):
-    kw = {"steps": 4, "max_policy_lag": 0, "eval_prompts": 0}
-    await run_session(topology("tiny_sharded_run.yaml", tmp_path / "whole", **kw))
     await stop_and_resume(topology("tiny_sharded_run.yaml", tmp_path / "cut", **kw), stop_after=1)
     for rank in (0, 1):
         assert_bitwise(rank_state(tmp_path / "whole", 4, rank), rank_state(tmp_path / "cut", 4, rank))
     keys = ("step", "weight_version", "reward", "loss", "channels", "rollouts", "prompts")
-    whole, cut = records(tmp_path / "whole"), records(tmp_path / "cut")
+    cut = records(tmp_path / "cut")
     assert [{k: r[k] for k in keys} for r in whole] == [{k: r[k] for k in keys} for r in cut]
+
+    await run_session(topology("tiny_run.yaml", tmp_path / "plain", steps=1, max_policy_lag=0, eval_prompts=0))
+    plain = records(tmp_path / "plain")
+    # Same rollouts at step 1 (same initial weights and seeds): the same loss, up to float32 sums in another order.
+    assert whole[0]["loss"] == pytest.approx(plain[0]["loss"], rel=1e-5, abs=1e-6)
+    assert whole[0]["channels"] == pytest.approx(plain[0]["channels"], rel=1e-5, abs=1e-6)
 
 
 async def test_a_killed_rank_fails_the_run_and_resume_finishes_it(tmp_path):
@@ -66,12 +64,11 @@ async def test_a_killed_rank_fails_the_run_and_resume_finishes_it(tmp_path):
     import os
     import signal
 
-    from composer_mesh.app.runner import checkpoint_policy
     from composer_mesh.mesh.launch import MeshFailureError
 
-    topo = topology("tiny_sharded_run.yaml", tmp_path / "run", steps=8, max_policy_lag=0, eval_prompts=0,
+    topo = topology("tiny_sharded_run.yaml", tmp_path / "run", steps=6, max_policy_lag=0, eval_prompts=0,
                     checkpoint_every=2)
-    with pytest.raises(MeshFailureError, match="'trainer' on mesh 'trainer'.*Killed"):
+    with pytest.raises(MeshFailureError, match=r"'trainer' on mesh 'trainer'.*Killed"):
         async with launch(topo) as mesh:
             where = await mesh.trainer.process.call()
             victim = sorted(int(w["pid"]) for w in where.values())[1]
@@ -83,7 +80,7 @@ async def test_a_killed_rank_fails_the_run_and_resume_finishes_it(tmp_path):
             loop = RLLoop(mesh, topo.run, topo.loss, progress=progress, checkpoints=checkpoint_policy(topo))
             await asyncio.wait_for(loop.run(), timeout=240)
     steps = [r["step"] for r in records(tmp_path / "run")]
-    assert 3 <= steps[-1] < 8
+    assert 3 <= steps[-1] < 6
     resumed = await run_session(topo, resume=True)
     assert resumed.stopped is None and resumed.resumed_from is not None and resumed.resumed_from >= 2
-    assert [r["step"] for r in records(tmp_path / "run")][-1] == 8
+    assert [r["step"] for r in records(tmp_path / "run")][-1] == 6
