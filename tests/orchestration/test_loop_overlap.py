@@ -59,6 +59,7 @@ class FakeRoleMesh(SimpleNamespace):
     mesh of its own, no spares, nothing failed)."""
 
     failures: tuple[Any, ...] = ()
+    procs_per_replica = 1  # the trainer's: one proc per replica
     launched = SimpleNamespace(specs=defaultdict(lambda: SimpleNamespace(spare=False)), has_spare=lambda mesh: False)
 
     def has(self, role: str) -> bool:
