@@ -132,3 +132,19 @@ def test_a_state_saved_by_two_ranks_resumes_on_one_and_on_four(meshes, tmp_path)
     alone.train_step(second)
     for weights in (four, alone.named_weights()):
         assert max(float((weights[n] - want[n]).abs().max()) for n in want) < 1e-10
+
+
+def test_bf16_mixed_shards_train_with_float32_master_weights(meshes):
+    """`precision: bf16-mixed` on a sharded replica is FSDP2's MixedPrecisionPolicy (bf16 gathers and compute,
+    float32 reduction and master shards): two ranks train, the loss stays near one fp32 process's (bf16 compute
+    is not exact), and the weights gathered for the generators are the float32 masters, not bf16 copies left
+    gathered by a forward."""
+    loss = {"alpha_sdpo": 1.0, "beta_replay": 1.0, "kl_beta": 0.01, "dpo_variant": "dpo"}
+    data = batches(0)
+    want_steps, _ = one_process({"lr": 1e-2}, loss, data)
+    results = meshes[2].spawn(f"rank{next(_names)}", ShardedRank).train.call(
+        free_address(), 2, {"lr": 1e-2, "precision": "bf16-mixed"}, loss, MODEL, data).get()
+    steps, weights = next((s, w) for _, (s, w) in results.items() if w)
+    for got, want in zip(steps, want_steps, strict=True):
+        assert got["loss"] == pytest.approx(want.loss, rel=0.05, abs=0.05)
+    assert {t.dtype for t in weights.values() if t.is_floating_point()} == {torch.float32}
