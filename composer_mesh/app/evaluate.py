@@ -40,6 +40,7 @@ from composer_mesh.orchestration.checkpoint import (
 from composer_mesh.orchestration.evaluation import EvalConfig, Evaluation, Evaluator
 from composer_mesh.orchestration.mesh_ports import MeshRoles
 from composer_mesh.orchestration.prompts import prompt_source
+from composer_mesh.orchestration.replicas import replica_handles, setup_args
 from composer_mesh.orchestration.resume import last_line
 from composer_mesh.orchestration.rollout.base import RolloutServices
 from composer_mesh.orchestration.rollout.choose import rollout_factory
@@ -124,13 +125,13 @@ async def launch_roles(topology: Topology, roles: Sequence[str]) -> AsyncIterato
     placements = [p for p in role_placements(topology) if p.name in roles]
     meshes = {name: spec for name, spec in topology.meshes.items() if any(p.mesh == name for p in placements)}
     async with launch_meshes(meshes, placements, run_name=topology.name) as launched:
-        yield RoleMesh(launched, topology.name)
+        yield RoleMesh(launched, topology.name, topology.roles.trainer.procs_per_replica)
 
 
 async def _load_run_weights(mesh: RoleMesh, roles: MeshRoles, url: str) -> None:
     """The trainer replicas load the checkpoint's state (as on resume) and the generators pull replica 0's."""
-    await mesh.trainer.setup.call()
-    trainers = mesh.procs("trainer")
+    trainers = replica_handles(mesh.procs("trainer"), mesh.procs_per_replica)  # a sharded replica as one handle
+    await asyncio.gather(*(t.setup.call_one(*await setup_args(t)) for t in trainers))
     try:
         manifests = await asyncio.gather(*(t.load_state.call_one(f"{url}/trainer/r{i}") for i, t in enumerate(trainers)))
     except Exception as e:  # the replica's refusal arrives wrapped in Monarch's ActorError

@@ -67,10 +67,6 @@ class _Lane:
         call.future = getattr(self.handle, call.endpoint).call_one(*call.args)
 
 
-async def _none() -> None:
-    return None
-
-
 class _AllRanks:
     """One endpoint of every rank of a sharded replica: a call goes to each rank now (so it takes its place in
     every rank's mailbox), and its answer is rank 0's once every rank answered. A rank's failure is the call's;
@@ -103,6 +99,14 @@ class ShardedReplica:
         if endpoint.startswith("_"):
             raise AttributeError(endpoint)
         return _AllRanks([getattr(rank, endpoint) for rank in self.ranks])
+
+
+async def setup_args(handle: Any) -> tuple[str, ...]:
+    """The arguments of a replica's `TrainerActor.setup`: for a sharded replica, the address its ranks meet at
+    (its rank 0's `rendezvous`); none for a replica of one proc."""
+    if isinstance(handle, ShardedReplica):
+        return (await handle.ranks[0].rendezvous.call_one(),)
+    return ()
 
 
 def replica_handles(procs: list[Any], per: int) -> list[Any]:
@@ -153,13 +157,9 @@ class TrainerReplicas:
                 lane.unreported.pop(url, None)
 
     async def setup(self) -> list[Any]:
-        """`setup` every replica, answers in replica order; a sharded replica's ranks first get its rank 0's
-        rendezvous address."""
-        addresses = await asyncio.gather(*[
-            lane.handle.ranks[0].rendezvous.call_one() if isinstance(lane.handle, ShardedReplica) else _none()
-            for lane in self.lanes])
-        return await asyncio.gather(*[self._send(lane, "setup", () if address is None else (address,), -1)
-                                      for lane, address in zip(self.lanes, addresses, strict=True)])
+        """`setup` every replica, answers in replica order (`setup_args`: a sharded replica's meeting point)."""
+        args = await asyncio.gather(*[setup_args(lane.handle) for lane in self.lanes])
+        return await asyncio.gather(*[self._send(lane, "setup", a, -1) for lane, a in zip(self.lanes, args, strict=True)])
 
     async def each(self, endpoint: str, *args: Any) -> list[Any]:
         """Call `endpoint(*args)` on every replica (sent to all first), answers in replica order."""
