@@ -71,7 +71,9 @@ def one_process(settings: dict, loss: dict, data) -> tuple[list, dict[str, torch
     return steps, trainer.named_weights()
 
 
-@pytest.mark.parametrize("case", list(CASES))
+# The first case runs in the default tier; the others (and the resume and bf16 tests) in the slow tier, which
+# keeps the README's test command under its 20 minutes on 2 cores.
+@pytest.mark.parametrize("case", [c if i == 0 else pytest.param(c, marks=pytest.mark.slow) for i, c in enumerate(CASES)])
 def test_sharded_replica_equals_one_process(meshes, case):
     extra, loss, top_k = CASES[case]
     settings = {"lr": 1e-2, "precision": "fp64", **extra}
@@ -112,6 +114,7 @@ def test_rows_are_dealt_by_tokens_and_every_rank_runs_as_many_micro_batches():
         assert sorted(pairs) == list(range(len(data.pairs)))  # each replay pair with its rejected row
 
 
+@pytest.mark.slow
 def test_a_state_saved_by_two_ranks_resumes_on_one_and_on_four(meshes, tmp_path):
     """Resharding: two ranks train step 1 and save (one file per rank); four ranks, and one unsharded process,
     load it and train step 2. Both equal one process that trained both steps without stopping (float64)."""
@@ -134,6 +137,7 @@ def test_a_state_saved_by_two_ranks_resumes_on_one_and_on_four(meshes, tmp_path)
         assert max(float((weights[n] - want[n]).abs().max()) for n in want) < 1e-10
 
 
+@pytest.mark.slow
 def test_bf16_mixed_shards_train_with_float32_master_weights(meshes):
     """`precision: bf16-mixed` on a sharded replica is FSDP2's MixedPrecisionPolicy (bf16 gathers and compute,
     float32 reduction and master shards): two ranks train, the loss stays near one fp32 process's (bf16 compute
