@@ -131,7 +131,8 @@ async def launch_roles(topology: Topology, roles: Sequence[str]) -> AsyncIterato
 async def _load_run_weights(mesh: RoleMesh, roles: MeshRoles, url: str) -> None:
     """The trainer replicas load the checkpoint's state (as on resume) and the generators pull replica 0's."""
     trainers = replica_handles(mesh.procs("trainer"), mesh.procs_per_replica)  # a sharded replica as one handle
-    await asyncio.gather(*(t.setup.call_one(*await setup_args(t)) for t in trainers))
+    args = await asyncio.gather(*(setup_args(t) for t in trainers))
+    await asyncio.gather(*(t.setup.call_one(*a) for t, a in zip(trainers, args, strict=True)))
     try:
         manifests = await asyncio.gather(*(t.load_state.call_one(f"{url}/trainer/r{i}") for i, t in enumerate(trainers)))
     except Exception as e:  # the replica's refusal arrives wrapped in Monarch's ActorError

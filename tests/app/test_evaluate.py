@@ -27,17 +27,19 @@ def _evals(run_dir: Path) -> dict[str, dict]:
     return {e["when"]: e for e in lines if e.get("event") == "eval"}
 
 
-async def _run(run_dir: Path) -> tuple[Topology, dict[str, dict]]:
-    topo = load_topology(TOPOLOGY, [*SETS, Override("run.run_dir", str(run_dir))])
+async def _run(run_dir: Path, topology: Path = TOPOLOGY) -> tuple[Topology, dict[str, dict]]:
+    topo = load_topology(topology, [*SETS, Override("run.run_dir", str(run_dir))])
     async with launch(topo) as mesh:
         await RLLoop(mesh, topo.run, topo.loss).run()
     return topo, _evals(run_dir)
 
 
-@pytest.mark.slow  # a run, then eval launching the trainer and generators: about 2 min
-async def test_eval_of_a_run_checkpoint_is_the_runs_eval_at_that_step(tmp_path: Path) -> None:
+@pytest.mark.slow  # a run, then eval launching the trainer and generators: about 2 min each
+@pytest.mark.parametrize("topology", [TOPOLOGY, TOPOLOGY.with_name("tiny_sharded_run.yaml")],
+                         ids=["one-proc-trainer", "sharded-trainer"])
+async def test_eval_of_a_run_checkpoint_is_the_runs_eval_at_that_step(tmp_path: Path, topology: Path) -> None:
     run_dir = tmp_path / "run"
-    topo, events = await _run(run_dir)
+    topo, events = await _run(run_dir, topology)
     after = events["after"]
     target = EvalTarget.of(str(run_dir))  # a run directory: its newest full checkpoint, as --resume takes it
     assert target.kind == "run" and target.step == 2 and eval_roles(target, topo) == ["generators", "rewarder", "trainer"]
