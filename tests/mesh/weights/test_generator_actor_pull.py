@@ -79,7 +79,7 @@ def procs() -> Iterator[Any]:
     monarch.actor.unhandled_fault_hook = previous_hook
 
 
-def _request(n_prompts: int, samples: int, max_new_tokens: int, seed: int) -> Any:
+def _request(n_prompts: int, samples: int, max_new_tokens: int, seed: int, temperature: float = 1.0) -> Any:
     from composer_mesh.actors.messages import GenerationRequest, Prompt
 
     texts = [f"{i % 10}+{(3 * i) % 10}=" for i in range(n_prompts)]
@@ -87,7 +87,7 @@ def _request(n_prompts: int, samples: int, max_new_tokens: int, seed: int) -> An
         [Prompt(f"p{i}", t, []) for i, t in enumerate(texts)],
         samples_per_prompt=samples,
         max_new_tokens=max_new_tokens,
-        temperature=1.0,
+        temperature=temperature,
         seed=seed,
     )
 
@@ -111,7 +111,9 @@ async def test_generate_is_not_blocked_by_a_pull_on_the_real_actor(procs: Any, i
     new = {k: v.detach().clone() for k, v in build_tiny(ModelConfig(seed=123))[0].state_dict().items()}
     publisher = WeightPublisher(new, config.weights)  # the trainer's side, in the controller
     try:
-        # 256 rows in one batch, up to 100 tokens each (an untrained model rarely stops): ~1-2 s on a CPU.
+        # 256 rows in one batch, 100 tokens each: greedy, because the untrained model's greedy continuations
+        # never stop here (sampled, most rows stop within 20 tokens and leave the batch: the request would end
+        # in ~0.3 s, before the pull): ~1-2 s on a CPU.
         finished: dict[str, float] = {}
 
         async def timed(name: str, call: Any) -> Any:
@@ -120,7 +122,8 @@ async def test_generate_is_not_blocked_by_a_pull_on_the_real_actor(procs: Any, i
             return out
 
         started = time.monotonic()
-        generating = asyncio.ensure_future(timed("generate", actor.generate.call_one(_request(16, 16, 100, seed=0))))
+        request = _request(16, 16, 100, seed=0, temperature=0.0)
+        generating = asyncio.ensure_future(timed("generate", actor.generate.call_one(request)))
         deadline = time.monotonic() + 60
         while (await actor.stats.call_one())["requests"] < 1:  # the request has started (version 0 swapped in)
             assert not generating.done() and time.monotonic() < deadline

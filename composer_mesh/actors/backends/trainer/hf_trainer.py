@@ -305,20 +305,11 @@ class HFTrainer:
         all of them before any replica trains again."""
         from composer_mesh.actors.backends.trainer.trainer_state import (
             TrainerStateError,
-            read_trainer_state,
             restore_trainer_state,
-            sharded_world,
         )
 
         assert self.model is not None, "call start() first"
-        saved_world = sharded_world(url)
-        if saved_world == (None if self.shard is None else self.shard.world):
-            snapshot = read_trainer_state(self._state_url(url))
-        else:  # saved by another number of ranks: every rank's file, cut again for this rank
-            from composer_mesh.actors.backends.trainer.sharding import reshard_snapshot
-
-            urls = [url] if saved_world is None else [f"{url.rstrip('/')}/rank{r}" for r in range(saved_world)]
-            snapshot = reshard_snapshot([read_trainer_state(u) for u in urls], self.model, self.optimizer, self.shard)
+        snapshot = read_snapshot(url, self._state_url(url), self.shard, self.model, self.optimizer)
         shard = None if self.shard is None else {"rank": self.shard.rank, "world": self.shard.world}
         check_same_setup(url, snapshot.meta, self.loss_state is not None, self._lora_shape(), shard)
         saved = snapshot.meta["extra_json"].get("diloco")
@@ -401,3 +392,18 @@ def diloco_call(fn: Any, *args: Any, url: str | None = None) -> Any:
         return fn(*args)
     except DiLoCoStateError as e:
         raise TrainerStateError(f"{url}: {e}" if url else str(e)) from e
+
+
+def read_snapshot(url: str, own_url: str, shard: ShardGroup | None, model: torch.nn.Module,
+                  optimizer: torch.optim.Optimizer) -> TrainerSnapshot:
+    """The state under `url` for this proc (its own part at `own_url`), or, when it was saved by another number of
+    ranks (or one unsharded proc), every saved part cut again for this proc (`sharding.reshard_snapshot`)."""
+    from composer_mesh.actors.backends.trainer.trainer_state import read_trainer_state, sharded_world
+
+    saved_world = sharded_world(url)
+    if saved_world == (None if shard is None else shard.world):
+        return read_trainer_state(own_url)
+    from composer_mesh.actors.backends.trainer.sharding import reshard_snapshot
+
+    urls = [url] if saved_world is None else [f"{url.rstrip('/')}/rank{r}" for r in range(saved_world)]
+    return reshard_snapshot([read_trainer_state(u) for u in urls], model, optimizer, shard)
