@@ -28,13 +28,11 @@ from composer_mesh.mesh.weights.plane import WeightManifest, WeightPublisher
 class TrainerService:
     """A trainer binding plus its weight publisher."""
 
-    def __init__(self, backend: TrainerBackend, weights: WeightPlaneConfig, publishes: bool = True) -> None:
+    def __init__(self, backend: TrainerBackend, weights: WeightPlaneConfig) -> None:
         self.backend = backend
         self.weights_config = weights
-        # Rank 0 of a replica publishes; the other ranks of a sharded replica only join the weights' gathering
-        # (`named_weights` is a collective there) and count the versions.
-        self.publishes = publishes
-        self._version = 0
+        self.shard: Any = None  # this proc's `ShardGroup` in a sharded replica (set by `start`)
+        self._version = 0  # the version count of a rank that does not publish
         self.publisher: WeightPublisher | None = None
         self.last_publish_s = 0.0
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="trainer-state-writer")
@@ -50,6 +48,7 @@ class TrainerService:
         import numpy as np
         import torch
 
+        self.shard = shard
         sharded = {} if shard is None else {"shard": shard}  # a binding that cannot shard never sees the argument
         self.backend.start(model, loss, temperature=temperature, diloco=diloco, replica_id=replica_id, **sharded)
         rng_seed = seed * 1_000_003 + replica_id
@@ -109,16 +108,17 @@ class TrainerService:
         self._writes.append((url, self._writer.submit(self.backend.write_state, url, snapshot)))
         if wait:
             self.flush_states()
-        elif self.shards:
+        elif self.shard is not None:
             # A sharded replica's ranks each write their own shards: rank 0 reports the state written (in a later
             # step) only once every rank's part is, so every rank finishes its write before it trains on.
             self._writes[-1][1].exception()
         return url
 
     @property
-    def shards(self) -> bool:
-        """Whether this proc is one rank of a replica sharded over several procs."""
-        return getattr(self.backend, "shard", None) is not None
+    def publishes(self) -> bool:
+        """Rank 0 of a replica publishes; the other ranks of a sharded replica only join the weights' gathering
+        (`named_weights` is a collective there) and count the versions."""
+        return self.shard is None or self.shard.rank == 0
 
     def flush_states(self) -> list[str]:
         """Wait for every background state write; the URLs written since the last report."""
@@ -178,7 +178,7 @@ class TrainerActor(RoleActor[TrainerService]):
         (`procs_per_replica`) is sharded: its ranks meet at `address` (its rank 0's `rendezvous`)."""
         cfg = self.config
         shard = self.shard_group(address)
-        service = TrainerService(cfg.binding.build(), cfg.weights, publishes=shard is None or shard.rank == 0)
+        service = TrainerService(cfg.binding.build(), cfg.weights)
         await asyncio.to_thread(service.start, cfg.model, cfg.loss, cfg.temperature, cfg.diloco, self.replica_id(),
                                 cfg.seed, shard)
         self._service = service
