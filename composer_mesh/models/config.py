@@ -67,13 +67,21 @@ class WarmStartConfig(BaseModel):
         "out the same rows.",
     )
 
+    episodes: Literal["turn", "whole"] = Field(
+        "turn", description="For a task that demonstrates episodes: 'turn' learns one assistant turn of a "
+        "demonstration per sequence (the conversation before it only read); 'whole' learns every assistant turn "
+        "of one demonstration in one sequence, about half the compute for the same turns learnt (docs/agentic.md)."
+    )
+
     @model_serializer(mode="wrap")
-    def _omit_no_data(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        """A dump leaves out `data: null`, so the cache keys and checkpoint fingerprints of every config written
-        before the field existed stay what they were."""
+    def _omit_defaults_added_later(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """A dump leaves out `data: null` and `episodes: turn`, so the cache keys and checkpoint fingerprints of
+        every config written before those fields existed stay what they were."""
         out: dict[str, Any] = handler(self)
         if out.get("data", 0) is None:
             del out["data"]
+        if out.get("episodes") == "turn":
+            del out["episodes"]
         return out
 
 

@@ -1,5 +1,5 @@
-"""Warm start: brief in-process SFT on (prompt, target) pairs of a task or of the user's own data
-(`warmstart.data`: the data's train rows only), and greedy task accuracy.
+"""Warm start: brief in-process SFT on a task's (prompt, target) pairs or whole demonstrated episodes, or on the
+user's own data (`warmstart.data`: the data's train rows only), and greedy task accuracy.
 
 Used by `composer_mesh.models.loading.materialize` (cached with the model) to make a teacher that already
 knows the task and a weak-but-not-random student. Deterministic for a fixed config and thread count;
@@ -29,9 +29,12 @@ if TYPE_CHECKING:
     from composer_mesh.tasks.data import DataConfig
 
 IGNORE = -100
-# One SFT example as token ids: (prompt, target); a sampler draws one with the warm start's RNG.
+# A (prompt, target) pair as token ids: the target is learnt, the prompt is only read.
 Pair = tuple[list[int], list[int]]
-PairSampler = Callable[[random.Random], Pair]
+# One SFT example: token ids and their labels (IGNORE where nothing is learnt); a sampler draws one with the warm
+# start's RNG.
+Example = tuple[list[int], list[int]]
+ExampleSampler = Callable[[random.Random], Example]
 
 
 def task_target(task: Task, answer: str) -> str:
@@ -46,39 +49,66 @@ def _encode(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def chat_turn_pairs(task: Any, tokenizer: PreTrainedTokenizerBase) -> PairSampler:
-    """Pairs of a task that demonstrates whole episodes (`task.chat_demonstration(rng) -> (messages, tools)`):
-    one assistant turn of a demonstration, drawn at random, as (the conversation before it through the chat
-    template with the tools, the turn's own ids up to and including the end-of-turn token). These are the ids a
-    multi-turn episode feeds and samples (the template's bridge keeps earlier turns' ids), so the warm start
-    trains on what the policy will see."""
-    from composer_mesh.models.chat import chat_end_token_id, chat_token_ids, render_chat
+def supervised(pair: Pair) -> Example:
+    """A pair as one example: the prompt's ids read, the target's learnt."""
+    prompt, target = pair
+    return prompt + target, [IGNORE] * len(prompt) + target
+
+
+def _assistant_turn(task: Any, tokenizer: PreTrainedTokenizerBase, end: int | None, messages: list[Any],
+                    tools: list[dict[str, Any]], i: int) -> Pair:
+    """Assistant turn `messages[i]` of a demonstration as (the conversation before it through the chat template
+    with the tools, the turn's own ids up to and including the end-of-turn token): the ids a multi-turn episode
+    feeds and samples (the template's bridge keeps earlier turns' ids)."""
+    from composer_mesh.models.chat import chat_token_ids, render_chat
+
+    prompt = chat_token_ids(tokenizer, messages[:i], tools=tools)
+    full = _encode(tokenizer, render_chat(tokenizer, messages[: i + 1], tools, add_generation_prompt=False))
+    if full[: len(prompt)] != prompt or end not in full[len(prompt):]:
+        raise ValueError(f"warm start of task {task.name!r}: the chat template does not render an assistant turn "
+                         "as a continuation of its conversation ending in an end-of-turn token")
+    turn = full[len(prompt):]
+    return prompt, turn[: turn.index(end) + 1]
+
+
+def chat_turn_examples(task: Any, tokenizer: PreTrainedTokenizerBase, whole: bool = False) -> ExampleSampler:
+    """Examples of a task that demonstrates episodes (`task.chat_demonstration(rng) -> (messages, tools)`), in the
+    ids a played episode has (`_assistant_turn`). `whole` False (`warmstart.episodes: turn`): one assistant turn
+    of a demonstration, drawn at random, learnt after its conversation. `whole`: the whole demonstration, every
+    assistant turn learnt and the environment's turns only read; the shared conversation is computed once for all
+    its turns, about half the compute for the same turns learnt."""
+    from composer_mesh.models.chat import chat_end_token_id
 
     end = chat_end_token_id(tokenizer)
 
-    def draw(rng: random.Random) -> Pair:
+    def draw(rng: random.Random) -> Example:
         messages, tools = task.chat_demonstration(rng)
         turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-        i = turns[rng.randrange(len(turns))]
-        prompt = chat_token_ids(tokenizer, messages[:i], tools=tools)
-        full = _encode(tokenizer, render_chat(tokenizer, messages[: i + 1], tools, add_generation_prompt=False))
-        if full[: len(prompt)] != prompt or end not in full[len(prompt):]:
-            raise ValueError(f"warm start of task {task.name!r}: the chat template does not render an assistant turn "
-                             "as a continuation of its conversation ending in an end-of-turn token")
-        target = full[len(prompt):]
-        return prompt, target[: target.index(end) + 1]
+        if not whole:
+            return supervised(_assistant_turn(task, tokenizer, end, messages, tools, turns[rng.randrange(len(turns))]))
+        ids: list[int] = []
+        labels: list[int] = []
+        for i in turns:
+            prompt, turn = _assistant_turn(task, tokenizer, end, messages, tools, i)
+            if prompt[: len(ids)] != ids:
+                raise ValueError(f"warm start of task {task.name!r} (episodes: whole): the chat template renders "
+                                 "earlier turns of a conversation differently later on; use episodes: turn")
+            labels += [IGNORE] * (len(prompt) - len(ids)) + turn
+            ids = prompt + turn
+        return ids, labels
 
     return draw
 
 
-def task_pairs(task: Task, tokenizer: PreTrainedTokenizerBase) -> PairSampler:
-    """Pairs sampled from the task's train split (its demonstrated episodes' turns, for a task that has them)."""
+def task_examples(task: Task, tokenizer: PreTrainedTokenizerBase, episodes: str = "turn") -> ExampleSampler:
+    """Examples sampled from the task's train split: its demonstrated episodes (`episodes`: 'turn' or 'whole',
+    `chat_turn_examples`), for a task that has them, else one (prompt, perfect completion) pair each."""
     if callable(getattr(task, "chat_demonstration", None)):
-        return chat_turn_pairs(task, tokenizer)
+        return chat_turn_examples(task, tokenizer, whole=episodes == "whole")
 
-    def draw(rng: random.Random) -> Pair:
+    def draw(rng: random.Random) -> Example:
         prompt, answer = task.sample(rng)
-        return _encode(tokenizer, prompt), _encode(tokenizer, task_target(task, answer))
+        return supervised((_encode(tokenizer, prompt), _encode(tokenizer, task_target(task, answer))))
 
     return draw
 
@@ -115,13 +145,10 @@ def data_pairs(data: DataConfig, task: Task, tokenizer: PreTrainedTokenizerBase)
 
 
 def sft_batch(
-    draw: PairSampler, tokenizer: PreTrainedTokenizerBase, rng: random.Random, batch_size: int
+    draw: ExampleSampler, tokenizer: PreTrainedTokenizerBase, rng: random.Random, batch_size: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """input_ids, attention_mask, labels (prompt and padding masked with -100), right-padded."""
-    rows = []
-    for _ in range(batch_size):
-        p, c = draw(rng)
-        rows.append((p + c, [IGNORE] * len(p) + c))
+    """input_ids, attention_mask, labels (what is only read, and padding, masked with -100), right-padded."""
+    rows = [draw(rng) for _ in range(batch_size)]
     width = max(len(ids) for ids, _ in rows)
     pad = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
     ids = torch.full((batch_size, width), pad, dtype=torch.long)
@@ -162,11 +189,11 @@ def _warm_start(
     rng = random.Random(cfg.seed)
     stats: dict[str, Any] = {"task": cfg.task, "steps": cfg.steps}
     if cfg.data is not None:  # the user's rows: the task only gives the end marker; accuracy is the task's
-        pairs = data_pairs(cfg.data, task, tokenizer)
-        stats["data_rows"] = len(pairs)
-        draw: PairSampler = lambda r: pairs[r.randrange(len(pairs))]  # noqa: E731
+        examples = [supervised(p) for p in data_pairs(cfg.data, task, tokenizer)]
+        stats["data_rows"] = len(examples)
+        draw: ExampleSampler = lambda r: examples[r.randrange(len(examples))]  # noqa: E731
     else:
-        draw = task_pairs(task, tokenizer)
+        draw = task_examples(task, tokenizer, cfg.episodes)
         if not callable(getattr(task, "chat_demonstration", None)):  # an episode task has no one-shot accuracy
             stats["accuracy_before"] = task_accuracy(model, tokenizer, task, n=64, seed=cfg.seed + 1)
     if cfg.steps == 0:
@@ -184,9 +211,9 @@ def _warm_start(
     return stats
 
 
-def _sft(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, draw: PairSampler, rng: random.Random,
+def _sft(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, draw: ExampleSampler, rng: random.Random,
          cfg: WarmStartConfig) -> list[float]:
-    """`cfg.steps` AdamW steps on batches of `draw`n pairs; the losses."""
+    """`cfg.steps` AdamW steps on batches of `draw`n examples; the losses."""
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, cfg.steps))
     model.train()

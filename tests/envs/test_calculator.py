@@ -257,15 +257,18 @@ def test_warm_start_pairs_are_the_ids_an_episode_feeds_and_samples() -> None:
     1's prompt is the opening through the template with the tool, turn 2's is turn 1's ids + the tool's bridge."""
     from composer_mesh.models.chat import chat_token_ids, next_turn_token_ids
     from composer_mesh.models.tokenizer import build_byte_tokenizer
-    from composer_mesh.models.warmstart import task_pairs
+    from composer_mesh.models.warmstart import IGNORE, task_examples
 
     tok = build_byte_tokenizer()
-    draw = task_pairs(CalculatorTask(), tok)
+    draw = task_examples(CalculatorTask(), tok)
     seen = {}
     for seed in range(40):
         rng = random.Random(seed)
         messages, tools = CalculatorTask().chat_demonstration(random.Random(seed))
-        prompt, target = draw(rng)
+        ids, labels = draw(rng)
+        n = labels.count(IGNORE)
+        prompt, target = ids[:n], ids[n:]
+        assert labels[n:] == target
         first = chat_token_ids(tok, messages[:1], tools=tools)
         call = tok.encode(messages[1]["content"] + "<|im_end|>", add_special_tokens=False)
         if prompt == first:
@@ -276,6 +279,28 @@ def test_warm_start_pairs_are_the_ids_an_episode_feeds_and_samples() -> None:
             assert tok.decode(target) == messages[3]["content"] + "<|im_end|>"
             seen["answer"] = True
     assert seen == {"call": True, "answer": True}
+
+
+def test_a_whole_episode_warm_start_example_learns_both_assistant_turns() -> None:
+    """A warm-start example has exactly the ids a played episode has (turn 1's prompt is the opening through the
+    template with the tool, turn 2's is turn 1's ids + the tool's bridge), and learns exactly the two assistant
+    turns: the opening and the bridge are only read."""
+    from composer_mesh.models.chat import chat_token_ids, next_turn_token_ids
+    from composer_mesh.models.tokenizer import build_byte_tokenizer
+    from composer_mesh.models.warmstart import IGNORE, task_examples
+
+    tok = build_byte_tokenizer()
+    draw = task_examples(CalculatorTask(), tok, "whole")
+    for seed in range(8):
+        messages, tools = CalculatorTask().chat_demonstration(random.Random(seed))
+        ids, labels = draw(random.Random(seed))
+        first = chat_token_ids(tok, messages[:1], tools=tools)
+        call = tok.encode(messages[1]["content"] + "<|im_end|>", add_special_tokens=False)
+        second = next_turn_token_ids(tok, first + call, [messages[2]], tools=tools)
+        answer = tok.encode(messages[3]["content"] + "<|im_end|>", add_special_tokens=False)
+        bridge = len(second) - len(first) - len(call)
+        assert ids == second + answer and second[: len(first) + len(call)] == first + call and bridge > 0
+        assert labels == [IGNORE] * len(first) + call + [IGNORE] * bridge + answer
 
 
 # ---- a slow tool, for benchmarks (run.environment.tool_latency_s) ------------------------------------------------

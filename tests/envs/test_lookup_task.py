@@ -11,7 +11,7 @@ import random
 from composer_mesh.envs.openenv_session import LOOKUP_HOPS, LOOKUP_TOOLS, LookupTask, lookup_problem
 from composer_mesh.envs.tools import parse_tool_calls
 from composer_mesh.models.tokenizer import build_byte_tokenizer
-from composer_mesh.models.warmstart import chat_turn_pairs
+from composer_mesh.models.warmstart import IGNORE, chat_turn_examples
 from composer_mesh.tasks import get_task
 
 
@@ -33,13 +33,33 @@ def test_a_demonstration_follows_the_servers_chain_and_submits_its_number() -> N
 
 def test_the_warm_start_cuts_demonstrations_into_template_turns() -> None:
     tokenizer = build_byte_tokenizer()
-    draw = chat_turn_pairs(LookupTask(), tokenizer)
+    draw = chat_turn_examples(LookupTask(), tokenizer)
     rng = random.Random(0)
     for _ in range(8):
-        prompt, target = draw(rng)
-        text = tokenizer.decode(target)
+        ids, labels = draw(rng)
+        n = labels.count(IGNORE)
+        text = tokenizer.decode(ids[n:])
+        assert labels[:n] == [IGNORE] * n and labels[n:] == ids[n:]
         assert text.startswith('<tool_call>{"name": "') and text.endswith("<|im_end|>")
-        assert "tools: lookup(key), submit(answer)" in tokenizer.decode(prompt)
+        assert "tools: lookup(key), submit(answer)" in tokenizer.decode(ids[:n])
+
+
+def test_a_whole_episode_warm_start_learns_every_tool_call_of_a_demonstration() -> None:
+    """Each example is one demonstration: its learnt spans are exactly its assistant turns (each a tool call ended
+    by the end-of-turn token), the tools' results between them are only read."""
+    tokenizer = build_byte_tokenizer()
+    draw = chat_turn_examples(LookupTask(), tokenizer, whole=True)
+    rng = random.Random(0)
+    for _ in range(8):
+        ids, labels = draw(rng)
+        learnt = [i for i, label in enumerate(labels) if label != IGNORE]
+        assert [ids[i] for i in learnt] == [labels[i] for i in learnt]
+        starts = [i for i in learnt if labels[i - 1] == IGNORE]
+        ends = [i + 1 for i in learnt if i + 1 == len(labels) or labels[i + 1] == IGNORE]
+        turns = [tokenizer.decode(ids[a:b]) for a, b in zip(starts, ends, strict=True)]
+        assert len(turns) >= 2
+        assert all(t.startswith('<tool_call>{"name": "') and t.endswith("<|im_end|>") for t in turns)
+        assert "tools: lookup(key), submit(answer)" in tokenizer.decode(ids[: learnt[0]])
 
 
 def test_samples_are_prompts_and_answers_of_their_split() -> None:

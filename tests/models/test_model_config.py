@@ -50,9 +50,18 @@ def test_cache_key_covers_every_field():
     base = ModelConfig()
     assert base.cache_key() == ModelConfig().cache_key()
     variants = [ModelConfig(seed=1), ModelConfig(hidden_size=128, num_heads=4), ModelConfig(warmstart={}),
-                ModelConfig(warmstart={"steps": 5}), ModelConfig(dtype="bfloat16")]
+                ModelConfig(warmstart={"steps": 5}), ModelConfig(warmstart={"episodes": "whole"}),
+                ModelConfig(dtype="bfloat16")]
     keys = {v.cache_key() for v in variants} | {base.cache_key()}
     assert len(keys) == len(variants) + 1
+
+
+def test_fields_added_later_at_their_defaults_keep_older_cache_keys():
+    """`warmstart.data: null` and `warmstart.episodes: turn` are left out of the dump: models cached before those
+    fields existed are found again (the key hashes the dump)."""
+    assert "episodes" not in ModelConfig(warmstart={"episodes": "turn"}).model_dump(mode="json")["warmstart"]
+    assert ModelConfig(warmstart={"episodes": "turn"}).cache_key() == ModelConfig(warmstart={}).cache_key()
+    assert ModelConfig(warmstart={"episodes": "whole"}).model_dump(mode="json")["warmstart"]["episodes"] == "whole"
 
 
 def test_every_field_has_a_description():

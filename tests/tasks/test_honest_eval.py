@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from composer_mesh.models.warmstart import sft_batch, task_pairs
+from composer_mesh.models.warmstart import sft_batch, task_examples
 from composer_mesh.tasks.arithmetic import AdditionTask
 
 
@@ -33,7 +33,7 @@ def test_warm_start_batches_hold_no_eval_problem():
     rng = random.Random(1)
     seen = set()
     for _ in range(40):
-        ids, attn, _ = sft_batch(task_pairs(task, tokenizer), tokenizer, rng, batch_size=32)
+        ids, attn, _ = sft_batch(task_examples(task, tokenizer), tokenizer, rng, batch_size=32)
         for row, mask in zip(ids.tolist(), attn.tolist()):
             text = tokenizer.decode([t for t, m in zip(row, mask) if m], skip_special_tokens=True)
             seen.add(text.split("=", 1)[0] + "=")
