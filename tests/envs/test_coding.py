@@ -3,9 +3,15 @@ shipped task (reward 1.0) through `CodingSession`; doing nothing does not; bad t
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import functools
 import json
+import os
+import signal
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -245,34 +251,118 @@ def test_every_environment_config_says_whether_it_plays_episodes() -> None:
     assert "plays_episodes" not in CodingConfig.model_fields  # not a setting: a YAML key of that name is refused
 
 
-async def test_the_rollout_driver_plays_a_coding_episode_token_in_token_out(env: CodingEnvironment) -> None:
-    """The real episode driver, the byte tokenizer's real chat template (tools declared from the session's
-    reset, each observation bridged) and a scripted policy: one Rollout whose env spans hold the tool answers."""
+@functools.cache
+def tokenizer() -> Any:
+    from composer_mesh.models.tokenizer import build_byte_tokenizer
+
+    return build_byte_tokenizer()
+
+
+def first_prompt(env: CodingEnvironment) -> Any:
+    """The train stream's first prompt, as the run's prompt source gives it."""
+    from composer_mesh.orchestration.prompts import EnvironmentPrompts
+
+    return EnvironmentPrompts(env).take(1)[0]
+
+
+async def play_scripted(session: CodingSession, prompt: Any, texts: list[str]) -> Any:
+    """`prompt` played in `session` by the real episode loop (`play_episode`), with a policy that says `texts` in
+    order, token in, token out through the byte tokenizer's real chat template (tools declared from the session's
+    reset, each observation bridged): the `Episode`."""
     from composer_mesh.actors.messages import Prompt, Rollout
     from composer_mesh.models.chat import chat_end_token_id, next_turn_token_ids, prompt_token_ids
-    from composer_mesh.models.tokenizer import build_byte_tokenizer
-    from composer_mesh.orchestration.prompts import EnvironmentPrompts
     from composer_mesh.orchestration.rollout.episode import EpisodeLimits, play_episode
 
-    tokenizer = build_byte_tokenizer()
-    prompt = EnvironmentPrompts(env).take(1)[0]
-    reference = TASKS[prompt.extra["task_id"]].reference
-    script = iter([call("write_file", path="solution.py", content=reference) + call("run_tests"), call("submit")])
+    script, tok = iter(texts), tokenizer()
 
     async def policy(turn: Prompt, seed: int) -> Rollout:
-        ids = (prompt_token_ids(tokenizer, turn) if turn.bridge_messages is None
-               else next_turn_token_ids(tokenizer, turn.token_ids, turn.bridge_messages))
+        ids = (prompt_token_ids(tok, turn) if turn.bridge_messages is None
+               else next_turn_token_ids(tok, turn.token_ids, turn.bridge_messages))
         text = next(script)
-        out = [*tokenizer.encode(text, add_special_tokens=False), chat_end_token_id(tokenizer)]
+        out = [*tok.encode(text, add_special_tokens=False), chat_end_token_id(tok)]
         return Rollout(turn.prompt_id, ids, out, [-0.1] * len(out), 1, text=text)
 
     limits = EpisodeLimits(max_turns=4, max_new_tokens=4096, max_context=None, step_timeout_s=30.0,
                            episode_timeout_s=None)
-    episode = await play_episode(env.session(prompt, seed=0), prompt, 0, limits, policy)
+    try:
+        return await play_episode(session, prompt, 0, limits, policy)
+    finally:
+        await session.close()
+
+
+def bridged(episode: Any, index: int) -> str:
+    """The text of the episode's `index`-th span, an environment span (what the chat template bridged in)."""
+    span = episode.rollout.turns[index]
+    assert not span.policy
+    return str(tokenizer().decode(episode.rollout.completion_ids[span.start:span.end]))
+
+
+async def test_the_rollout_driver_plays_a_coding_episode_token_in_token_out(env: CodingEnvironment) -> None:
+    """The real episode driver and a scripted policy: one Rollout whose env spans hold the tool answers."""
+    prompt = first_prompt(env)
+    fix = call("write_file", path="solution.py", content=TASKS[prompt.extra["task_id"]].reference)
+    episode = await play_scripted(env.session(prompt, seed=0), prompt, [fix + call("run_tests"), call("submit")])
     rollout = episode.rollout
     assert (rollout.status, episode.reward) == ("done", 1.0)
     assert [t.policy for t in rollout.turns] == [True, False, True]
     assert episode.info["tool_calls"] == 2.0 and episode.info["tool_errors"] == 0.0
-    assert "write_file" in tokenizer.decode(rollout.prompt_ids)  # the tools, declared by the chat template
-    bridge = rollout.turns[1]
-    assert "1 of 1 visible tests passed" in tokenizer.decode(rollout.completion_ids[bridge.start:bridge.end])
+    assert "write_file" in tokenizer().decode(rollout.prompt_ids)  # the tools, declared by the chat template
+    assert "1 of 1 visible tests passed" in bridged(episode, 1)
+
+
+def descendants() -> list[tuple[int, list[bytes]]]:
+    """This process's descendants as (pid, argv), parents before children (read from /proc)."""
+    children: dict[int, list[int]] = {}
+    argv: dict[int, list[bytes]] = {}
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(OSError, ValueError):  # not a process, or one that just ended
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            argv[int(entry.name)] = (entry / "cmdline").read_bytes().split(b"\0")
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [os.getpid()]
+    while todo:
+        for child in children.get(todo.pop(0), []):
+            out.append((child, argv[child]))
+            todo.append(child)
+    return out
+
+
+HANG = "print('started', flush=True)\nopen('started', 'w').close()\nimport time\ntime.sleep(60)"
+
+
+async def kill_when_started(session: CodingSession, what: str) -> int:
+    """Once the session's `run_python` code (`HANG`) wrote `started` in its work dir, SIGKILL from outside the
+    process running it (`what`: "command") or the whole sandbox (`what`: "sandbox", bubblewrap); the pid killed."""
+    from composer_mesh.sandbox.pool import RUN_STDIN
+
+    while session.tools is None or not (session.tools.box.workdir / "started").exists():
+        await asyncio.sleep(0.01)
+    sandboxes = [(pid, argv) for pid, argv in descendants() if RUN_STDIN.encode() in argv]
+    # bubblewrap (whose argv holds the command's) forks the namespace's pid 1; the command is the launcher exec'd
+    bwrap = [pid for pid, argv in sandboxes if os.path.basename(argv[0]) == b"bwrap"]
+    pid = bwrap[0] if what == "sandbox" else next(p for p, _ in sandboxes if p not in bwrap)
+    os.kill(pid, signal.SIGKILL)  # the sandbox: the outer bubblewrap (its pid namespace dies with it)
+    return pid
+
+
+@pytest.mark.parametrize("what", ["command", "sandbox"])
+async def test_a_call_whose_sandbox_is_killed_from_outside_is_an_error_answer_and_the_episode_goes_on(
+        env: CodingEnvironment, what: str) -> None:
+    """The process of a `run_python` call, or its whole bubblewrap sandbox, SIGKILLed by something outside (an OOM
+    killer, an operator) while the call runs: the call's answer is `error: killed by SIGKILL` with what the code
+    printed, counted as a tool error, and the episode goes on: solved, submitted and graded (docs/sandbox.md)."""
+    prompt = first_prompt(env)
+    session = env.session(prompt, seed=0)
+    fix = call("write_file", path="solution.py", content=TASKS[prompt.extra["task_id"]].reference)
+    killer = asyncio.ensure_future(kill_when_started(session, what))
+    try:
+        episode = await play_scripted(session, prompt, [call("run_python", code=HANG), fix + call("run_tests"),
+                                                        call("submit")])
+        assert killer.done() and killer.result() > 0  # the kill came while the call ran (its code sleeps 60 s)
+    finally:
+        killer.cancel()
+    assert (episode.rollout.status, episode.reward) == ("done", 1.0)
+    assert [t.policy for t in episode.rollout.turns] == [True, False, True, False, True]
+    assert episode.info["tool_calls"] == 3.0 and episode.info["tool_errors"] == 1.0
+    assert "error: killed by SIGKILL\n--- stdout\nstarted" in bridged(episode, 1)
+    assert "1 of 1 visible tests passed" in bridged(episode, 3)

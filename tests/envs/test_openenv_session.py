@@ -2,19 +2,26 @@
 and `EnvClient`, no fakes): a text episode steps until the server says done and keeps its reward; an MCP
 environment's tools are listed at reset in the chat template's function format and a Hermes tool call round
 trips as a `CallToolAction`; a malformed or unknown call is an observation; a step that times out, an error the
-environment raises and a server killed mid-episode each raise from `step`, naming the server."""
+environment raises and a server killed mid-episode each raise from `step`, naming the server. And the multi-turn
+driver (with test_multi_turn.py's token-in/token-out generators playing the lookup task perfectly) over real
+servers, one SIGKILLed in the middle of an episode: that episode alone ends `error_environment` with what was
+played, or with `environment_retries` is played again from its start on a live server."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from orchestration.test_multi_turn import BRIDGE, TurnGenerators, episodes, multi_turn_run, run_chunks
 from pydantic import ValidationError
 
+from composer_mesh.actors.messages import Prompt
 from composer_mesh.envs import load_environment
 from composer_mesh.envs.openenv import (
     EnvServer,
@@ -33,8 +40,10 @@ from composer_mesh.envs.openenv_session import (
     lookup_problem,
     lookup_prompt,
 )
-from composer_mesh.envs.session import StepResult
+from composer_mesh.envs.session import EpisodePrompt, Observation, StepResult
 from composer_mesh.orchestration.prompts import EnvironmentPrompts
+from composer_mesh.orchestration.rollout.episode import TURN_SEED_STRIDE
+from composer_mesh.orchestration.schedule import Chunk, row_seed
 from envs.test_openenv import free_port, uvicorn
 
 # Real uvicorn servers (OpenEnv's client import alone is ~25 s on 2 cores): the slow tier, which CI runs.
@@ -252,23 +261,128 @@ async def test_a_step_timeout_or_an_environment_error_raises_from_step(servers: 
     await broken.close()
 
 
-async def test_a_server_killed_mid_episode_raises_from_step(tmp_path: Path) -> None:
-    url = f"http://127.0.0.1:{free_port()}"
+def lookup_server(tmp_path: Path) -> EnvServer:
+    """A lookup server of its own (one a test kills), started."""
     spec = ServerCommand(command=uvicorn("composer_mesh.envs.openenv_session:lookup_app"), log=str(tmp_path / "log"))
-    server = EnvServer(spec, url).start()
+    return EnvServer(spec, f"http://127.0.0.1:{free_port()}").start()
+
+
+def kill(server: EnvServer) -> None:
+    """SIGKILL the server's process group and reap it: nothing answers its connections any more."""
+    assert server.process is not None
+    os.killpg(server.process.pid, signal.SIGKILL)
+    server.process.wait()
+
+
+async def test_a_server_killed_mid_episode_raises_from_step(tmp_path: Path) -> None:
+    server = lookup_server(tmp_path)
+    url = server.url
     try:
         s = session(url, tools=True)
         start, table, _ = lookup_problem(3, "train", hops=3)
         await s.reset()
         assert (await s.step(call("lookup", key=start))).messages[0]["content"] == table[start]
-        assert server.process is not None
-        os.killpg(server.process.pid, signal.SIGKILL)
-        server.process.wait()
+        kill(server)
         with pytest.raises(OpenEnvUnavailable, match=rf"{url}: step 2 of the episode: the server closed the connection"):
             await s.step(call("lookup", key=table[start]))
         await s.close()
     finally:
         server.stop()
+
+
+def lookup_policy(turn: Prompt) -> str:
+    """A perfect lookup player: the task's start key, then each key the last lookup gave, then submit the number."""
+    if turn.bridge_messages is None:
+        start = re.search(r"'(\w+)'", str(turn.messages[0]["content"]))  # type: ignore[index]
+        assert start is not None
+        return call("lookup", key=start[1])
+    last = str(turn.bridge_messages[-1]["content"])
+    return call("submit", answer=last) if last.isdigit() else call("lookup", key=last)
+
+
+class DiesAfterFirstStep:
+    """A session on `server`, which is SIGKILLed as soon as the session's first step is answered."""
+
+    def __init__(self, inner: OpenEnvSession, server: EnvServer) -> None:
+        self.inner, self.server, self.steps = inner, server, 0
+
+    async def reset(self) -> Observation:
+        return await self.inner.reset()
+
+    async def step(self, action: str) -> StepResult:
+        result = await self.inner.step(action)
+        self.steps += 1
+        if self.steps == 1:
+            kill(self.server)
+        return result
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+
+class ServerPool:
+    """The lookup episodes over two real servers, as a pool of environment servers routes them: the first session
+    of the episode seeded `doomed` plays on `server` (which dies after that session's first step), every other
+    session, a replay of the doomed episode included, on the live server."""
+
+    name = "lookup"
+
+    def __init__(self, live: OpenEnvEpisodes, doomed: OpenEnvEpisodes, server: EnvServer, seed: int) -> None:
+        self.live, self.doomed, self.server, self.seed = live, doomed, server, seed
+        self.tries: Counter[int] = Counter()
+
+    def session(self, prompt: EpisodePrompt, seed: int) -> OpenEnvSession | DiesAfterFirstStep:
+        self.tries[seed] += 1
+        if seed == self.seed and self.tries[seed] == 1:
+            return DiesAfterFirstStep(self.doomed.session(prompt, seed), self.server)
+        return self.live.session(prompt, seed)
+
+
+def lookup_episodes(url: str) -> OpenEnvEpisodes:
+    env = load_environment(config(url, seed=3, tools=True), seed=0)
+    assert isinstance(env, OpenEnvEpisodes)
+    return env
+
+
+@pytest.mark.parametrize("retries", [0, 1])
+async def test_the_driver_ends_only_the_episode_whose_server_died_or_replays_it_on_a_live_one(
+        servers: str, tmp_path: Path, retries: int) -> None:
+    live = lookup_episodes(f"{servers}/lookup")
+    prompts = EnvironmentPrompts(live).take(2)
+    doomed = row_seed(3, 1, 2) + 1  # the run's seed is 3: stream prompt 1, its second episode
+    server = lookup_server(tmp_path)
+    try:
+        pool = ServerPool(live, lookup_episodes(server.url), server, doomed)
+        gens = TurnGenerators(n=2, policy=lookup_policy)
+        source = await run_chunks(gens, pool, [Chunk(1, 0, prompts)], run=multi_turn_run(retries))
+        assert server.process is not None and server.process.poll() is not None  # it died mid-episode
+    finally:
+        server.stop()
+    played = episodes(source)  # run_chunks checked that nothing raised out of the driver
+    rewards = {(r.index, j): rw for r in source.finished[0] for j, rw in enumerate(r.group.rewards)}
+    assert sorted(played) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    tries = Counter({row_seed(3, i, 2) + j: 1 for i in range(2) for j in range(2)})
+    tries[doomed] += retries  # once more, on the live server
+    assert pool.tries == tries
+    # every episode played on the live server: 3 lookups and a submit, reward 1
+    perfect = [True, False] * 3 + [True]
+    live_played = [k for k in played if k != (1, 1) or retries]
+    assert all([t.policy for t in played[k].turns or []] == perfect and played[k].status == "done" for k in live_played)
+    assert all(rewards[k].ok and rewards[k].score == 1.0 and rewards[k].components["tool_calls"] == 4.0
+               for k in live_played)
+    start, table, _ = lookup_problem(prompts[1].extra["openenv"]["reset"]["seed"], "train", hops=3)
+    dead = played[1, 1]
+    if retries:  # played again from its start, with its own seeds: turn k's tokens are of seed + k * stride
+        assert dead.prompt_ids == played[1, 0].prompt_ids and dead.turns == played[1, 0].turns
+        policy = [dead.completion_ids[t.start:t.end] for t in dead.turns or [] if t.policy]
+        assert policy == [[(doomed + k * TURN_SEED_STRIDE) % 97, k] for k in range(4)]
+        return
+    # no retries: the episode ends with what was played (its first turn, the server's answer to it, the turn whose
+    # step found the server dead), trained with reward 0 as a failed score
+    assert dead.status == "error_environment" and [t.policy for t in dead.turns or []] == [True, False, True]
+    assert dead.completion_ids[2] == BRIDGE + len(table[start])  # the server's answer, bridged in
+    assert not rewards[1, 1].ok and rewards[1, 1].score == 0.0
+    assert "OpenEnvUnavailable" in (rewards[1, 1].error or "") and "closed the connection" in (rewards[1, 1].error or "")
 
 
 async def test_a_prompt_is_replayed_with_its_own_reset_and_checked(servers: str) -> None:

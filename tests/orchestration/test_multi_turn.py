@@ -9,7 +9,9 @@ distributions and no single-turn traces; evaluation plays greedy episodes on gen
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -34,10 +36,12 @@ BRIDGE = 900  # the fake template renders each environment message as one token 
 
 class TurnGenerators:
     """`ports.Generators` speaking token in, token out: a turn's prompt ids are its `token_ids` plus one token per
-    bridge message; it samples 2 tokens that are a function of the turn's seed (as the real samplers are)."""
+    bridge message; it samples 2 tokens that are a function of the turn's seed (as the real samplers are). The
+    turn's text is `policy(prompt)` when given (a scripted policy playing a real environment), else the seed."""
 
-    def __init__(self, n: int = 1, version: int = 1, drift: bool = False) -> None:
-        self.n, self.version, self.drift = n, version, drift
+    def __init__(self, n: int = 1, version: int = 1, drift: bool = False,
+                 policy: Callable[[Prompt], str] | None = None) -> None:
+        self.n, self.version, self.drift, self.policy = n, version, drift, policy
         self.requests: list[tuple[int, GenerationRequest]] = []
 
     def __len__(self) -> int:
@@ -50,8 +54,8 @@ class TurnGenerators:
             sent = [*list(p.token_ids[:-1]), p.token_ids[-1] + 1] if self.drift else list(p.token_ids)
             ids = sent + [BRIDGE + len(str(m["content"])) for m in p.bridge_messages]
         tokens = [seed % 97, (seed >> 48) % 97]
-        return Rollout(p.prompt_id, ids, tokens, [-0.5, -0.25], self.version, text=f"seed{seed}",
-                       generator=f"generator{index}")
+        text = f"seed{seed}" if self.policy is None else self.policy(p)
+        return Rollout(p.prompt_id, ids, tokens, [-0.5, -0.25], self.version, text=text, generator=f"generator{index}")
 
     async def generate(self, index: int, request: GenerationRequest) -> list[RolloutGroup]:
         self.requests.append((index, request))
@@ -179,10 +183,14 @@ async def run_chunks(gens: TurnGenerators, env: Env, chunks: list[Chunk], teache
     d = driver(gens, env, run, teachers, tasks)
     tasks += [asyncio.ensure_future(d.drive(i, source)) for i in range(gens.n)]
     try:
-        await asyncio.wait_for(source.done.wait(), 10)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(source.done.wait(), 10)
+        escaped = [e for t in tasks if t.done() and not t.cancelled() and (e := t.exception()) is not None]
     finally:
         for t in tasks:
             t.cancel()
+    assert escaped == []  # nothing raised out of the driver's tasks (a generator's drive, a chunk's play)
+    assert source.done.is_set(), "the driver did not hand every chunk back within 10 s"
     return source
 
 

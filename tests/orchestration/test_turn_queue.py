@@ -94,3 +94,25 @@ async def test_two_takers_split_a_round_evenly():
     first, second = await asyncio.gather(_serve_once(queue), _serve_once(queue))
     assert (len(first), len(second)) == (3, 3) and sorted(first + second) == [f"e{i}" for i in range(6)]
     await asyncio.gather(*episodes)
+
+
+async def test_a_taker_whose_turns_another_took_while_it_lingered_waits_for_the_next():
+    """Two generators linger for a round of four episodes of which one put its turn: when their lingers end, one
+    takes the turn and the other waits for the next one (it answered with an empty request before, which the
+    driver sent to its generator and then divided its time by zero turns)."""
+    queue = TurnQueue(linger_s=0.05, takers=2)
+    tools = [asyncio.create_task(_episode(queue, f"tool{i}", 30.0)) for i in range(3)]
+    fast = asyncio.create_task(_episode(queue, "fast", 0.0))
+    takers = [asyncio.create_task(queue.take(64)) for _ in range(2)]
+    done, waiting = await asyncio.wait(takers, return_when=asyncio.FIRST_COMPLETED)
+    assert [[t.prompt.prompt_id for t in task.result()] for task in done] == [["fast"]]
+    await asyncio.sleep(2 * queue.linger_s)  # the other's linger, begun with the first's, is over
+    (other,) = waiting
+    assert not other.done()
+    nxt = asyncio.create_task(_episode(queue, "next", 0.0))
+    assert [t.prompt.prompt_id for t in await other] == ["next"]
+    for t in [*done.pop().result(), *other.result()]:
+        t.result.set_result(None)
+    for t in tools:
+        t.cancel()
+    await asyncio.gather(fast, nxt, *tools, return_exceptions=True)

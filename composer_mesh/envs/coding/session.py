@@ -93,7 +93,8 @@ class CodingTools:
         lines = [line for line in result.stdout.splitlines() if line.startswith("TEST ")]
         passed = sum(line.startswith("TEST PASS ") for line in lines)
         body = "\n".join(line.removeprefix("TEST ") for line in lines)
-        return f"{passed} of {len(lines)} visible tests passed ({result.summary()})\n{body}".rstrip()
+        answer = f"{passed} of {len(lines)} visible tests passed ({result.summary()})\n{body}".rstrip()
+        return killed_is_error(result, answer)
 
     async def run_python(self, code: str) -> str:
         """Run Python code in the work dir (it can import solution.py) and show its output.
@@ -101,7 +102,8 @@ class CodingTools:
         Args:
             code: The Python source to run.
         """
-        return (await self.box.run_python(code)).observation()
+        result = await self.box.run_python(code)
+        return killed_is_error(result, result.observation())
 
     async def submit(self) -> str:
         """Finish: solution.py is graded by the hidden tests and the episode ends."""
@@ -113,6 +115,13 @@ class CodingTools:
     async def call(self, call: ToolCall) -> Message:
         """Run one parsed call: its tool message (an error line for an unknown tool or bad arguments)."""
         return await self.toolbox.call(call)
+
+
+def killed_is_error(result: SandboxResult, answer: str) -> str:
+    """`answer`, as an `error: ` answer (a tool error in the turn's `info`) when the command was killed: by a limit,
+    the wall time or a signal from outside. Why: a command that did not finish is the sandbox failing it, not the
+    code's own answer (docs/sandbox.md); the output it printed before stays in the answer."""
+    return f"error: {answer}" if result.signal is not None or result.timed_out else answer
 
 
 def opening(task: CodingTask) -> str:

@@ -81,23 +81,31 @@ class TurnQueue:
         return await turn.result
 
     async def take(self, limit: int) -> list[TurnRequest]:
-        """Up to `limit` waiting turns, oldest first: waits for one, then lingers (module docstring). A cancelled
-        episode's turn is skipped. The caller reports the taken turns back with `finished`."""
+        """At least one and up to `limit` waiting turns, oldest first: waits for one, then lingers (module
+        docstring). A cancelled episode's turn is skipped. The caller reports the taken turns back with
+        `finished`. Another taker may take the turns while this one lingers (the lock is released while it
+        waits): then it waits for the next turn, rather than answer with an empty request."""
         async with self._changed:
-            await self._changed.wait_for(lambda: self._live() > 0)
-            limit = min(limit, self._share())
-            try:
-                async with asyncio.timeout(self.linger_s):
-                    await self._changed.wait_for(lambda: self._live() >= min(limit, self._expected()))
-            except TimeoutError:
-                pass
-            out: list[TurnRequest] = []
-            while self._waiting and len(out) < limit:
-                turn = self._waiting.popleft()
-                if not turn.result.done():
-                    out.append(turn)
-            self._in_service += len(out)
-            return out
+            while True:
+                await self._changed.wait_for(lambda: self._live() > 0)
+                out = await self._linger_and_pop(min(limit, self._share()))
+                if out:
+                    self._in_service += len(out)
+                    return out
+
+    async def _linger_and_pop(self, limit: int) -> list[TurnRequest]:
+        """Wait (holding the condition; at most `linger_s`) for the turns a round may still bring, then pop."""
+        try:
+            async with asyncio.timeout(self.linger_s):
+                await self._changed.wait_for(lambda: self._live() >= min(limit, self._expected()))
+        except TimeoutError:
+            pass
+        out: list[TurnRequest] = []
+        while self._waiting and len(out) < limit:
+            turn = self._waiting.popleft()
+            if not turn.result.done():
+                out.append(turn)
+        return out
 
     async def finished(self, turns: list[TurnRequest]) -> None:
         """`turns` (from `take`) were delivered or failed: they no longer count as being sampled."""
