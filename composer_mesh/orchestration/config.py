@@ -88,7 +88,8 @@ class RolloutConfig(BaseModel):
     turn_linger_s: float = Field(
         0.05, ge=0, description="multi_turn: a free generator waits up to this long for the turns of every playing "
         "episode (those not already being sampled) to arrive, so one request samples them all instead of the first "
-        "alone (the episodes' tool results come back a few at a time). 0: take whatever is waiting.")
+        "alone (the episodes' tool results come back a few at a time); a replay teacher's request of its episodes' "
+        "turns does the same. 0: take whatever is waiting.")
 
 
 class RunConfig(BaseModel):

@@ -207,3 +207,37 @@ async def test_no_teacher_episodes_when_the_loss_does_not_weight_channel_3() -> 
     services = RolloutServices(TurnGenerators(), Scoring(cfg, None, TurnTeachers({"a": True})),  # type: ignore[arg-type]
                                asyncio.ensure_future, print)
     assert MultiTurnRollout(MultiTurnConfig.of(run()), services, GradedEnv()).replay is None  # type: ignore[arg-type]
+
+
+class EchoTeachers:
+    """`ports.Teachers` with one replay member that answers every turn; notes each request's size."""
+
+    def __init__(self) -> None:
+        self.sizes: list[int] = []
+
+    async def signals(self, request: TeacherRequest) -> list[TeacherSignals]:
+        self.sizes.append(len(request.prompts))
+        await asyncio.sleep(0.01)
+        return [TeacherSignals(traces=[TeacherTrace("a", p.prompt_id, "", [1], prompt_ids=[1]) for p in request.prompts])]
+
+
+async def request_sizes(linger_s: float) -> list[int]:
+    """Four teacher episodes of two turns whose tools answer after 0, 20, 40 and 60 ms: the sizes of the requests."""
+    teachers = EchoTeachers()
+    turns = TeacherTurns(teachers, 2, asyncio.ensure_future, linger_s=linger_s)  # type: ignore[arg-type]
+
+    async def episode(i: int) -> None:
+        async with turns.playing():
+            assert "a" in await turns.sample("a", Prompt(f"p{i}", "q"), seed=i)
+            await asyncio.sleep(0.02 * i)
+            assert "a" in await turns.sample("a", Prompt(f"p{i}", "q"), seed=100 + i)
+
+    await asyncio.gather(*(episode(i) for i in range(4)))
+    return teachers.sizes
+
+
+async def test_a_teacher_request_lingers_for_the_turns_of_every_playing_episode() -> None:
+    """Teacher turns coming back from their tools a few at a time go out as one request when it lingers (as the
+    generators' turns do), and one request each when it does not."""
+    assert await request_sizes(linger_s=5.0) == [4, 4]
+    assert await request_sizes(linger_s=0.0) == [4, 1, 1, 1, 1]

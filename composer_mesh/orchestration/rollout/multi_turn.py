@@ -161,7 +161,7 @@ class MultiTurnRollout:
         teachers = self.scoring.teachers
         if teachers is None or not self.scoring.cfg.traces:
             return None
-        turns = TeacherTurns(teachers, self.cfg.sampling.max_new_tokens, services.spawn)
+        turns = TeacherTurns(teachers, self.cfg.sampling.max_new_tokens, services.spawn, self.cfg.turn_linger_s)
         return TeacherEpisodes(turns, lambda p, s, sample: play_in_session(self.environment, p, s, self.cfg.limits,
                                                                            sample), self.cfg.environment_retries)
 

@@ -35,7 +35,7 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -63,35 +63,82 @@ class TeacherTurn:
 
 class TeacherTurns:
     """Teacher turns of concurrent episodes, batched: one request per teacher at a time (key None: every replay
-    teacher), carrying every turn waiting for it. A turn's answer is each answering teacher's trace by name."""
+    teacher), carrying every turn waiting for it. A turn's answer is each answering teacher's trace by name.
 
-    def __init__(self, teachers: Teachers, max_new_tokens: int, spawn: Spawn) -> None:
-        self.teachers, self.max_new_tokens, self.spawn = teachers, max_new_tokens, spawn
+    Why a request lingers (as `turns.TurnQueue` does for generators): the turns of a round of teacher episodes come
+    back from their tools a few at a time, and a request sent with the first one alone would leave the rest to
+    queue behind it. So a request waits, at most `linger_s`, until every teacher episode that could put a turn
+    soon has put one: those playing, minus those whose turn is being sampled or waits for another key."""
+
+    def __init__(self, teachers: Teachers, max_new_tokens: int, spawn: Spawn, linger_s: float = 0.0) -> None:
+        self.teachers, self.max_new_tokens, self.spawn, self.linger_s = teachers, max_new_tokens, spawn, linger_s
         self._waiting: dict[str | None, list[TeacherTurn]] = {}
         self._serving: dict[str | None, asyncio.Task[Any]] = {}
+        self._changed = asyncio.Condition()
+        self._playing = 0  # teacher episodes between their start and their end (`playing`)
+        self._in_service = 0  # turns in a request not yet answered
         self.requests: list[int] = []  # turns per request sent (what batching achieved)
+
+    @contextlib.asynccontextmanager
+    async def playing(self) -> AsyncIterator[None]:
+        """Counts a teacher episode as one that may put turns (what a lingering request waits for) while it plays."""
+        async with self._changed:
+            self._playing += 1
+        try:
+            yield
+        finally:
+            async with self._changed:
+                self._playing -= 1
+                self._changed.notify_all()
 
     async def sample(self, teacher: str | None, prompt: Prompt, seed: int,
                      times: StepTimes | None = None) -> dict[str, TeacherTrace]:
         """The turn's traces by teacher (`teacher` None: every replay teacher's; a skipped one is absent)."""
         turn = TeacherTurn(prompt, seed, times)
-        self._waiting.setdefault(teacher, []).append(turn)
+        async with self._changed:
+            self._waiting.setdefault(teacher, []).append(turn)
+            self._changed.notify_all()
         if teacher not in self._serving:
             self._serving[teacher] = self.spawn(self._serve(teacher))
         return await turn.result
 
     async def _serve(self, key: str | None) -> None:
-        """Ask `key` for every waiting turn, again while turns came in meanwhile; then end (the next turn starts
-        another). No await between finding nothing and leaving `_serving`: no turn is left unserved."""
+        """Ask `key` for every waiting turn (after lingering), again while turns came in meanwhile; then end (the
+        next turn starts another). No await between finding nothing and leaving `_serving`: no turn is left
+        unserved."""
         try:
             while True:
-                await asyncio.sleep(0)  # episodes resumed by the same event put their turns in first
-                turns = [t for t in self._waiting.pop(key, []) if not t.result.done()]
+                turns = await self._take(key)
                 if not turns:
                     return
-                await self._ask(key, turns)
+                try:
+                    await self._ask(key, turns)
+                finally:
+                    async with self._changed:
+                        self._in_service -= len(turns)
+                        self._changed.notify_all()
         finally:
             del self._serving[key]
+
+    async def _take(self, key: str | None) -> list[TeacherTurn]:
+        """Every live turn waiting for `key`, once the episodes that could add one soon have (at most `linger_s`)."""
+        await asyncio.sleep(0)  # episodes resumed by the same event put their turns in first
+        async with self._changed:
+            if self.linger_s > 0 and self._live(key):
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self.linger_s):
+                        await self._changed.wait_for(lambda: self._live(key) >= self._expected(key))
+            turns = [t for t in self._waiting.pop(key, []) if not t.result.done()]
+            self._in_service += len(turns)
+            return turns
+
+    def _live(self, key: str | None) -> int:
+        return sum(1 for t in self._waiting.get(key, []) if not t.result.done())
+
+    def _expected(self, key: str | None) -> int:
+        """Turns `key`'s request may wait for: every playing episode not being sampled nor waiting for another key."""
+        elsewhere = sum(self._live(k) for k in self._waiting if k != key)
+        return max(1, self._playing - self._in_service - elsewhere)
 
     async def _ask(self, key: str | None, turns: list[TeacherTurn]) -> None:
         # Tagged prompt ids: the pool's traces are a flat list (a member may drop one), not aligned with prompts.
@@ -217,7 +264,8 @@ class TeacherEpisodes:
         async with slots if slots is not None else contextlib.nullcontext():
             for attempt in range(self.retries + 1):
                 try:
-                    episode = await self.play(prompt, seed, sampler)
+                    async with self.turns.playing():
+                        episode = await self.play(prompt, seed, sampler)
                 except _EpisodeEnds as e:
                     if e.cause is not None:
                         raise e.cause from None
