@@ -4,7 +4,8 @@ Why the pool bounds commands and not episodes: an episode spends most of its tim
 turn, holding only a directory; only a running command holds CPU and memory. So `session()` only makes a private
 work dir (removed when the episode ends), and each `box.run` waits for one of `concurrency` slots. When the
 trainer is root, slot i runs its commands as uid `config.uid + i`, so that concurrent commands never share the
-process limit (the kernel counts RLIMIT_NPROC per uid).
+process limit (the kernel counts RLIMIT_NPROC per uid), and in rlimits mode so that every process a command left
+can be found by its uid and killed.
 """
 
 from __future__ import annotations
@@ -29,7 +30,10 @@ class BoxPathError(ValueError):
 
 class SandboxBox:
     """One episode's private work dir and the sandbox its commands run in. Paths are relative to the work dir
-    (`/work` inside a bwrap sandbox); `read`/`write` answer a policy's bad path with an error line."""
+    (`/work` inside a bwrap sandbox); `read`/`write` answer a policy's bad path with an error line. In bwrap mode
+    a command's changes reach `workdir` (same path, swapped in) only when it ended within the work dir's limits;
+    its result's `work_note` says when not. Run one command of a box at a time: of two at once, the last to end
+    would win."""
 
     def __init__(self, pool: SandboxPool, workdir: Path) -> None:
         self.pool, self.workdir = pool, workdir
@@ -104,7 +108,7 @@ class SandboxPool:
             slot = self._free.pop()
             try:
                 uid = self.config.uid + slot
-                if os.getuid() == 0:
+                if os.getuid() == 0 and self.config.mode == "rlimits":  # bwrap: the launcher's copy-in does it
                     await asyncio.to_thread(_chown_tree, workdir, uid)
                 return await run_sandboxed(self.config, workdir, argv, stdin=stdin, uid=uid)
             finally:

@@ -37,9 +37,13 @@ def _uid(proc: Path) -> int:
 
 
 def test_describe_says_which_isolation_is_in_force() -> None:
-    assert SandboxConfig().describe().startswith("bubblewrap: no network, read-only /")
-    assert SandboxConfig(mode="rlimits").describe().startswith("rlimits only (NOT isolated")
-    assert "cpu 10s" in SandboxConfig().describe()
+    bwrap = SandboxConfig(ro_paths=["/srv/data"]).describe()
+    assert bwrap.startswith("bubblewrap: no network, reads only /usr, system libs, a few /etc files, the "
+                            "interpreter, /srv/data; private /work (work dir 64 MB, 10000 entries")
+    assert "/tmp (64 MB)" in bwrap and "cpu 10s" in bwrap
+    rlimits = SandboxConfig(mode="rlimits").describe()
+    assert rlimits.startswith("rlimits only (NOT isolated") and "work dir 64 MB, 10000 entries (reported" in rlimits
+    assert "every process of the slot's uid is killed when the trainer is root, else only the process group" in rlimits
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "1.1.1.1"])
@@ -49,7 +53,8 @@ async def test_no_network(box: SandboxBox, host: str) -> None:
     await still_works(box)
 
 
-@pytest.mark.parametrize("target", ["/etc/sandbox-escape", "/root/sandbox-escape", str(REPO / "sandbox-escape")])
+@pytest.mark.parametrize("target", ["/etc/sandbox-escape", "/root/sandbox-escape", str(REPO / "sandbox-escape"),
+                                    "/usr/sandbox-escape", "/sandbox-escape", "/run/sandbox-escape"])
 async def test_no_write_outside_the_work_dir(box: SandboxBox, target: str) -> None:
     result = await box.run_python(f"open({target!r}, 'w').write('x')")
     assert result.exit_code == 1 and "Error" in result.summary(), result.observation()
@@ -111,7 +116,8 @@ async def test_trainer_environment_does_not_leak(box: SandboxBox, monkeypatch: p
 
 async def test_paths_stay_in_the_work_dir(box: SandboxBox) -> None:
     await box.run_python("import os; os.symlink('/etc/hostname', 'leak'); os.mkfifo('fifo')")
-    for bad in ("../x", "/etc/passwd", "leak", "a/../../x", "fifo"):
+    assert os.path.islink(box.workdir / "leak") and not os.path.lexists(box.workdir / "fifo")  # FIFOs are not saved
+    for bad in ("../x", "/etc/passwd", "leak", "a/../../x"):
         assert box.write(bad, "x").startswith("error: ") and box.read(bad).startswith("error: "), bad
     assert box.write("pkg/mod.py", "X = 1\n") == "wrote 6 characters to pkg/mod.py"
     assert box.read("pkg/mod.py") == "X = 1\n"
@@ -137,7 +143,10 @@ async def test_pool_bounds_concurrent_commands() -> None:
 def test_check_available_runs_bubblewrap_or_names_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
     check_available(bwrap_config())
     with pytest.raises(SandboxUnavailable, match=r"^bubblewrap cannot run here: .*mode: rlimits"):
-        check_available(bwrap_config(python="/nonexistent/python3"))
+        check_available(bwrap_config(python="/usr/nonexistent/python3"))
+    with pytest.raises(SandboxUnavailable, match=r"^run.environment.sandbox.python: /opt/python3 is not visible in "
+                       r"a bwrap sandbox .*add the directory it is installed in to run.environment.sandbox.ro_paths$"):
+        check_available(bwrap_config(python="/opt/python3"))
     monkeypatch.setenv("PATH", "/nonexistent")
     with pytest.raises(SandboxUnavailable, match="no 'bwrap' on PATH"):
         check_available(SandboxConfig())
