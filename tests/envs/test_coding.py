@@ -331,16 +331,21 @@ HANG = "print('started', flush=True)\nopen('started', 'w').close()\nimport time\
 
 
 async def kill_when_started(session: CodingSession, what: str) -> int:
-    """Once the session's `run_python` code (`HANG`) wrote `started` in its work dir, SIGKILL from outside the
-    process running it (`what`: "command") or the whole sandbox (`what`: "sandbox", bubblewrap); the pid killed."""
+    """Once the session's `run_python` code (`HANG`) wrote `started` in its work dir (the sandbox's /work, seen
+    through the command's /proc/PID/root: the host's work dir gets it only when the command ends), SIGKILL from
+    outside the process running it (`what`: "command") or the whole sandbox (`what`: "sandbox", bubblewrap); the
+    pid killed."""
     from composer_mesh.sandbox.pool import RUN_STDIN
 
-    while session.tools is None or not (session.tools.box.workdir / "started").exists():
+    while True:
+        # bubblewrap and its namespace's pid 1, the launcher and the command it forked all hold the command's argv
+        sandboxes = [(pid, argv) for pid, argv in descendants() if RUN_STDIN.encode() in argv]
+        command = [pid for pid, argv in sandboxes if argv[1:3] == [b"-c", RUN_STDIN.encode()]]
+        if command and Path(f"/proc/{command[0]}/root/work/started").exists():
+            break
         await asyncio.sleep(0.01)
-    sandboxes = [(pid, argv) for pid, argv in descendants() if RUN_STDIN.encode() in argv]
-    # bubblewrap (whose argv holds the command's) forks the namespace's pid 1; the command is the launcher exec'd
     bwrap = [pid for pid, argv in sandboxes if os.path.basename(argv[0]) == b"bwrap"]
-    pid = bwrap[0] if what == "sandbox" else next(p for p, _ in sandboxes if p not in bwrap)
+    pid = bwrap[0] if what == "sandbox" else command[0]
     os.kill(pid, signal.SIGKILL)  # the sandbox: the outer bubblewrap (its pid namespace dies with it)
     return pid
 
@@ -350,7 +355,8 @@ async def test_a_call_whose_sandbox_is_killed_from_outside_is_an_error_answer_an
         env: CodingEnvironment, what: str) -> None:
     """The process of a `run_python` call, or its whole bubblewrap sandbox, SIGKILLed by something outside (an OOM
     killer, an operator) while the call runs: the call's answer is `error: killed by SIGKILL` with what the code
-    printed, counted as a tool error, and the episode goes on: solved, submitted and graded (docs/sandbox.md)."""
+    printed, counted as a tool error, and the episode goes on: solved, submitted and graded (docs/sandbox.md). A
+    killed command's work dir is saved; a killed sandbox's is not, and the answer says so."""
     prompt = first_prompt(env)
     session = env.session(prompt, seed=0)
     fix = call("write_file", path="solution.py", content=TASKS[prompt.extra["task_id"]].reference)
@@ -364,5 +370,6 @@ async def test_a_call_whose_sandbox_is_killed_from_outside_is_an_error_answer_an
     assert (episode.rollout.status, episode.reward) == ("done", 1.0)
     assert [t.policy for t in episode.rollout.turns] == [True, False, True, False, True]
     assert episode.info["tool_calls"] == 3.0 and episode.info["tool_errors"] == 1.0
-    assert "error: killed by SIGKILL\n--- stdout\nstarted" in bridged(episode, 1)
+    lost = "work dir left as it was before this command (the sandbox ended before it was saved)\n"
+    assert f"error: killed by SIGKILL\n{lost if what == 'sandbox' else ''}--- stdout\nstarted" in bridged(episode, 1)
     assert "1 of 1 visible tests passed" in bridged(episode, 3)
