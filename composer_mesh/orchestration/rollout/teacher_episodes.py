@@ -35,13 +35,14 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from composer_mesh.actors.messages import Prompt, Rollout, TeacherRequest, TeacherTrace
 from composer_mesh.orchestration.ports import Teachers
 from composer_mesh.orchestration.rollout.episode import Episode, TurnSampler
+from composer_mesh.orchestration.rollout.turns import PlayingEpisodes
 from composer_mesh.orchestration.schedule import StepTimes
 
 log = logging.getLogger("composer_mesh.rollout")
@@ -61,7 +62,7 @@ class TeacherTurn:
         default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
-class TeacherTurns:
+class TeacherTurns(PlayingEpisodes):
     """Teacher turns of concurrent episodes, batched: one request per teacher at a time (key None: every replay
     teacher), carrying every turn waiting for it. A turn's answer is each answering teacher's trace by name.
 
@@ -71,25 +72,12 @@ class TeacherTurns:
     soon has put one: those playing, minus those whose turn is being sampled or waits for another key."""
 
     def __init__(self, teachers: Teachers, max_new_tokens: int, spawn: Spawn, linger_s: float = 0.0) -> None:
+        super().__init__()
         self.teachers, self.max_new_tokens, self.spawn, self.linger_s = teachers, max_new_tokens, spawn, linger_s
         self._waiting: dict[str | None, list[TeacherTurn]] = {}
         self._serving: dict[str | None, asyncio.Task[Any]] = {}
-        self._changed = asyncio.Condition()
-        self._playing = 0  # teacher episodes between their start and their end (`playing`)
         self._in_service = 0  # turns in a request not yet answered
         self.requests: list[int] = []  # turns per request sent (what batching achieved)
-
-    @contextlib.asynccontextmanager
-    async def playing(self) -> AsyncIterator[None]:
-        """Counts a teacher episode as one that may put turns (what a lingering request waits for) while it plays."""
-        async with self._changed:
-            self._playing += 1
-        try:
-            yield
-        finally:
-            async with self._changed:
-                self._playing -= 1
-                self._changed.notify_all()
 
     async def sample(self, teacher: str | None, prompt: Prompt, seed: int,
                      times: StepTimes | None = None) -> dict[str, TeacherTrace]:

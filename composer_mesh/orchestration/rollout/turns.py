@@ -50,19 +50,17 @@ class TurnSampling:
                                  seeds=[t.seed for t in turns])
 
 
-class TurnQueue:
-    """Episodes put turns in (`sample` waits for the turn's rollout); generators take them out in batches."""
+class PlayingEpisodes:
+    """The episodes playing, counted under the condition a lingering request waits on: what it waits for is every
+    playing episode's turn (less those it need not wait for)."""
 
-    def __init__(self, linger_s: float = 0.0, takers: int = 1) -> None:
-        self.linger_s, self.takers = linger_s, max(1, takers)
-        self._waiting: deque[TurnRequest] = deque()
+    def __init__(self) -> None:
         self._changed = asyncio.Condition()
         self._playing = 0  # episodes between their start and their end (`playing`)
-        self._in_service = 0  # turns taken by a generator and not yet delivered (`finished`)
 
     @asynccontextmanager
     async def playing(self) -> AsyncIterator[None]:
-        """Counts an episode as one that may put turns (what a lingering `take` waits for) while it plays."""
+        """Counts an episode as one that may put turns (what a lingering request waits for) while it plays."""
         async with self._changed:
             self._playing += 1
         try:
@@ -71,6 +69,16 @@ class TurnQueue:
             async with self._changed:
                 self._playing -= 1
                 self._changed.notify_all()
+
+
+class TurnQueue(PlayingEpisodes):
+    """Episodes put turns in (`sample` waits for the turn's rollout); generators take them out in batches."""
+
+    def __init__(self, linger_s: float = 0.0, takers: int = 1) -> None:
+        super().__init__()
+        self.linger_s, self.takers = linger_s, max(1, takers)
+        self._waiting: deque[TurnRequest] = deque()
+        self._in_service = 0  # turns taken by a generator and not yet delivered (`finished`)
 
     async def sample(self, prompt: Prompt, seed: int, step: int) -> Rollout:
         """The turn sampled by whichever generator takes it next."""
