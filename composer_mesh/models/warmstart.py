@@ -188,6 +188,9 @@ def _warm_start(
 ) -> dict[str, Any]:
     rng = random.Random(cfg.seed)
     stats: dict[str, Any] = {"task": cfg.task, "steps": cfg.steps}
+    if cfg.episodes == "whole" and (cfg.data is not None or not callable(getattr(task, "chat_demonstration", None))):
+        raise ValueError(f"warmstart.episodes: whole needs a task that demonstrates episodes (chat_demonstration) and "
+                         f"no warmstart.data; task {cfg.task!r}{' with data' if cfg.data is not None else ''} has none")
     if cfg.data is not None:  # the user's rows: the task only gives the end marker; accuracy is the task's
         examples = [supervised(p) for p in data_pairs(cfg.data, task, tokenizer)]
         stats["data_rows"] = len(examples)

@@ -70,3 +70,15 @@ def test_every_field_has_a_description():
     for model in (ModelConfig, WarmStartConfig):
         for name, field in model.model_fields.items():
             assert field.description, f"{model.__name__}.{name} has no description"
+
+
+def test_whole_episode_warm_starts_need_a_task_that_demonstrates_episodes():
+    """`warmstart.episodes: whole` on a task without demonstrated episodes is refused in one line naming both."""
+    from composer_mesh.models.loading import build_tiny
+    from composer_mesh.models.warmstart import warm_start
+
+    config = ModelConfig(warmstart={"task": "addition", "steps": 1, "episodes": "whole"})
+    model, tokenizer = build_tiny(config)
+    with pytest.raises(ValueError, match=r"warmstart\.episodes: whole needs a task that demonstrates episodes .* "
+                       r"task 'addition' has none"):
+        warm_start(model, tokenizer, config.warmstart)
