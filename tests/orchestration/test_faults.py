@@ -55,6 +55,7 @@ def records(run_dir: Path) -> list[dict]:
     return [r for r in lines if "event" not in r]
 
 
+@pytest.mark.slow  # three procs killed and replaced in one run: about 50 s in CI
 async def test_killed_generator_rewarder_and_teacher_procs_are_replaced_and_the_run_finishes(tmp_path):
     steps = 8
     topo = topology(tmp_path / "run", steps=steps, max_policy_lag=1)

@@ -84,6 +84,7 @@ async def test_generators_sample_the_merged_policy_from_adapters_alone(tmp_path:
     assert any(b != pytest.approx(a, abs=1e-4) for b, a in zip(base_lps, adapter_lps))
 
 
+@pytest.mark.slow  # two LoRA runs, one stopped and resumed: about 35 s in CI
 async def test_a_stopped_lora_run_resumes_bitwise_with_the_adapters_in_its_checkpoint(tmp_path: Path) -> None:
     from composer_mesh.app.runner import apply_overrides
     from tests.orchestration.test_resume import assert_bitwise, final_state, records, stop_and_resume

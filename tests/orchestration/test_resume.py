@@ -74,6 +74,7 @@ def stopped_at(summary: RunSummary) -> int:
     return int(summary.checkpoint.rsplit("step-", 1)[1])
 
 
+@pytest.mark.slow  # two runs, one stopped and resumed: about 70 s in CI
 async def test_lag_0_resumed_run_is_bitwise_the_uninterrupted_run(tmp_path):
     kw = {"steps": 4, "max_policy_lag": 0, "eval_prompts": 0}
     await run_session(topology("tiny_run.yaml", tmp_path / "whole", **kw))
@@ -85,6 +86,7 @@ async def test_lag_0_resumed_run_is_bitwise_the_uninterrupted_run(tmp_path):
     assert [{k: r[k] for k in keys} for r in whole] == [{k: r[k] for k in keys} for r in resumed]
 
 
+@pytest.mark.slow  # a stopped and resumed run at lag 1: about 50 s in CI
 async def test_lag_1_resumed_run_trains_every_prompt_exactly_once(tmp_path):
     topo = topology("tiny_run.yaml", tmp_path / "cut", steps=5, max_policy_lag=1, eval_prompts=0, checkpoint_every=2)
     stopped, resumed = await stop_and_resume(topo, stop_after=2)
@@ -118,6 +120,7 @@ async def test_lag_1_resumed_run_from_data_trains_every_prompt_exactly_once(tmp_
     assert [e["when"] for e in events if e.get("event") == "eval"] == ["before", "after"]  # on the held-out rows
 
 
+@pytest.mark.slow  # two DiLoCo replicas run, stopped and resumed: about 50 s in CI
 async def test_two_diloco_replicas_resume_bitwise(tmp_path):
     kw = {"steps": 4, "max_policy_lag": 0, "eval_prompts": 0}
     await run_session(topology("diloco_run.yaml", tmp_path / "whole", **kw))

@@ -27,6 +27,7 @@ def _job_of(name_part: str) -> str:
     return jobs[0][0] if jobs else ""
 
 
+@pytest.mark.slow  # a real Slurm job warned, stopped and resumed: about 45 s in CI
 def test_a_slurm_warning_stops_the_run_with_a_checkpoint_and_resume_continues(
     slurm_cluster: None, tmp_path: Path  # noqa: F811
 ) -> None:
