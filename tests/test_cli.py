@@ -8,6 +8,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -134,17 +135,45 @@ def test_crlf_files_still_load(tmp_path: Path) -> None:
     assert load_topology(path).name == load_topology(LOCAL).name
 
 
-@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root reads any file")
-def test_unreadable_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    path = tmp_path / "secret.yaml"
-    path.write_text("name: x\n")
-    path.chmod(0)
-    assert main(["validate", str(path)]) == EXIT_INVALID
-    assert f"{path}: (file): cannot read file: Permission denied" in capsys.readouterr().err
+def _validate_as_nobody(path: Path) -> tuple[int, str]:
+    """`composer-mesh validate path` in a forked child that dropped root for uid/gid 65534 (root reads any file,
+    so this is how the test runs as root, as in CI): (exit code, stderr)."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: no pytest machinery past this point, only os._exit
+        code = 99
+        try:
+            os.close(read)
+            sys.stderr = os.fdopen(write, "w")  # pytest's capture of stderr is no fd the parent can read
+            os.setgroups([])
+            os.setresgid(65534, 65534, 65534)
+            os.setresuid(65534, 65534, 65534)
+            code = main(["validate", str(path)])
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+    os.close(write)
+    with os.fdopen(read) as err:
+        text = err.read()
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), text
+
+
+def test_unreadable_file(capsys: pytest.CaptureFixture[str]) -> None:
+    with tempfile.TemporaryDirectory(dir="/tmp") as where:  # not pytest's tmp_path: its parents are private
+        os.chmod(where, 0o755)  # an unprivileged uid may walk to the file, not read it
+        path = Path(where) / "secret.yaml"
+        path.write_text("name: x\n")
+        path.chmod(0)
+        if os.geteuid() == 0:
+            code, err = _validate_as_nobody(path)
+        else:
+            code, err = main(["validate", str(path)]), capsys.readouterr().err
+    assert code == EXIT_INVALID
+    assert f"{path}: (file): cannot read file: Permission denied" in err
 
 
 def test_permission_error_is_a_topology_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The same as the test above where it cannot run (as root)."""
+    """The same failure without a real file system (the test above runs as an unprivileged uid)."""
 
     def denied(self: Path) -> bytes:
         raise PermissionError(13, "Permission denied", str(self))
