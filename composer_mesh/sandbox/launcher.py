@@ -201,30 +201,24 @@ def staged(limits: dict[str, Any], argv: list[str]) -> int:
     # or finer): only a copy stamped before now is known unchanged when its (inode, ctime) still match.
     now = time.clock_gettime_ns(CLOCK_REALTIME_COARSE)
     same = {name: ident for name, ident in copied.items() if ident[1] < now}
-    pid = os.fork()
-    if pid == 0:
-        become(limits, argv)
-    status = os.waitpid(pid, 0)[1]
+    code = run_command(limits, argv)
     if not kill_others():
         return fail("processes of the command would not die: the work dir is not saved")
     if uid is not None:
         os.fchown(out, uid, uid)
         drop(uid)
     save(limits, out, same)
-    return 128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+    return code
 
 
 def supervised(limits: dict[str, Any], argv: list[str]) -> int:
     """rlimits mode as root: run the command as the slot's uid, then kill and reap every process of that uid.
     Returns the command's exit code, or 128 + the signal that killed it."""
-    import ctypes
-
-    if ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) != 0:  # PR_SET_CHILD_SUBREAPER
-        return fail(f"prctl(PR_SET_CHILD_SUBREAPER) failed: {os.strerror(ctypes.get_errno())}")
-    pid = os.fork()
-    if pid == 0:
-        become(limits, argv)
-    status = os.waitpid(pid, 0)[1]
+    try:
+        prctl(36, 1, "PR_SET_CHILD_SUBREAPER")
+    except OSError as e:
+        return fail(e.strerror or str(e))
+    code = run_command(limits, argv)
     drop(limits["uid"])
     if os.getuid() == 0:  # kill(-1) as root would kill the host's every process
         return fail("the launcher is still root: not killing what the command left")
@@ -237,16 +231,32 @@ def supervised(limits: dict[str, Any], argv: list[str]) -> int:
             os.waitpid(-1, 0)  # the command's orphans are this subreaper's children
         except ChildProcessError:
             break
+    return code
+
+
+def run_command(limits: dict[str, Any], argv: list[str]) -> int:
+    """Fork the command (`become`) and wait for it: its exit code, or 128 + the signal that killed it (as
+    bubblewrap says)."""
+    pid = os.fork()
+    if pid == 0:
+        become(limits, argv)
+    status = os.waitpid(pid, 0)[1]
     return 128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+
+
+def prctl(option: int, arg: int, name: str) -> None:
+    """prctl(2) through libc (ctypes is imported only by the launchers that call it); raises OSError naming it."""
+    import ctypes
+
+    if ctypes.CDLL(None, use_errno=True).prctl(option, arg, 0, 0, 0) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"prctl({name}) failed: {os.strerror(errno)}")
 
 
 def undumpable() -> None:
     """Not root: the command runs as the launcher's own uid, which could open the outbox fd through
     /proc/2/fd unless the launcher is not dumpable (PR_SET_DUMPABLE 0; the command's exec makes it dumpable)."""
-    import ctypes
-
-    if ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0) failed")
+    prctl(4, 0, "PR_SET_DUMPABLE, 0")
 
 
 def kill_others(timeout_s: float = 2.0) -> bool:
