@@ -444,12 +444,12 @@ def script_ids(tokenizer: Any, conversation: list[int], tool_calls: int, end_id:
 
 
 def forced_decode(model: Any, prompts: list[list[int]], targets: list[list[int]], temperature: float,
-                  pad_id: int, end_id: int) -> list[list[float]]:
+                  pad_id: int, end_id: int, prefix_cache: Any = None) -> list[list[float]]:
     """Decode `targets` after `prompts` with the hf generator's own loop (`sampling.decode`: one left-padded
     batch, one forward per token with the KV cache, rows leave the batch at their stop token `end_id`), choosing
     each row's target token instead of a draw. The log-prob of each token is the model's under the distribution
     the hf generator would sample from (`log_softmax(logits / T)`, T 0: untempered): what a sampled token's
-    would be, so the trainer sees the usual behaviour log-probs."""
+    would be, so the trainer sees the usual behaviour log-probs. `prefix_cache`: the hf generator's."""
     import torch
 
     from composer_mesh.models.sampling import _left_padded, decode
@@ -467,7 +467,7 @@ def forced_decode(model: Any, prompts: list[list[int]], targets: list[list[int]]
     with torch.inference_mode():
         ids, mask, positions = _left_padded(prompts, pad_id, steps, device)
         _, logps, _, _ = decode(model, ids, mask, positions, max_new_tokens=steps, choose=script,
-                                stop=torch.tensor([end_id], device=device), check_every=1)
+                                stop=torch.tensor([end_id], device=device), check_every=1, prefix_cache=prefix_cache)
         rows = logps.tolist()
     return [row[: len(t)] for row, t in zip(rows, targets, strict=True)]
 
@@ -501,7 +501,7 @@ class ScriptedGenerator(HFGenerator):
             for start in range(0, len(flat), self.settings.max_batch):
                 rows = slice(start, start + self.settings.max_batch)
                 logprobs += forced_decode(model, [p for _, p in flat[rows]], targets[rows], request.temperature,
-                                          self._pad_id, end_id)
+                                          self._pad_id, end_id, self.prefix_cache)
         groups = [RolloutGroup(prompt=p, rollouts=[]) for p in request.prompts]
         for (i, p_ids), tokens, lps in zip(flat, targets, logprobs, strict=True):
             groups[i].rollouts.append(Rollout(

@@ -159,4 +159,6 @@ class GeneratorActor(RoleActor[GeneratorService]):
     @endpoint
     async def stats(self) -> dict[str, float]:
         svc = self.service
-        return {"version": float(svc.version), "requests": float(svc.requests), "last_sync_s": svc.last_sync_s}
+        backend = getattr(svc.backend, "stats", None)  # a binding's own counters (the hf prefix cache)
+        return {"version": float(svc.version), "requests": float(svc.requests), "last_sync_s": svc.last_sync_s,
+                **{k: float(v) for k, v in (backend() if callable(backend) else {}).items()}}

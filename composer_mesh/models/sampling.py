@@ -35,6 +35,8 @@ from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
+from composer_mesh.models.prefix_cache import LayerKV, PrefixCache
+
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
@@ -189,6 +191,7 @@ def sample(
     seeds: Sequence[int] | None = None,
     check_every: int | None = None,
     refresh: Callable[[], int] | None = None,
+    prefix_cache: PrefixCache | None = None,
 ) -> list[Sample]:
     """Sample one completion per prompt (one batch). See the module docstring for the conventions.
 
@@ -201,6 +204,9 @@ def sample(
     then the version returned just before the forward that produced token t's logits (the KV cache of
     earlier tokens is kept across a swap). It is not called after the last token, nor when
     `max_new_tokens < 1` (no forward runs; `token_versions` is then `[]`).
+
+    `prefix_cache` (`models.prefix_cache`): prefill each prompt after the longest stored prompt it extends, and
+    store the prompts' KV; its owner clears it when the weights change.
     """
     if not prompts:
         return []
@@ -219,7 +225,7 @@ def sample(
     versions: list[int] = []  # filled by decode when refresh is given: the version of each step
     toks, logps, lengths, stopped = decode(
         model, ids, mask, positions, max_new_tokens=max_new_tokens, choose=Draws(temperature, keys, max_new_tokens),
-        stop=stop, check_every=max(1, check_every), refresh=refresh, versions=versions,
+        stop=stop, check_every=max(1, check_every), refresh=refresh, versions=versions, prefix_cache=prefix_cache,
     )
     toks_l, logps_l, lengths_l, stopped_l = toks.tolist(), logps.tolist(), lengths.tolist(), stopped.tolist()
     return [
@@ -229,7 +235,8 @@ def sample(
 
 
 def _prefill(
-    model: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, extra: dict[str, int]
+    model: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, extra: dict[str, int],
+    prefix_cache: PrefixCache | None = None,
 ) -> tuple[object, torch.Tensor]:
     """(KV cache, last-position logits [B, V]) of the left-padded prompts `ids` ([B, W], `mask` True = real).
 
@@ -237,32 +244,64 @@ def _prefill(
     left-padded into one: a padded batch needs an attention mask, which sends CPU sdpa down its math path
     (the full [B, H, W, W] scores; 2.6x slower than the unpadded forwards on the agentic benchmark's rounds of
     turns), while an unpadded batch takes the fused causal kernel. The padded columns' keys are zeros that the
-    decode mask hides, so the result is the padded forward's up to float rounding. Elsewhere (or for layers
-    whose caches this cannot merge: `_plain_sdpa`) it is the one padded forward: GPU kernels take masks at full speed."""
-    lengths = mask.sum(1).tolist() if ids.device.type == "cpu" else []
-    if len(set(lengths)) < 2 or not _plain_sdpa(model):
+    decode mask hides, so the result is the padded forward's up to float rounding. Identical prompts (the
+    samples of one prompt) run once. With `prefix_cache` (any device) each prompt's forward starts after the
+    longest stored prompt it extends, and its KV is stored for the next turn. Elsewhere (or for layers whose
+    caches this cannot merge: `_plain_sdpa`) it is the one padded forward: GPU kernels take masks at full speed."""
+    grouped = _plain_sdpa(model) and (prefix_cache is not None or ids.device.type == "cpu")
+    lengths = mask.sum(1).tolist() if grouped else []
+    if not grouped or (prefix_cache is None and len(set(lengths)) < 2):
         out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **extra)
         return out.past_key_values, out.logits[:, -1, :]
-    width = ids.shape[1]
+    width, host_ids = ids.shape[1], ids.tolist()
+    rows_of: dict[tuple[int, ...], list[int]] = {}
+    for i, n in enumerate(lengths):
+        rows_of.setdefault(tuple(host_ids[i][width - n :]), []).append(i)
+    found = {p: prefix_cache.lookup(p) if prefix_cache is not None else (0, None) for p in rows_of}
+    groups: dict[tuple[int, int], list[tuple[int, ...]]] = {}
+    for p in rows_of:
+        groups.setdefault((found[p][0], len(p)), []).append(p)
     logits: torch.Tensor | None = None
     layers: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for length in sorted(set(lengths)):
-        rows = torch.tensor([i for i, n in enumerate(lengths) if n == length], device=ids.device)
-        out = model(input_ids=ids[rows, width - length :], position_ids=positions[rows, width - length :],
-                    use_cache=True, **extra)
+    for (reused, length), prompts in sorted(groups.items()):
+        kv, group_logits = _prefill_group(model, prompts, reused, [found[p][1] for p in prompts], extra, ids.device)
         if logits is None:
-            logits = out.logits.new_zeros((ids.shape[0], out.logits.shape[-1]))
+            logits = group_logits.new_zeros((ids.shape[0], group_logits.shape[-1]))
             layers = [(k.new_zeros((ids.shape[0], *k.shape[1:2], width, k.shape[-1])),
-                       v.new_zeros((ids.shape[0], *v.shape[1:2], width, v.shape[-1])))
-                      for k, v in _cache_tensors(out.past_key_values)]
-        logits[rows] = out.logits[:, -1, :]
-        for (keys, values), (k, v) in zip(layers, _cache_tensors(out.past_key_values), strict=True):
-            keys[rows, :, width - length :] = k
-            values[rows, :, width - length :] = v
+                       v.new_zeros((ids.shape[0], *v.shape[1:2], width, v.shape[-1]))) for k, v in kv]
+        src = torch.tensor([j for j, p in enumerate(prompts) for _ in rows_of[p]], device=ids.device)
+        rows = torch.tensor([r for p in prompts for r in rows_of[p]], device=ids.device)
+        logits[rows] = group_logits[src]
+        for (keys, values), (k, v) in zip(layers, kv, strict=True):
+            keys[rows, :, width - length :] = k[src]
+            values[rows, :, width - length :] = v[src]
+        if prefix_cache is not None:
+            for j, p in enumerate(prompts):
+                prefix_cache.store(p, [(k[j].clone(), v[j].clone()) for k, v in kv])
     assert logits is not None
     from transformers import DynamicCache
 
     return DynamicCache(ddp_cache_data=layers), logits
+
+
+def _prefill_group(
+    model: PreTrainedModel, prompts: list[tuple[int, ...]], reused: int, stored: list[list[LayerKV] | None],
+    extra: dict[str, int], device: torch.device,
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+    """One unpadded forward of equally long `prompts` whose first `reused` tokens' KV is `stored` (one entry per
+    prompt; none when `reused` is 0): every layer's KV [g, heads, length, head_dim] and the last logits [g, V]."""
+    from transformers import DynamicCache
+
+    length = len(prompts[0])
+    ids = torch.tensor([p[reused:] for p in prompts], dtype=torch.long, device=device)
+    positions = torch.arange(reused, length, device=device).expand(len(prompts), -1)
+    past = None
+    if reused:
+        per_layer = zip(*[entry for entry in stored if entry is not None], strict=True)
+        past = DynamicCache(ddp_cache_data=[(torch.stack([k for k, _ in layer]).to(device),
+                                             torch.stack([v for _, v in layer]).to(device)) for layer in per_layer])
+    out = model(input_ids=ids, position_ids=positions, past_key_values=past, use_cache=True, **extra)
+    return _cache_tensors(out.past_key_values), out.logits[:, -1, :]
 
 
 def _cache_tensors(cache: object) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -309,6 +348,7 @@ def decode(
     check_every: int,
     refresh: Callable[[], int] | None = None,
     versions: list[int] | None = None,
+    prefix_cache: PrefixCache | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The decode loop, all on the device: (tokens [B, S], log-probs [B, S], lengths [B], stopped [B]), S the
     steps run. A row's length counts its tokens up to and including its first stop token; later columns are
@@ -323,7 +363,7 @@ def decode(
     versions = [] if versions is None else versions
     if refresh is not None:
         versions.append(refresh())
-    cache, logits = _prefill(model, ids, mask[:, :width], positions, extra)
+    cache, logits = _prefill(model, ids, mask[:, :width], positions, extra, prefix_cache)
     toks = torch.zeros((bsz, max_new_tokens), dtype=torch.long, device=ids.device)
     logps = torch.zeros((bsz, max_new_tokens), dtype=torch.promote_types(logits.dtype, torch.float32), device=ids.device)
     lengths = torch.zeros(bsz, dtype=torch.long, device=ids.device)

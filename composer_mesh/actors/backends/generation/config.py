@@ -32,6 +32,15 @@ class HFGeneratorSettings(LocalModelSettings, TorchSettings):
             "older weights is kept (no recompute). False: every token of a request comes from one version."
         ),
     )
+    prefix_cache_mb: int = Field(
+        256,
+        ge=0,
+        description=(
+            "MiB of prompt KV kept so that an episode's next turn (its last prompt + the turn + the environment's "
+            "reply) prefills only what it adds, and the samples of one prompt prefill it once. Cleared whenever "
+            "the weights change (as the vllm binding's prefix cache); least recently used out first. 0: off."
+        ),
+    )
 
 
 EngineDType = Literal["auto", "float32", "bfloat16", "float16"]

@@ -19,6 +19,9 @@ so every token of a request comes from the weights its `weight_version` names. W
 (`sampling.sample`): a version pulled while the request runs is loaded between decode steps, each rollout's
 `token_versions[t]` names the version that produced token t, and its `weight_version` is the oldest of them
 (its policy lag counts from there). The KV cache of tokens decoded under older weights is kept.
+Prefix cache (`prefix_cache_mb`, `models.prefix_cache`): the KV of each request's prompts is kept, so an
+episode's next turn, which extends its last prompt, prefills only the tokens it adds; loading weights clears
+it, so every hit was computed by the active weights.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from composer_mesh.actors.backends.local_model import (
     stop_ids_for,
 )
 from composer_mesh.actors.messages import GenerationRequest, Rollout, RolloutGroup
+from composer_mesh.models.prefix_cache import PrefixCache
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -60,6 +64,7 @@ class HFGenerator:
         self.tokenizer: PreTrainedTokenizerBase | None = None
         self.stop_ids: list[int] = []
         self._calls = 0
+        self.prefix_cache = PrefixCache(self.settings.prefix_cache_mb << 20) if self.settings.prefix_cache_mb else None
         # One generate or load_weights at a time. Re-entrant: a `refresh` run inside generate (same thread)
         # loads the new version through load_weights.
         self._lock = threading.RLock()
@@ -130,6 +135,7 @@ class HFGenerator:
                     pad_id=self._pad_id,
                     seeds=row_seeds[start : start + len(batch)],
                     refresh=refresh,
+                    prefix_cache=self.prefix_cache,
                 )
         groups = [RolloutGroup(prompt=p, rollouts=[]) for p in request.prompts]
         for (i, p_ids), out in zip(flat, outs):
@@ -168,3 +174,9 @@ class HFGenerator:
         with self._lock, torch.no_grad():
             for name, t in named.items():
                 self._targets[name].copy_(t)
+            if self.prefix_cache is not None:
+                self.prefix_cache.clear()
+
+    def stats(self) -> dict[str, float]:
+        """The prefix cache's counters (`GeneratorActor.stats` adds them to its own)."""
+        return self.prefix_cache.stats() if self.prefix_cache is not None else {}

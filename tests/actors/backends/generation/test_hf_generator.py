@@ -356,3 +356,39 @@ def test_without_in_flight_the_pull_waits_for_the_next_request(cache, monkeypatc
     after = _rows(svc.generate(req))
     assert svc.version == 1 and all(r.weight_version == 1 and r.token_versions is None for r in after)
     assert all(torch.equal(p, new[n]) for n, p in svc.backend.model.state_dict().items())
+
+
+def test_an_episodes_next_turn_hits_the_prefix_cache_and_a_weight_load_empties_it(cache, reference):
+    """The next turn (last prompt + its tokens + a reply) reuses the stored prompt; after load_weights it is
+    prefilled whole by the new weights: a stale hit would score it with the old weights' keys."""
+    from composer_mesh.models.tiny import build_tiny
+
+    g = HFGenerator(HFGeneratorSettings(cache_dir=cache, name="pc"))
+    g.start(STUDENT)
+    assert g.settings.prefix_cache_mb == 256 and g.stats()["prefix_hits"] == 0
+    tok = g.tokenizer
+    first = GenerationRequest(prompts(tok, 2), samples_per_prompt=1, max_new_tokens=4, temperature=1.0, seeds=[1, 2])
+    turn1 = [grp.rollouts[0] for grp in g.generate(first, 0)]
+
+    def next_turn(version_note: str) -> GenerationRequest:
+        reply = tok.encode(f" ok{version_note}:", add_special_tokens=False)
+        return GenerationRequest([Prompt(f"n{i}", "", r.prompt_ids + r.completion_ids + reply, "")
+                                  for i, r in enumerate(turn1)], samples_per_prompt=1, max_new_tokens=4,
+                                 temperature=1.0, seeds=[3, 4])
+
+    turn2 = [grp.rollouts[0] for grp in g.generate(next_turn("a"), 0)]
+    assert g.stats()["prefix_hits"] == 2
+    assert g.stats()["prefix_reused_tokens"] == sum(len(r.prompt_ids) for r in turn1)
+    model, _ = reference
+    for r in turn2:
+        assert torch.allclose(torch.tensor(r.logprobs), recompute_logprobs(model, r, 1.0), atol=1e-5)
+
+    other, _ = build_tiny(ModelConfig(seed=123))
+    g.load_weights({k: v.clone() for k, v in other.state_dict().items()})
+    assert len(g.prefix_cache) == 0
+    hits = g.stats()["prefix_hits"]
+    for r in (grp.rollouts[0] for grp in g.generate(next_turn("b"), 1)):
+        assert torch.allclose(torch.tensor(r.logprobs), recompute_logprobs(other.eval(), r, 1.0), atol=1e-5)
+    assert g.stats()["prefix_hits"] == hits  # nothing left from the old weights to hit
+    off = HFGenerator(HFGeneratorSettings(cache_dir=cache, prefix_cache_mb=0))
+    assert off.prefix_cache is None and off.stats() == {}
