@@ -444,12 +444,14 @@ def script_ids(tokenizer: Any, conversation: list[int], tool_calls: int, end_id:
 
 
 def forced_decode(model: Any, prompts: list[list[int]], targets: list[list[int]], temperature: float,
-                  pad_id: int, end_id: int, prefix_cache: Any = None) -> list[list[float]]:
+                  pad_id: int, end_id: int, prefix_cache: Any = None,
+                  prefix_lengths: list[list[int]] | None = None) -> list[list[float]]:
     """Decode `targets` after `prompts` with the hf generator's own loop (`sampling.decode`: one left-padded
     batch, one forward per token with the KV cache, rows leave the batch at their stop token `end_id`), choosing
     each row's target token instead of a draw. The log-prob of each token is the model's under the distribution
     the hf generator would sample from (`log_softmax(logits / T)`, T 0: untempered): what a sampled token's
-    would be, so the trainer sees the usual behaviour log-probs. `prefix_cache`: the hf generator's."""
+    would be, so the trainer sees the usual behaviour log-probs. `prefix_cache`, `prefix_lengths`: the hf
+    generator's cache and the prompts' earlier turns' lengths (`Prompt.prefix_lengths`)."""
     import torch
 
     from composer_mesh.models.sampling import _left_padded, decode
@@ -467,7 +469,8 @@ def forced_decode(model: Any, prompts: list[list[int]], targets: list[list[int]]
     with torch.inference_mode():
         ids, mask, positions = _left_padded(prompts, pad_id, steps, device)
         _, logps, _, _ = decode(model, ids, mask, positions, max_new_tokens=steps, choose=script,
-                                stop=torch.tensor([end_id], device=device), check_every=1, prefix_cache=prefix_cache)
+                                stop=torch.tensor([end_id], device=device), check_every=1, prefix_cache=prefix_cache,
+                                prefix_lengths=prefix_lengths)
         rows = logps.tolist()
     return [row[: len(t)] for row, t in zip(rows, targets, strict=True)]
 
@@ -501,7 +504,8 @@ class ScriptedGenerator(HFGenerator):
             for start in range(0, len(flat), self.settings.max_batch):
                 rows = slice(start, start + self.settings.max_batch)
                 logprobs += forced_decode(model, [p for _, p in flat[rows]], targets[rows], request.temperature,
-                                          self._pad_id, end_id, self.prefix_cache)
+                                          self._pad_id, end_id, self.prefix_cache,
+                                          [request.prompts[i].prefix_lengths or [] for i, _ in flat[rows]])
         groups = [RolloutGroup(prompt=p, rollouts=[]) for p in request.prompts]
         for (i, p_ids), tokens, lps in zip(flat, targets, logprobs, strict=True):
             groups[i].rollouts.append(Rollout(

@@ -1,15 +1,16 @@
 """The hf sampler's prefix cache: the KV of recent prompts, so a later turn of an episode prefills only what it adds.
 
 An episode's turn k+1 is its turn-k prompt, the turn's sampled tokens and the environment's reply: everything
-but the last two was prefilled one turn ago. `sampling.sample(..., prefix_cache=)` looks each prompt up here
-(the longest stored prompt it starts with), runs the forward over the rest only, and stores the prompt's KV for
-the next turn. vLLM's automatic prefix caching does the same by blocks; here an entry is one whole prompt,
-because a turn's prompt always extends an earlier prompt of the same episode.
+but the last two was prefilled one turn ago. `sampling.sample(..., prefix_cache=, prefix_lengths=)` looks each
+prompt up here (the longest stored prompt among its earlier turns' prompts), runs the forward over the rest
+only, and stores the prompt's KV for the next turn. vLLM's automatic prefix caching does the same by blocks;
+here an entry is one whole prompt, because a turn's prompt always extends an earlier prompt of its episode.
 
-Entries are only valid for the weights that computed them: the owner `clear()`s the cache when it loads new
-weights (as the vllm binding resets vLLM's prefix cache after every push), so a hit changes nothing but float
-rounding (the suffix attends to the stored keys instead of recomputed ones). Memory is bounded by `max_bytes`;
-the least recently used entries go first.
+A hit changes no bit: with a cache the sampler prefills an episode's prompt in chunks that end at its earlier
+turns' prompt lengths whether it finds them stored or not, so a run's tokens and log-probs do not depend on
+which generator took a turn or what its cache held. Entries are only valid for the weights that computed them:
+the owner `clear()`s the cache when it loads new weights (as the vllm binding resets vLLM's prefix cache after
+every push). Memory is bounded by `max_bytes`; the least recently used entries go first.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ class PrefixCache:
             raise ValueError(f"PrefixCache: max_bytes must be >= 0, got {max_bytes}")
         self.max_bytes = max_bytes
         self._entries: OrderedDict[tuple[int, ...], list[LayerKV]] = OrderedDict()
-        self._lengths: dict[int, int] = {}  # entry length -> how many entries have it (the lengths to try)
         self._bytes = 0
         self.hits = 0
         self.misses = 0
@@ -44,18 +44,19 @@ class PrefixCache:
     def nbytes(self) -> int:
         return self._bytes
 
-    def lookup(self, ids: Sequence[int]) -> tuple[int, list[LayerKV] | None]:
-        """(n, KV) of the longest stored prompt that `ids` starts with and is longer than (at least one token is
-        left to run, whose logits the sampler needs); (0, None) when none is."""
+    def lookup(self, ids: Sequence[int], lengths: Sequence[int]) -> tuple[int, list[LayerKV] | None]:
+        """(n, KV) of the longest stored prompt `ids[:n]` for n in `lengths` (an episode's earlier turns' prompt
+        lengths) shorter than `ids` (at least one token is left to run, whose logits the sampler needs); (0, None)
+        when none is stored. Only those lengths: they are where the sampler cuts its prefill into chunks, cached
+        or not, so a hit gives the bits a miss would."""
         key = tuple(ids)
-        for length in sorted(self._lengths, reverse=True):
-            if length < len(key):
-                kv = self._entries.get(key[:length])
-                if kv is not None:
-                    self._entries.move_to_end(key[:length])
-                    self.hits += 1
-                    self.reused_tokens += length
-                    return length, kv
+        for length in sorted(set(lengths), reverse=True):
+            kv = self._entries.get(key[:length]) if 0 < length < len(key) else None
+            if kv is not None:
+                self._entries.move_to_end(key[:length])
+                self.hits += 1
+                self.reused_tokens += length
+                return length, kv
         self.misses += 1
         return 0, None
 
@@ -67,7 +68,6 @@ class PrefixCache:
         if not key or size > self.max_bytes or key in self._entries:
             return
         self._entries[key] = kv
-        self._lengths[len(key)] = self._lengths.get(len(key), 0) + 1
         self._bytes += size
         while self._bytes > self.max_bytes:
             self._evict()
@@ -75,7 +75,6 @@ class PrefixCache:
     def clear(self) -> None:
         """Drop every entry (new weights: the stored KV is no longer what they compute)."""
         self._entries.clear()
-        self._lengths.clear()
         self._bytes = 0
 
     def stats(self) -> dict[str, float]:
@@ -83,13 +82,8 @@ class PrefixCache:
         return {"prefix_hits": self.hits, "prefix_misses": self.misses, "prefix_reused_tokens": self.reused_tokens}
 
     def _evict(self) -> None:
-        key, kv = self._entries.popitem(last=False)
+        _, kv = self._entries.popitem(last=False)
         self._bytes -= _nbytes(kv)
-        left = self._lengths[len(key)] - 1
-        if left:
-            self._lengths[len(key)] = left
-        else:
-            del self._lengths[len(key)]
 
 
 def _nbytes(kv: list[LayerKV]) -> int:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
 import torch
@@ -192,6 +192,7 @@ def sample(
     check_every: int | None = None,
     refresh: Callable[[], int] | None = None,
     prefix_cache: PrefixCache | None = None,
+    prefix_lengths: Sequence[Sequence[int]] | None = None,
 ) -> list[Sample]:
     """Sample one completion per prompt (one batch). See the module docstring for the conventions.
 
@@ -205,8 +206,9 @@ def sample(
     earlier tokens is kept across a swap). It is not called after the last token, nor when
     `max_new_tokens < 1` (no forward runs; `token_versions` is then `[]`).
 
-    `prefix_cache` (`models.prefix_cache`): prefill each prompt after the longest stored prompt it extends, and
-    store the prompts' KV; its owner clears it when the weights change.
+    `prefix_cache` (`models.prefix_cache`): prefill each prompt in chunks ending at its `prefix_lengths` (an
+    episode's earlier turns' prompt lengths, one list per prompt), from the longest one stored, and store the
+    prompts' KV; its owner clears it when the weights change.
     """
     if not prompts:
         return []
@@ -226,6 +228,7 @@ def sample(
     toks, logps, lengths, stopped = decode(
         model, ids, mask, positions, max_new_tokens=max_new_tokens, choose=Draws(temperature, keys, max_new_tokens),
         stop=stop, check_every=max(1, check_every), refresh=refresh, versions=versions, prefix_cache=prefix_cache,
+        prefix_lengths=prefix_lengths,
     )
     toks_l, logps_l, lengths_l, stopped_l = toks.tolist(), logps.tolist(), lengths.tolist(), stopped.tolist()
     return [
@@ -236,7 +239,7 @@ def sample(
 
 def _prefill(
     model: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, extra: dict[str, int],
-    prefix_cache: PrefixCache | None = None,
+    prefix_cache: PrefixCache | None = None, prefix_lengths: Sequence[Sequence[int]] | None = None,
 ) -> tuple[object, torch.Tensor]:
     """(KV cache, last-position logits [B, V]) of the left-padded prompts `ids` ([B, W], `mask` True = real).
 
@@ -245,62 +248,94 @@ def _prefill(
     (the full [B, H, W, W] scores; 2.6x slower than the unpadded forwards on the agentic benchmark's rounds of
     turns), while an unpadded batch takes the fused causal kernel. The padded columns' keys are zeros that the
     decode mask hides, so the result is the padded forward's up to float rounding. Identical prompts (the
-    samples of one prompt) run once. With `prefix_cache` (any device) each prompt's forward starts after the
-    longest stored prompt it extends, and its KV is stored for the next turn. Elsewhere (or for layers whose
-    caches this cannot merge: `_plain_sdpa`) it is the one padded forward: GPU kernels take masks at full speed."""
+    samples of one prompt) run once. With `prefix_cache` (any device) a prompt is prefilled in chunks ending at
+    its `prefix_lengths` (an episode's earlier turns' prompts), starting after the longest one stored, and its
+    KV is stored for the next turn. Elsewhere (or for layers whose caches this cannot merge: `_plain_sdpa`) it
+    is the one padded forward: GPU kernels take masks at full speed."""
     grouped = _plain_sdpa(model) and (prefix_cache is not None or ids.device.type == "cpu")
     lengths = mask.sum(1).tolist() if grouped else []
     if not grouped or (prefix_cache is None and len(set(lengths)) < 2):
         out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **extra)
         return out.past_key_values, out.logits[:, -1, :]
     width, host_ids = ids.shape[1], ids.tolist()
-    rows_of: dict[tuple[int, ...], list[int]] = {}
+    rows_of: dict[tuple[tuple[int, ...], tuple[int, ...]], list[int]] = {}
     for i, n in enumerate(lengths):
-        rows_of.setdefault(tuple(host_ids[i][width - n :]), []).append(i)
-    found = {p: prefix_cache.lookup(p) if prefix_cache is not None else (0, None) for p in rows_of}
-    groups: dict[tuple[int, int], list[tuple[int, ...]]] = {}
-    for p in rows_of:
-        groups.setdefault((found[p][0], len(p)), []).append(p)
-    logits: torch.Tensor | None = None
-    layers: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for (reused, length), prompts in sorted(groups.items()):
-        kv, group_logits = _prefill_group(model, prompts, reused, [found[p][1] for p in prompts], extra, ids.device)
-        if logits is None:
-            logits = group_logits.new_zeros((ids.shape[0], group_logits.shape[-1]))
-            layers = [(k.new_zeros((ids.shape[0], *k.shape[1:2], width, k.shape[-1])),
-                       v.new_zeros((ids.shape[0], *v.shape[1:2], width, v.shape[-1]))) for k, v in kv]
-        src = torch.tensor([j for j, p in enumerate(prompts) for _ in rows_of[p]], device=ids.device)
-        rows = torch.tensor([r for p in prompts for r in rows_of[p]], device=ids.device)
-        logits[rows] = group_logits[src]
-        for (keys, values), (k, v) in zip(layers, kv, strict=True):
-            keys[rows, :, width - length :] = k[src]
-            values[rows, :, width - length :] = v[src]
-        if prefix_cache is not None:
-            for j, p in enumerate(prompts):
-                prefix_cache.store(p, [(k[j].clone(), v[j].clone()) for k, v in kv])
-    assert logits is not None
+        cuts = prefix_lengths[i] if prefix_cache is not None and prefix_lengths is not None else ()
+        rows_of.setdefault((tuple(host_ids[i][width - n :]), tuple(sorted({c for c in cuts if 0 < c < n}))), []).append(i)
+    prompts = _prefill_chunks(model, list(rows_of), prefix_cache, extra, ids.device)
+    logits = prompts[0].logits.new_zeros((ids.shape[0], prompts[0].logits.shape[-1]))
+    layers = [(k.new_zeros((ids.shape[0], k.shape[0], width, k.shape[-1])),
+               v.new_zeros((ids.shape[0], v.shape[0], width, v.shape[-1]))) for k, v in prompts[0].kv]
+    for prompt, rows in zip(prompts, rows_of.values(), strict=True):
+        at = torch.tensor(rows, device=ids.device)
+        logits[at] = prompt.logits
+        for (keys, values), (k, v) in zip(layers, prompt.kv, strict=True):
+            keys[at, :, width - len(prompt.ids) :] = k
+            values[at, :, width - len(prompt.ids) :] = v
     from transformers import DynamicCache
 
     return DynamicCache(ddp_cache_data=layers), logits
 
 
-def _prefill_group(
-    model: PreTrainedModel, prompts: list[tuple[int, ...]], reused: int, stored: list[list[LayerKV] | None],
+@dataclass
+class _Prefilling:
+    """One distinct prompt being prefilled: the chunk ends still to run (the last its length), the KV of the
+    tokens before `start` ([kv_heads, start, head_dim] per layer) and the logits after the last chunk."""
+
+    ids: tuple[int, ...]
+    ends: list[int]
+    start: int = 0
+    kv: list[LayerKV] = field(default_factory=list)
+    logits: torch.Tensor | None = None
+
+
+def _prefill_chunks(
+    model: PreTrainedModel, prompts: list[tuple[tuple[int, ...], tuple[int, ...]]], prefix_cache: PrefixCache | None,
+    extra: dict[str, int], device: torch.device,
+) -> list[_Prefilling]:
+    """Each (ids, cuts) prompt prefilled chunk by chunk from the longest cut stored in `prefix_cache`: prompts
+    at the same (start, end) run as one unpadded forward, in which prompts that agree up to `end` are one row
+    (a GRPO group's samples share their first prompt). Stores each prompt's KV in the cache."""
+    rows = []
+    for ids, cuts in prompts:
+        start, kv = prefix_cache.lookup(ids, cuts) if prefix_cache is not None else (0, None)
+        rows.append(_Prefilling(ids, [c for c in cuts if c > start] + [len(ids)], start, kv or []))
+    while any(r.ends for r in rows):
+        chunks: dict[tuple[int, int], list[_Prefilling]] = {}
+        for r in rows:
+            if r.ends:
+                chunks.setdefault((r.start, r.ends[0]), []).append(r)
+        for (start, end), group in sorted(chunks.items()):
+            first = {r.ids[:end]: r for r in reversed(group)}  # rows that share the tokens so far share the chunk
+            unique = list(first.values())
+            kv, logits = _forward_chunk(model, [r.ids[start:end] for r in unique], start, [r.kv for r in unique],
+                                        extra, device)
+            at = {id(r): j for j, r in enumerate(unique)}
+            for r in group:
+                j = at[id(first[r.ids[:end]])]
+                r.kv, r.logits, r.start = [(k[j], v[j]) for k, v in kv], logits[j], r.ends.pop(0)
+    if prefix_cache is not None:
+        for r in rows:
+            prefix_cache.store(r.ids, [(k.clone(), v.clone()) for k, v in r.kv])
+    return rows
+
+
+def _forward_chunk(
+    model: PreTrainedModel, chunks: list[tuple[int, ...]], start: int, past: list[list[LayerKV]],
     extra: dict[str, int], device: torch.device,
 ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
-    """One unpadded forward of equally long `prompts` whose first `reused` tokens' KV is `stored` (one entry per
-    prompt; none when `reused` is 0): every layer's KV [g, heads, length, head_dim] and the last logits [g, V]."""
+    """One unpadded forward of equally long `chunks` at positions `start`.. after `past` (each row's KV of its
+    first `start` tokens): every layer's KV [g, heads, start + chunk, head_dim] and the last logits [g, V]."""
     from transformers import DynamicCache
 
-    length = len(prompts[0])
-    ids = torch.tensor([p[reused:] for p in prompts], dtype=torch.long, device=device)
-    positions = torch.arange(reused, length, device=device).expand(len(prompts), -1)
-    past = None
-    if reused:
-        per_layer = zip(*[entry for entry in stored if entry is not None], strict=True)
-        past = DynamicCache(ddp_cache_data=[(torch.stack([k for k, _ in layer]).to(device),
-                                             torch.stack([v for _, v in layer]).to(device)) for layer in per_layer])
-    out = model(input_ids=ids, position_ids=positions, past_key_values=past, use_cache=True, **extra)
+    ids = torch.tensor(chunks, dtype=torch.long, device=device)
+    positions = torch.arange(start, start + ids.shape[1], device=device).expand(len(chunks), -1)
+    cache = None
+    if start:
+        cache = DynamicCache(ddp_cache_data=[(torch.stack([row[i][0] for row in past]).to(device),
+                                              torch.stack([row[i][1] for row in past]).to(device))
+                                             for i in range(len(past[0]))])
+    out = model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True, **extra)
     return _cache_tensors(out.past_key_values), out.logits[:, -1, :]
 
 
@@ -349,6 +384,7 @@ def decode(
     refresh: Callable[[], int] | None = None,
     versions: list[int] | None = None,
     prefix_cache: PrefixCache | None = None,
+    prefix_lengths: Sequence[Sequence[int]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The decode loop, all on the device: (tokens [B, S], log-probs [B, S], lengths [B], stopped [B]), S the
     steps run. A row's length counts its tokens up to and including its first stop token; later columns are
@@ -363,7 +399,7 @@ def decode(
     versions = [] if versions is None else versions
     if refresh is not None:
         versions.append(refresh())
-    cache, logits = _prefill(model, ids, mask[:, :width], positions, extra, prefix_cache)
+    cache, logits = _prefill(model, ids, mask[:, :width], positions, extra, prefix_cache, prefix_lengths)
     toks = torch.zeros((bsz, max_new_tokens), dtype=torch.long, device=ids.device)
     logps = torch.zeros((bsz, max_new_tokens), dtype=torch.promote_types(logits.dtype, torch.float32), device=ids.device)
     lengths = torch.zeros(bsz, dtype=torch.long, device=ids.device)

@@ -82,6 +82,10 @@ class EpisodeTokens:
     def conversation(self) -> list[int]:
         return [*(self.prompt_ids or []), *self.completion]
 
+    def prompt_lengths(self) -> list[int]:
+        """The length of each policy turn's prompt so far (the conversation before the turn's tokens)."""
+        return [len(self.prompt_ids or []) + t.start for t in self.policy_turns()]
+
     def add(self, sampled: Rollout) -> Turn:
         """A sampled turn: the environment's bridge (what the generator appended to the conversation), then the
         policy's tokens."""
@@ -175,7 +179,8 @@ async def _turns(session: EnvSession, play: _Play, sample: TurnSampler) -> Episo
             if not play.fits(pending):
                 return "truncated_context"
             turn_prompt = Prompt(play.prompt.prompt_id, "", token_ids=play.tokens.conversation(),
-                                 bridge_messages=pending, answer=play.prompt.answer, extra=play.prompt.extra)
+                                 bridge_messages=pending, answer=play.prompt.answer, extra=play.prompt.extra,
+                                 prefix_lengths=play.tokens.prompt_lengths())
         sampled = await asyncio.wait_for(sample(turn_prompt, play.seed + k * TURN_SEED_STRIDE), play.remaining())
         turn = play.tokens.add(sampled)
         play.texts.append(sampled.text)

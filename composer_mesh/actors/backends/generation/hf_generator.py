@@ -20,8 +20,8 @@ so every token of a request comes from the weights its `weight_version` names. W
 `token_versions[t]` names the version that produced token t, and its `weight_version` is the oldest of them
 (its policy lag counts from there). The KV cache of tokens decoded under older weights is kept.
 Prefix cache (`prefix_cache_mb`, `models.prefix_cache`): the KV of each request's prompts is kept, so an
-episode's next turn, which extends its last prompt, prefills only the tokens it adds; loading weights clears
-it, so every hit was computed by the active weights.
+episode's next turn, which extends its last prompt (`Prompt.prefix_lengths`), prefills only the tokens it adds,
+with the same bits as without a hit; loading weights clears it, so every hit was computed by the active weights.
 """
 
 from __future__ import annotations
@@ -136,6 +136,7 @@ class HFGenerator:
                     seeds=row_seeds[start : start + len(batch)],
                     refresh=refresh,
                     prefix_cache=self.prefix_cache,
+                    prefix_lengths=[request.prompts[i].prefix_lengths or [] for i, _ in batch],
                 )
         groups = [RolloutGroup(prompt=p, rollouts=[]) for p in request.prompts]
         for (i, p_ids), out in zip(flat, outs):

@@ -359,8 +359,9 @@ def test_without_in_flight_the_pull_waits_for_the_next_request(cache, monkeypatc
 
 
 def test_an_episodes_next_turn_hits_the_prefix_cache_and_a_weight_load_empties_it(cache, reference):
-    """The next turn (last prompt + its tokens + a reply) reuses the stored prompt; after load_weights it is
-    prefilled whole by the new weights: a stale hit would score it with the old weights' keys."""
+    """The next turn (last prompt + its tokens + a reply, with the last prompt's length) reuses the stored prompt;
+    after load_weights it is prefilled whole by the new weights: a stale hit would score it with the old weights'
+    keys."""
     from composer_mesh.models.tiny import build_tiny
 
     g = HFGenerator(HFGeneratorSettings(cache_dir=cache, name="pc"))
@@ -372,8 +373,8 @@ def test_an_episodes_next_turn_hits_the_prefix_cache_and_a_weight_load_empties_i
 
     def next_turn(version_note: str) -> GenerationRequest:
         reply = tok.encode(f" ok{version_note}:", add_special_tokens=False)
-        return GenerationRequest([Prompt(f"n{i}", "", r.prompt_ids + r.completion_ids + reply, "")
-                                  for i, r in enumerate(turn1)], samples_per_prompt=1, max_new_tokens=4,
+        return GenerationRequest([Prompt(f"n{i}", "", r.prompt_ids + r.completion_ids + reply, "",
+                                         prefix_lengths=[len(r.prompt_ids)]) for i, r in enumerate(turn1)], samples_per_prompt=1, max_new_tokens=4,
                                  temperature=1.0, seeds=[3, 4])
 
     turn2 = [grp.rollouts[0] for grp in g.generate(next_turn("a"), 0)]
