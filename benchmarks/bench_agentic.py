@@ -52,7 +52,7 @@ Measured per (side, latency), side by side in one invocation:
   `timing.trainer_idle_s` (metrics.jsonl) / the same window.
 - composer-mesh: `run_ours(latency_s, cfg)` runs `ours_topology_yaml` with `composer-mesh run` (one hf trainer,
   one `ScriptedGenerator`, local meshes, the multi-turn driver with `max_episodes` = every admitted step's
-  episodes, `max_policy_lag: --lag` (2), GRPO only) and reads its metrics.jsonl (`summarise_ours`). Its window
+  episodes, `max_policy_lag: --lag` (3), GRPO only) and reads its metrics.jsonl (`summarise_ours`). Its window
   starts at the `train_start` event (the generators start after it), so step 1 includes the pipeline fill; the
   table also shows episodes/s and idle after step 1 (steady state), which the goals judge (`steady`).
 
@@ -815,7 +815,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--trl-modes", nargs="+", choices=["tools", "async_tools", "environment"],
                    help="how TRL gets the tool (default tools environment; quick tools)")
     p.add_argument("--threads", type=int, default=1, help="torch/OMP threads of each side's processes")
-    p.add_argument("--lag", type=int, default=2, help="composer-mesh's run.max_policy_lag (TRL is synchronous)")
+    p.add_argument("--lag", type=int, default=3,
+                   help="composer-mesh's run.max_policy_lag (TRL is synchronous). 3: an episode's two 1 s tool calls "
+                        "outlast two training steps, so the episodes of three steps ahead keep the trainer fed")
     p.add_argument("--ours-steps", type=int, help="composer-mesh's steps per latency (default 12; quick 3): its "
                    "first step is the pipeline's fill, the goals use the steps after it")
     p.add_argument("--no-warmup", action="store_true", help="TRL: skip the untimed 1-step run before the sweep")

@@ -231,7 +231,7 @@ def test_bench_agentic_quick_measures_both_sides_per_latency(tmp_path: Path) -> 
         assert row["status"] == "ok" and row["steps"] == 3 and row["episodes"] == 12, row
         assert row["steady_episodes_per_s"] > 0 and 0 <= row["steady_trainer_idle_fraction"] < 1, row
         assert (row["tool_calls_per_episode"], row["turns_per_episode"], row["done_fraction"]) == (1.0, 2.0, 1.0), row
-        assert row["reward_mean"] == 1.0 and row["policy_lag_max"] <= 2 and 0 <= row["trainer_idle_fraction"] < 1, row
+        assert row["reward_mean"] == 1.0 and row["policy_lag_max"] <= 3 and 0 <= row["trainer_idle_fraction"] < 1, row
         assert row["episodes_per_s"] > 0 and (Path(row["run_dir"]) / "topology.yaml").is_file(), row
     # the episodes of a step wait on their tools together: 3 steps of 4 episodes at 1 s take far less than the
     # 12 x 1 s TRL waits, whatever the machine's load

@@ -2,7 +2,7 @@
 it trains, the generators hold the trainer's exact weights after every sync, its first step's loss is the
 one-proc run's, the final model is a plain HF directory, at lag 0 a stopped and resumed run is bitwise the
 uninterrupted one (each rank saves and restores its own shards), and a rank killed with SIGKILL fails the run (no
-hang) with the trainer named, after which `--resume` finishes it."""
+hang) with the trainer named, after which `--resume` finishes it. Multi-turn episodes train on it as on one proc."""
 
 from __future__ import annotations
 
@@ -11,14 +11,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from orchestration.test_resume import assert_bitwise, records, run_session, stop_and_resume, topology
+from orchestration.test_resume import HERE, assert_bitwise, records, run_session, stop_and_resume, topology
 from safetensors.torch import load_file
 
 from composer_mesh.app.launch import launch, run_config
-from composer_mesh.app.runner import checkpoint_policy
+from composer_mesh.app.runner import apply_overrides, checkpoint_policy
 from composer_mesh.orchestration.loop import RLLoop
+from composer_mesh.topology import Topology, load_topology
 
-pytestmark = pytest.mark.slow  # short runs on seven procs each, ~4 minutes in all
+pytestmark = pytest.mark.slow  # short runs on up to seven procs each, ~5 minutes in all
 
 
 def rank_state(run_dir: Path, steps: int, rank: int) -> dict[str, torch.Tensor]:
@@ -84,3 +85,32 @@ async def test_a_killed_rank_fails_the_run_and_resume_finishes_it(tmp_path):
     resumed = await run_session(topo, resume=True)
     assert resumed.stopped is None and resumed.resumed_from is not None and resumed.resumed_from >= 2
     assert [r["step"] for r in records(tmp_path / "run")][-1] == 6
+
+
+def sharded_agentic(run_dir: Path, **run: object) -> Topology:
+    """tests/orchestration/tiny_agentic.yaml with its trainer replica sharded over two procs."""
+    text = (HERE / "tiny_agentic.yaml").read_text()
+    for old, new in (("trainer:    {backend: local}", "trainer:    {backend: local, procs_per_host: 2}"),
+                     ("trainer: {mesh: trainer, binding: hf,", "trainer: {mesh: trainer, binding: hf, procs_per_replica: 2,")):
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    path = run_dir.parent / f"{run_dir.name}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    topo = apply_overrides(load_topology(path), None, run_dir)
+    topo = topo.model_copy(update={"run": topo.run.model_copy(update=run)})
+    topo._source = path
+    return topo
+
+
+async def test_a_sharded_trainer_trains_on_multi_turn_episodes_as_one_proc_does(tmp_path):
+    """Episodes of several turns (policy and environment spans, one loss mask) on a replica of two ranks: the
+    first step's loss and channels are the one-proc trainer's on the same episodes (lag 0, same seeds)."""
+    kw = {"steps": 1, "max_policy_lag": 0}
+    await run_session(sharded_agentic(tmp_path / "sharded", **kw))
+    await run_session(topology("tiny_agentic.yaml", tmp_path / "plain", **kw))
+    sharded, plain = records(tmp_path / "sharded"), records(tmp_path / "plain")
+    assert sharded[0]["metrics"]["episode/policy_turns"] > sharded[0]["rollouts"]  # episodes of several turns
+    assert sharded[0]["reward"] == plain[0]["reward"] and sharded[0]["rollouts"] == plain[0]["rollouts"]
+    assert sharded[0]["loss"] == pytest.approx(plain[0]["loss"], rel=1e-5, abs=1e-6)
+    assert sharded[0]["channels"] == pytest.approx(plain[0]["channels"], rel=1e-5, abs=1e-6)
