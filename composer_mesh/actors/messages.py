@@ -38,7 +38,7 @@ class Prompt:
     # assistant turn to the next one, and appended to `token_ids` (`models.chat.bridge_token_ids`).
     bridge_messages: list[dict[str, Any]] | None = None
     # A turn of an episode: the lengths of its earlier turns' prompts (prefixes of `token_ids`). A generator with
-    # a prefix cache prefills in chunks that end there, cached or not, so a hit changes no bit (`models.prefix_cache`).
+    # a prefix cache prefills in chunks that end there, cached or not: a hit skips the chunks a miss would run.
     prefix_lengths: list[int] | None = None
 
 

@@ -6,11 +6,13 @@ prompt up here (the longest stored prompt among its earlier turns' prompts), run
 only, and stores the prompt's KV for the next turn. vLLM's automatic prefix caching does the same by blocks;
 here an entry is one whole prompt, because a turn's prompt always extends an earlier prompt of its episode.
 
-A hit changes no bit: with a cache the sampler prefills an episode's prompt in chunks that end at its earlier
-turns' prompt lengths whether it finds them stored or not, so a run's tokens and log-probs do not depend on
-which generator took a turn or what its cache held. Entries are only valid for the weights that computed them:
-the owner `clear()`s the cache when it loads new weights (as the vllm binding resets vLLM's prefix cache after
-every push). Memory is bounded by `max_bytes`; the least recently used entries go first.
+A hit runs the computations a miss runs: with a cache the sampler prefills an episode's prompt in chunks that
+end at its earlier turns' prompt lengths whether it finds them stored or not, so a stored chunk is the one a
+miss would compute again. What can still differ is float rounding from which other rows shared a chunk's
+forward (a matmul's result may depend on its batch), as without a cache. Entries are only valid for the
+weights that computed them: the owner `clear()`s the cache when it loads new weights (as the vllm binding
+resets vLLM's prefix cache after every push). Memory is bounded by `max_bytes`; the least recently used
+entries go first.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ class PrefixCache:
         """(n, KV) of the longest stored prompt `ids[:n]` for n in `lengths` (an episode's earlier turns' prompt
         lengths) shorter than `ids` (at least one token is left to run, whose logits the sampler needs); (0, None)
         when none is stored. Only those lengths: they are where the sampler cuts its prefill into chunks, cached
-        or not, so a hit gives the bits a miss would."""
+        or not, so a hit replaces exactly the chunks a miss would run."""
         key = tuple(ids)
         for length in sorted(set(lengths), reverse=True):
             kv = self._entries.get(key[:length]) if 0 < length < len(key) else None

@@ -261,7 +261,8 @@ def _prefill(
     rows_of: dict[tuple[tuple[int, ...], tuple[int, ...]], list[int]] = {}
     for i, n in enumerate(lengths):
         cuts = prefix_lengths[i] if prefix_cache is not None and prefix_lengths is not None else ()
-        rows_of.setdefault((tuple(host_ids[i][width - n :]), tuple(sorted({c for c in cuts if 0 < c < n}))), []).append(i)
+        key = (tuple(host_ids[i][width - n :]), tuple(sorted({c for c in cuts if 0 < c < n})))
+        rows_of.setdefault(key, []).append(i)
     prompts = _prefill_chunks(model, list(rows_of), prefix_cache, extra, ids.device)
     logits = prompts[0].logits.new_zeros((ids.shape[0], prompts[0].logits.shape[-1]))
     layers = [(k.new_zeros((ids.shape[0], k.shape[0], width, k.shape[-1])),

@@ -21,7 +21,7 @@ so every token of a request comes from the weights its `weight_version` names. W
 (its policy lag counts from there). The KV cache of tokens decoded under older weights is kept.
 Prefix cache (`prefix_cache_mb`, `models.prefix_cache`): the KV of each request's prompts is kept, so an
 episode's next turn, which extends its last prompt (`Prompt.prefix_lengths`), prefills only the tokens it adds,
-with the same bits as without a hit; loading weights clears it, so every hit was computed by the active weights.
+in the chunks a miss would run; loading weights clears it, so every hit was computed by the active weights.
 """
 
 from __future__ import annotations
