@@ -15,6 +15,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from composer_mesh.app.build_status import model_cache_roots, show_builds
 from composer_mesh.app.launch import launch, run_config
 from composer_mesh.app.preflight import preflight
 from composer_mesh.app.progress import clock, open_progress
@@ -175,27 +176,37 @@ async def run_topology(topology: Topology, console: Console | None = None, resum
         started = time.perf_counter()
         reward_notices = RewardFailureNotices(console)
 
+        builds: asyncio.Task[None] | None = None
+
         def on_step(record: StepRecord) -> None:
+            if builds is not None:
+                builds.cancel()  # set up: the status line is the steps' now
             progress.step(record)
             reward_notices(record)
+
+        def on_event(kind: str, values: dict[str, Any]) -> None:
+            if builds is not None:
+                builds.cancel()
+            progress.event(kind, values)
 
         async with launch(topology) as mesh:
             launched = time.perf_counter() - started
             progress.set_status("setting up actors (building models)…")
+            builds = asyncio.create_task(show_builds(progress.set_status, model_cache_roots(topology)))
             loop = RLLoop(mesh, run_config(topology), topology.loss, progress=on_step,
                           checkpoints=checkpoint_policy(topology), resume=resume, diloco=topology.diloco,
-                          events=progress.event)
-            watcher = None
+                          events=on_event)
+            watchers = [builds]
             if stops is not None:
                 stops.loop = loop
-                watcher = asyncio.create_task(stops.watch_jobs(mesh))
+                watchers.append(asyncio.create_task(stops.watch_jobs(mesh)))
             try:
                 summary = await loop.run()
                 summary.launch_seconds = launched
             finally:
-                if watcher is not None:
+                for watcher in watchers:
                     watcher.cancel()
-                    await asyncio.gather(watcher, return_exceptions=True)
+                await asyncio.gather(*watchers, return_exceptions=True)
     return summary
 
 

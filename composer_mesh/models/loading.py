@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from composer_mesh.models.build_progress import BuildProgress, progress_path
 from composer_mesh.models.tiny import build_tiny
 from composer_mesh.models.tokenizer import tiny_tokenizer
 from composer_mesh.models.warmstart import warm_start
@@ -88,7 +89,8 @@ def materialize(config: ModelConfig, cache_dir: str | os.PathLike[str] | None = 
 
     A local source without a warm start is returned as is. Otherwise the directory is
     `<cache>/<tiny|local>-<config hash>`, built under a lock in a temporary directory and renamed into
-    place, so concurrent processes never see a partial directory and all use the same bytes.
+    place, so concurrent processes never see a partial directory and all use the same bytes. A warm start
+    reports its steps beside it (`build_progress`), for the run's status line.
     """
     if not config.is_tiny and config.warmstart is None:
         return Path(config.source)
@@ -101,19 +103,22 @@ def materialize(config: ModelConfig, cache_dir: str | os.PathLike[str] | None = 
         if _is_ready(final):
             return final
         tmp = root / f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        steps = config.warmstart.steps if config.warmstart is not None else 0
+        progress = BuildProgress(progress_path(root, name), name, steps)
         try:
-            meta = _build_into(config, tmp)
+            meta = _build_into(config, tmp, progress)
             (tmp / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True))
             if final.exists():  # a leftover without META_FILE (cannot happen via rename, but be safe)
                 shutil.rmtree(final)
             os.rename(tmp, final)
         finally:
+            progress.close()
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
     return final
 
 
-def _build_into(config: ModelConfig, out: Path) -> dict[str, Any]:
+def _build_into(config: ModelConfig, out: Path, progress: BuildProgress | None = None) -> dict[str, Any]:
     t0 = time.perf_counter()
     if config.is_tiny:
         model, tokenizer = build_tiny(config)
@@ -128,7 +133,7 @@ def _build_into(config: ModelConfig, out: Path) -> dict[str, Any]:
     }
     if config.warmstart is not None:
         t1 = time.perf_counter()
-        meta["warmstart"] = warm_start(model, tokenizer, config.warmstart)
+        meta["warmstart"] = warm_start(model, tokenizer, config.warmstart, on_step=progress)
         meta["warmstart_seconds"] = round(time.perf_counter() - t1, 3)
     model = model.to(torch_dtype(config.dtype)).eval()
     out.mkdir(parents=True, exist_ok=False)

@@ -170,21 +170,24 @@ def _lr_factor(step: int, total: int) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac))
 
 
-def warm_start(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, cfg: WarmStartConfig) -> dict[str, Any]:
-    """Train `model` in place (float32) on `cfg.task`; return loss and accuracy stats."""
+def warm_start(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, cfg: WarmStartConfig,
+               on_step: Callable[[int, float], None] | None = None) -> dict[str, Any]:
+    """Train `model` in place (float32) on `cfg.task`; return loss and accuracy stats. `on_step(steps done,
+    loss)` after every SFT step (the build's progress)."""
     from composer_mesh.tasks import get_task
 
     task = get_task(cfg.task)
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)
     try:
-        return _warm_start(model, tokenizer, task, cfg)
+        return _warm_start(model, tokenizer, task, cfg, on_step)
     finally:
         torch.set_num_threads(threads)
 
 
 def _warm_start(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, task: Task, cfg: WarmStartConfig
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, task: Task, cfg: WarmStartConfig,
+    on_step: Callable[[int, float], None] | None = None,
 ) -> dict[str, Any]:
     rng = random.Random(cfg.seed)
     stats: dict[str, Any] = {"task": cfg.task, "steps": cfg.steps}
@@ -203,7 +206,7 @@ def _warm_start(
         if "accuracy_before" in stats:
             stats["accuracy_after"] = stats["accuracy_before"]
         return stats
-    losses = _sft(model, tokenizer, draw, rng, cfg)
+    losses = _sft(model, tokenizer, draw, rng, cfg, on_step)
     stats["loss_first"] = round(losses[0], 4)
     stats["loss_last"] = round(losses[-1], 4)
     if cfg.data is not None or "accuracy_before" not in stats:
@@ -215,7 +218,7 @@ def _warm_start(
 
 
 def _sft(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, draw: ExampleSampler, rng: random.Random,
-         cfg: WarmStartConfig) -> list[float]:
+         cfg: WarmStartConfig, on_step: Callable[[int, float], None] | None = None) -> list[float]:
     """`cfg.steps` AdamW steps on batches of `draw`n examples; the losses."""
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, cfg.steps))
@@ -234,6 +237,8 @@ def _sft(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, draw: Examp
             opt.step()
             sched.step()
             losses.append(loss.item())
+            if on_step is not None:
+                on_step(len(losses), losses[-1])
     model.eval()
     opt.zero_grad(set_to_none=True)
     return losses

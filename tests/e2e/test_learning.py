@@ -49,20 +49,23 @@ def held_out(run_dir: Path) -> list[dict[str, Any]]:
     return [e for e in lines if e.get("event") == "eval"]
 
 
-def run_main_job(tmp_path: Path, **overrides: Any) -> list[dict[str, Any]]:
-    """`composer-mesh run` on the lag-0 copy in a fresh process with its own model cache; the eval events."""
+def run_main_job(tmp_path: Path, **overrides: Any) -> tuple[list[dict[str, Any]], str]:
+    """`composer-mesh run` on the lag-0 copy in a fresh process with its own model cache: the eval events and
+    what it printed."""
     run_dir = tmp_path / "run"
     topology = lag0_copy(tmp_path / "local_lag0.yaml", run_dir, **overrides)
     env = {**os.environ, "COMPOSER_MESH_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run([sys.executable, "-m", "composer_mesh.cli", "run", str(topology)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=RUN_TIMEOUT_S, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
-    return held_out(run_dir)
+    return held_out(run_dir), proc.stdout
 
 
 @pytest.mark.e2e  # a shipped topology run end to end: its own tier (`pytest -m e2e`), run by .ci/run
 def test_the_main_job_raises_held_out_accuracy_by_the_margin(tmp_path: Path) -> None:
-    evals = run_main_job(tmp_path)
+    evals, printed = run_main_job(tmp_path)
+    # a fresh cache: the log says what the actors warm-start while they set up (the teacher's 150 steps, ~5 s)
+    assert "setting up actors: warm-starting tiny-" in printed, printed[:2000]
     assert [e["when"] for e in evals] == ["before", "after"]
     before, after = evals[0], evals[-1]
     assert after["reward"] - before["reward"] >= MARGIN, (
