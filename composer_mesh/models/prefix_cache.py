@@ -63,13 +63,14 @@ class PrefixCache:
         return 0, None
 
     def store(self, ids: Sequence[int], kv: list[LayerKV]) -> None:
-        """Keep `kv` (one prompt's, [kv_heads, len(ids), head_dim] per layer; tensors it owns, not views of a
-        batch) for `ids`; evict the least recently used entries while over `max_bytes`."""
+        """Keep a copy of `kv` (one prompt's, [kv_heads, len(ids), head_dim] per layer, typically views of a batch
+        cache) for `ids`, unless it is stored already; evict the least recently used entries while over
+        `max_bytes`. Copied here, after those checks, so a prompt already stored costs no copy."""
         key = tuple(ids)
         size = _nbytes(kv)
         if not key or size > self.max_bytes or key in self._entries:
             return
-        self._entries[key] = kv
+        self._entries[key] = [(k.clone(), v.clone()) for k, v in kv]
         self._bytes += size
         while self._bytes > self.max_bytes:
             self._evict()

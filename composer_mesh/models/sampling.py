@@ -317,7 +317,7 @@ def _prefill_chunks(
                 r.kv, r.logits, r.start = [(k[j], v[j]) for k, v in kv], logits[j], r.ends.pop(0)
     if prefix_cache is not None:
         for r in rows:
-            prefix_cache.store(r.ids, [(k.clone(), v.clone()) for k, v in r.kv])
+            prefix_cache.store(r.ids, r.kv)
     return rows
 
 
@@ -333,8 +333,8 @@ def _forward_chunk(
     positions = torch.arange(start, start + ids.shape[1], device=device).expand(len(chunks), -1)
     cache = None
     if start:
-        cache = DynamicCache(ddp_cache_data=[(torch.stack([row[i][0] for row in past]).to(device),
-                                              torch.stack([row[i][1] for row in past]).to(device))
+        cache = DynamicCache(ddp_cache_data=[(torch.stack([row[i][0] for row in past]),
+                                              torch.stack([row[i][1] for row in past]))
                                              for i in range(len(past[0]))])
     out = model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True, **extra)
     return _cache_tensors(out.past_key_values), out.logits[:, -1, :]
