@@ -57,10 +57,11 @@ class TrainerService:
         np.random.seed(rng_seed % 2**32)
 
     def rejoin(self, model: Any, loss: Any, temperature: float, diloco: Any, replica_id: int, seed: int,
-               round_id: int, first_version: int) -> tuple[int, WeightManifest]:
-        """`start` in place of dead DiLoCo replica `replica_id`, heal at round `round_id` (`HFTrainer.rejoin`) and
-        publish the healed weights as the version of the step they end; returns that step and the manifest."""
-        self.start(model, loss, temperature, diloco, replica_id, seed)
+               round_id: int, first_version: int, shard: Any = None) -> tuple[int, WeightManifest | None]:
+        """`start` in place of dead DiLoCo replica `replica_id` (with `shard`: as one rank of it), heal at round
+        `round_id` (`HFTrainer.rejoin`) and publish the healed weights as the version of the step they end;
+        returns that step and the manifest (None on a rank that does not publish)."""
+        self.start(model, loss, temperature, diloco, replica_id, seed, shard)
         step = int(self.backend.rejoin(round_id))
         return step, self.publish(version=first_version + step)
 
@@ -198,14 +199,23 @@ class TrainerActor(RoleActor[TrainerService]):
         return ShardGroup(rank % cfg.procs_per_replica, cfg.procs_per_replica, address)
 
     @endpoint
-    async def rejoin(self, replica_id: int, round_id: int, first_version: int) -> tuple[int, WeightManifest]:
+    async def rejoin(self, replica_id: int, round_id: int, first_version: int, address: str | None = None,
+                     shard_rank: int = 0) -> tuple[int, WeightManifest | None]:
         """`setup` on a one-proc mesh in place of DiLoCo replica `replica_id`, whose proc died: the weights are
         the survivors' global parameters of round `round_id` from the store. Returns the step they end (the
-        controller replays the replica's later batches) and their manifest."""
+        controller replays the replica's later batches) and their manifest. A sharded replica's stand-ins are
+        one-proc meshes each, so each is told its rank in the replica (`shard_rank`) and where they meet."""
         cfg = self.config
+        shard = None
+        if cfg.procs_per_replica > 1:
+            from composer_mesh.actors.backends.trainer.sharding import ShardGroup
+
+            if address is None:
+                raise ValueError("a sharded replica's stand-in needs its rank 0's rendezvous address")
+            shard = ShardGroup(shard_rank, cfg.procs_per_replica, address)
         service = TrainerService(cfg.binding.build(), cfg.weights)
         step, manifest = await asyncio.to_thread(service.rejoin, cfg.model, cfg.loss, cfg.temperature, cfg.diloco,
-                                                 replica_id, cfg.seed, round_id, first_version)
+                                                 replica_id, cfg.seed, round_id, first_version, shard)
         self._service = service
         return step, manifest
 

@@ -101,24 +101,28 @@ class Recovery:
                 self.restarts[r] = self.restarts.get(r, 0) + 1
             self._generation[mesh] = seen + 1
 
-    async def respawn_proc(self, role: str, rank: int, error: BaseException) -> dict[str, Any]:
-        """Replace proc `rank` of `role`'s mesh alone (`LaunchedMeshes.respawn_proc`: the others go on), counted
-        against `max_restarts` like a whole-mesh replacement; the caller sets the new actor up, then calls
-        `replaced`. Returns the replacement's event."""
+    async def respawn_proc(self, role: str, rank: int | list[int], error: BaseException) -> dict[str, Any]:
+        """Replace proc `rank` of `role`'s mesh alone (`LaunchedMeshes.respawn_proc`: the others go on), or the
+        procs `rank` (a list: every rank of a sharded replica, one restart), counted against `max_restarts` like a
+        whole-mesh replacement; the caller sets the new actors up, then calls `replaced`. Returns the
+        replacement's event."""
+        ranks = [rank] if isinstance(rank, int) else list(rank)
+        which = f"proc {ranks[0]}" if len(ranks) == 1 else f"procs {ranks[0]}..{ranks[-1]}"
         why = failure_reason(str(error))
         if self.restarts.get(role, 0) >= self.max_restarts:
-            raise RestartsExhausted(f"{role} proc {rank} died again after {self.restarts[role]} restart(s) "
+            raise RestartsExhausted(f"{role} {which} died again after {self.restarts[role]} restart(s) "
                                     f"(run.max_restarts={self.max_restarts}): {why}") from error
         mesh = self.mesh.mesh_of(role)  # type: ignore[arg-type]
-        log.warning("%s proc %d on mesh %s died (%s): replacing it alone", role, rank, mesh, why)
+        log.warning("%s %s on mesh %s died (%s): replacing %s alone", role, which, mesh, why,
+                    "it" if len(ranks) == 1 else "them")
         t0 = time.perf_counter()
         try:
-            await self.mesh.launched.respawn_proc(mesh, rank)
+            await asyncio.gather(*(self.mesh.launched.respawn_proc(mesh, r) for r in ranks))
         except LaunchError as e:
-            raise RestartsExhausted(f"{role} proc {rank} cannot be replaced: {e}") from error
+            raise RestartsExhausted(f"{role} {which} cannot be replaced: {e}") from error
         self.restarts[role] = self.restarts.get(role, 0) + 1
-        event = {"role": role, "mesh": mesh, "rank": rank, "roles": [role], "warm": False, "failed_s": t0,
-                 "respawned_s": time.perf_counter()}
+        event = {"role": role, "mesh": mesh, "rank": ranks[0] if len(ranks) == 1 else ranks, "roles": [role],
+                 "warm": False, "failed_s": t0, "respawned_s": time.perf_counter()}
         self.events.append(event)
         return event
 

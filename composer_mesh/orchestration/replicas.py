@@ -3,7 +3,8 @@
 With DiLoCo, a replica whose proc died is replaced alone while the others go on:
 
 1. a one-proc stand-in is spawned on the same host (`LaunchedMeshes.respawn_proc`, counted against
-   `run.max_restarts` like any restart);
+   `run.max_restarts` like any restart); a sharded replica is replaced whole: one stand-in per rank, on its
+   rank's host, meeting in a new process group (its survivors fail in their collectives and are left alone);
 2. it rejoins at the last round the survivors closed before the first step it must train
    (`TrainerActor.rejoin`): its weights are their global parameters, read from the object store;
 3. the replica's batches trained since that round are replayed on it, with the checkpoint `save_state` calls
@@ -107,6 +108,18 @@ async def setup_args(handle: Any) -> tuple[str, ...]:
     if isinstance(handle, ShardedReplica):
         return (await handle.ranks[0].rendezvous.call_one(),)
     return ()
+
+
+async def rejoin(handle: Any, replica: int, round_id: int, first_version: int) -> int:
+    """`TrainerActor.rejoin` on a stand-in replica (one proc, or the new ranks of a sharded replica, each told its
+    rank and their meeting point); the step it healed to."""
+    if not isinstance(handle, ShardedReplica):
+        healed, _ = await handle.rejoin.call_one(replica, round_id, first_version)
+        return int(healed)
+    address = await handle.ranks[0].rendezvous.call_one()
+    answers = await asyncio.gather(*[rank.rejoin.call_one(replica, round_id, first_version, address, i)
+                                     for i, rank in enumerate(handle.ranks)])
+    return int(answers[0][0])
 
 
 def replica_handles(procs: list[Any], per: int) -> list[Any]:
@@ -228,9 +241,11 @@ class TrainerReplicas:
         pending = [c.step for c in lane.calls if c.endpoint == "train_step" and not c.answered]
         trained = {c.step for c in lane.calls if c.endpoint == "train_step" and c.answered}
         first = min(pending) if pending else max(trained, default=0) + 1
-        event = await self.recovery.respawn_proc("trainer", lane.replica, error)
-        lane.handle = self.mesh.procs("trainer")[lane.replica]
-        healed, _ = await lane.handle.rejoin.call_one(lane.replica, (first - 1) // per_round, self.first_version())
+        per = self.mesh.procs_per_replica
+        ranks = list(range(lane.replica * per, (lane.replica + 1) * per))  # a sharded replica is replaced whole
+        event = await self.recovery.respawn_proc("trainer", ranks if per > 1 else lane.replica, error)
+        lane.handle = replica_handles(self.mesh.procs("trainer"), per)[lane.replica]
+        healed = await rejoin(lane.handle, lane.replica, (first - 1) // per_round, self.first_version())
         missing = sorted(set(range(healed + 1, first)) - trained)
         lost = [url for url, step in lane.unreported.items() if step < healed]
         if missing or lost:

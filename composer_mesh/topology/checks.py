@@ -47,8 +47,7 @@ CROSS_CHECKS: tuple[str, ...] = (
     "channel `replay` (both default to 1.0, so set them to 0 to run without teachers)",
     "`diloco` is given exactly when `roles.trainer.replicas > 1`, and `diloco.replicas` equals it",
     "the trainer mesh has exactly `roles.trainer.replicas` × `procs_per_replica` procs (hosts × procs_per_host)",
-    "`procs_per_replica > 1` needs a trainer binding with capability `sharded` (`hf`: FSDP2), and for now one "
-    "replica and no LoRA",
+    "`procs_per_replica > 1` needs a trainer binding with capability `sharded` (`hf`: FSDP2), and for now no LoRA",
     "a trainer with `settings.lora` has no `diloco`; `lora.sync: adapter` needs a generator binding with "
     "capability `adapters` (one that applies the same LoRA config and loads adapter tensors)",
     "Slurm meshes that may share a node (`exclusive: false`, same partition) use different `monarch_port`s",
@@ -298,8 +297,7 @@ def check_replicas_fit_mesh(parts: Parts) -> Iterator[Problem]:
 
 
 def check_sharded_trainer(parts: Parts) -> Iterator[Problem]:
-    """A replica of several procs needs a binding that shards (capability `sharded`), and not yet with DiLoCo or
-    LoRA."""
+    """A replica of several procs needs a binding that shards (capability `sharded`), and not yet with LoRA."""
     trainer = parts.roles.get("trainer")
     if not isinstance(trainer, TrainerSpec) or trainer.procs_per_replica == 1:
         return
@@ -309,9 +307,6 @@ def check_sharded_trainer(parts: Parts) -> Iterator[Problem]:
         yield (where, f"procs_per_replica = {trainer.procs_per_replica}: trainer binding {trainer.binding!r} trains a "
                       f"replica on one proc (its capabilities are {sorted(caps) or 'none'}, a sharded replica needs "
                       f"{SHARDED_CAPABILITY!r}); use 1, or the hf binding")
-    if trainer.replicas > 1:
-        yield (where, f"procs_per_replica = {trainer.procs_per_replica} with replicas = {trainer.replicas}: DiLoCo "
-                      "between sharded replicas is not built yet; use one sharded replica, or one proc per replica")
     if getattr(trainer.settings, "lora", None) is not None:
         yield (where, f"procs_per_replica = {trainer.procs_per_replica} with settings.lora: sharded LoRA is not "
                       "built yet; use one proc per replica for LoRA")

@@ -165,7 +165,9 @@ def _role_labels(topology: Topology, mesh: str) -> tuple[str, ...]:
         if isinstance(spec, TeachersSpec):
             out.extend(f"teacher {m.name} ({m.binding}: {'+'.join(m.channels)})" for m in spec.members)
         else:
-            extra = f", {spec.replicas} replicas" if getattr(spec, "replicas", 1) > 1 else ""
+            replicas, per = getattr(spec, "replicas", 1), getattr(spec, "procs_per_replica", 1)
+            extra = f", {replicas} replicas" if replicas > 1 else ""
+            extra += f" of {per} ranks each" if per > 1 and replicas > 1 else f", 1 replica of {per} ranks" if per > 1 else ""
             out.append(f"{label} ({spec.binding}{extra})")
     return tuple(out)
 

@@ -255,9 +255,10 @@ def test_plan_at_80_columns_cuts_nothing_and_says_what_trains() -> None:
         "loss GRPO + 0.5 × SDPO distillation + 0.1 × teacher-trace replay",
         "steps 1,000 × 64 prompts × 8 samples = 512,000 rollouts",
         "launch Slurm: job gpu_run_trainers, partition=gpu, time=04:00:00, account=rl, qos=normal, mem=512G",
-        "cost 40.04 USD/hour, at most 160.16 per run (4 h)",
-        "Estimated cost: 82.96 USD per hour",
-        "Estimated cost per run: at most 331.84 USD (each priced job billed up to its time limit",
+        "roles trainer (hf, 2 replicas of 8 ranks each)",
+        "cost 40.32 USD/hour, at most 161.28 per run (4 h)",
+        "Estimated cost: 83.24 USD per hour",
+        "Estimated cost per run: at most 332.96 USD (each priced job billed up to its time limit",
     ):
         assert fragment in flat, fragment
 

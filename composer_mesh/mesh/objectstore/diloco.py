@@ -18,6 +18,12 @@ one θ0 agreed by all replicas (the first replica's initial weights win), so rep
 A replica's own full state (to resume a stopped run bitwise, with the trainer's model and inner optimizer) is
 `replica_state()` / `load_replica_state()`: global parameters and outer optimizers, round, outer and local step.
 Loading rewinds the store to the saved round (`ObjectStoreManager.rewind`).
+
+A replica sharded with FSDP2 over N procs (`shard=(k, N)`) runs one of these per rank: rank k syncs only its own
+shards, with rank k of every other replica, under its own prefix of the store (`shard-k-of-N/`), so each rank moves
+about 1/N of the model per round. DiLoCo is elementwise (pseudo-gradient, average, outer Nesterov SGD), so N
+such groups compute exactly what one group over whole tensors would. DiLoCo sees each shard as a plain tensor
+(`local_views`): the same storage as FSDP2's shard, which FSDP2 and AdamW only ever update in place.
 """
 
 from __future__ import annotations
@@ -73,6 +79,20 @@ def split_fragments(model: nn.Module, n: int) -> list[nn.Module]:
     return [_Fragment(g) for g in groups]
 
 
+def local_views(fragments: list[nn.Module]) -> list[nn.Module]:
+    """The fragments with every FSDP2-sharded parameter (a DTensor) replaced by a plain Parameter over its local
+    shard's storage, so DiLoCo, the outer SGD and the store only see this rank's part. The fragments are split on
+    the full model first (`split_fragments` counts whole tensors), so fragment i is the same parameters on every
+    rank."""
+    from torch.distributed.tensor import DTensor
+
+    def view(p: nn.Parameter) -> nn.Parameter:
+        return nn.Parameter(p.to_local(), requires_grad=p.requires_grad) if isinstance(p, DTensor) else p
+
+    with torch.no_grad():
+        return [_Fragment([(name, view(p)) for name, p in f.named_parameters()]) for f in fragments]
+
+
 def _fragment_state(i: int, fragment: nn.Module, tensors: dict[str, torch.Tensor], info: dict[str, Any]) -> StateDict:
     """Fragment i's saved state (`ObjectStoreDiLoCo.replica_state`) as its registered load fn takes it, checked
     against the live fragment's parameter names and shapes (a copy would broadcast a wrong shape silently)."""
@@ -111,12 +131,20 @@ class ObjectStoreDiLoCo:
         store: Store | None = None,
         fragments: list[nn.Module] | None = None,
         backup_device: torch.device | None = None,
+        shard: tuple[int, int] | None = None,
     ) -> None:
         config.check_against([(n, tuple(p.shape), p.element_size()) for n, p in model.named_parameters()])
         self.config = config
         self.model = model
         self.inner_optimizer = inner_optimizer
+        self.shard = shard
         self.fragments = fragments if fragments is not None else split_fragments(model, config.fragments)
+        if shard is not None:  # rank k of a sharded replica: its own shards, its own prefix of the store
+            k, n = shard
+            if not 0 <= k < n:
+                raise ValueError(f"shard {shard}: rank {k} is not in 0..{n - 1}")
+            self.fragments = local_views(self.fragments)
+            store = store or Store.from_config(config, under=f"shard-{k}-of-{n}")
         if len(self.fragments) != config.fragments:
             raise ValueError(f"got {len(self.fragments)} fragments but diloco.fragments={config.fragments}")
         oc = config.outer_optimizer

@@ -240,14 +240,16 @@ class Store:
         self.bytes_written = 0
 
     @classmethod
-    def from_config(cls, config: DiLoCoConfig) -> Store:
-        """Open `config.store_uri` under `config.run_id`; secrets come from the env vars named in config."""
+    def from_config(cls, config: DiLoCoConfig, under: str | None = None) -> Store:
+        """Open `config.store_uri` under `config.run_id` (and `under` inside it: a sharded replica's rank keeps
+        its shards' rounds and checkpoints apart); secrets come from the env vars named in config."""
         opts: dict[str, Any] = dict(config.storage_options)
         for opt, env in config.credentials_env.items():
             if env not in os.environ:
                 raise StoreError(f"diloco.credentials_env[{opt!r}]: environment variable {env} is not set")
             opts[opt] = os.environ[env]
-        return cls(f"{config.store_uri}/{config.run_id}", opts)
+        root = f"{config.store_uri}/{config.run_id}"
+        return cls(f"{root}/{under}" if under else root, opts)
 
     def __repr__(self) -> str:  # never show storage options (they may hold secrets)
         return f"Store({self.uri!r})"

@@ -84,8 +84,8 @@ class HFTrainer:
             raise ValueError("trainer.settings.lora and diloco (roles.trainer.replicas > 1) cannot be combined: "
                              "DiLoCo would synchronise and checkpoint the whole frozen model, not the adapters; "
                              "drop one of them")
-        if shard is not None and (self.settings.lora is not None or diloco is not None):
-            raise ValueError("a sharded trainer replica (procs_per_replica > 1) does not take lora or DiLoCo yet")
+        if shard is not None and self.settings.lora is not None:
+            raise ValueError("a sharded trainer replica (procs_per_replica > 1) does not take lora yet")
         self.shard = shard
         torch.set_num_threads(self.settings.torch_threads)
         self.model, self.tokenizer = load_pretrained(model_config, device=self.settings.device)
@@ -122,7 +122,9 @@ class HFTrainer:
         if diloco is not None:
             from composer_mesh.mesh.objectstore.diloco import ObjectStoreDiLoCo
 
-            self.diloco = ObjectStoreDiLoCo(self.model, self.optimizer, diloco, replica_id)
+            # A sharded replica's rank syncs its own shards with the same rank of the other replicas.
+            self.diloco = ObjectStoreDiLoCo(self.model, self.optimizer, diloco, replica_id,
+                                            shard=None if shard is None else (shard.rank, shard.world))
             self.diloco.__enter__()
 
     def _build_reference(self, loss: LossConfig) -> None:
@@ -161,6 +163,10 @@ class HFTrainer:
         if self.diloco is None:
             raise RuntimeError("only a DiLoCo replica can rejoin: a lone trainer's state dies with its proc")
         self.step = self.diloco.rejoin(round_id, wait_s=self.diloco.config.quorum_deadline_s / 2)
+        if self._ranks is not None:  # every rank healed its own shards: from the same round, or not at all
+            from composer_mesh.actors.backends.trainer.sharding import check_same_round
+
+            check_same_round(self._ranks, self.diloco.manager.replica_id, self.diloco.round_id)
         return self.step
 
     def named_weights(self) -> dict[str, torch.Tensor]:
@@ -404,6 +410,13 @@ def read_snapshot(url: str, own_url: str, shard: ShardGroup | None, model: torch
     if saved_world == (None if shard is None else shard.world):
         return read_trainer_state(own_url)
     from composer_mesh.actors.backends.trainer.sharding import reshard_snapshot
+    from composer_mesh.actors.backends.trainer.trainer_state import TrainerStateError
 
     urls = [url] if saved_world is None else [f"{url.rstrip('/')}/rank{r}" for r in range(saved_world)]
-    return reshard_snapshot([read_trainer_state(u) for u in urls], model, optimizer, shard)
+    snapshots = [read_trainer_state(u) for u in urls]
+    if "diloco" in snapshots[0].meta["extra_json"]:  # its rounds live in the store per shard of that world
+        live = "one proc" if shard is None else f"{shard.world} procs"
+        raise TrainerStateError(f"{url}: a DiLoCo replica saved by {saved_world or 1} proc(s) cannot resume on {live}: "
+                                "its object-store rounds are kept per shard; resume with the same "
+                                "roles.trainer.procs_per_replica")
+    return reshard_snapshot(snapshots, model, optimizer, shard)

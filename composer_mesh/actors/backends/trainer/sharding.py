@@ -141,6 +141,19 @@ class TorchRanks:
         return torch.cat([g[:n] for g, n in zip(gathered, counts, strict=True)]).to(t.device)
 
 
+def check_same_round(ranks: TorchRanks, replica: int, round_id: int) -> None:
+    """After a sharded DiLoCo replica's ranks healed each its own shards from the store (a stand-in rejoining):
+    they must stand at the same round, or the replica would train on shards of different rounds."""
+    from composer_mesh.mesh.objectstore.diloco import DiLoCoStateError
+
+    rounds = [int(r) for r in ranks.cat(torch.tensor([round_id])).tolist()]
+    if len(set(rounds)) > 1:
+        raise DiLoCoStateError(
+            f"DiLoCo replica {replica}: its ranks' shards are checkpointed up to different rounds {rounds} (the "
+            "checkpoint writer died between its ranks' writes), so it cannot rejoin consistently: stop the run and "
+            "resume it from its last checkpoint")
+
+
 def rank_rows(data: TrainRows, world: int) -> list[list[int]]:
     """The batch's rows dealt out to `world` ranks by tokens (each row with its replay traces), longest first to
     the rank holding the fewest tokens so far; each rank's rows in batch order. The same on every rank."""
