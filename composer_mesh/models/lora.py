@@ -142,21 +142,49 @@ def merged_weights(model: torch.nn.Module, dtype: torch.dtype | None = None) -> 
     model before `apply_lora` (same keys, order and shapes), each LoRA layer's weight being base + delta as
     peft's merge computes it. The model is not changed; untouched tensors are shared (as in `named_weights`)
     unless cast. `dtype`: floating tensors cast to it, one at a time (no second full-precision copy)."""
-    layers = _require_lora(model)
-    adapters = adapter_weights(model)
+    tensors = named_weights(model)
     out: dict[str, torch.Tensor] = {}
     with torch.no_grad():
-        for name, t in named_weights(model).items():
-            if name in adapters:
-                continue
-            owner, _, attr = name.rpartition(".")
-            layer = layers.get(owner[: -len(_BASE)]) if owner.endswith(_BASE) else None
-            if layer is not None:
-                name = f"{owner[: -len(_BASE)]}.{attr}"
-                if attr == "weight" and not layer.merged and not layer.disable_adapters:
-                    t = _merge(layer, t)
+        for name, (source, layer) in merge_sources(model).items():
+            t = tensors[source] if layer is None else _merge(layer, tensors[source])
             out[name] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
     return out
+
+
+def merge_sources(model: torch.nn.Module) -> dict[str, tuple[str, Any]]:
+    """The merged model's tensors (`merged_weights`' keys, in order): plain name -> (the name of the injected
+    model's tensor it starts from, and the LoRA layer whose delta is added to it, or None)."""
+    layers = _require_lora(model)
+    adapters = adapter_weights(model)
+    out: dict[str, tuple[str, Any]] = {}
+    for name in named_weights(model):
+        if name in adapters:
+            continue
+        owner, _, attr = name.rpartition(".")
+        layer = layers.get(owner[: -len(_BASE)]) if owner.endswith(_BASE) else None
+        if layer is None:
+            out[name] = (name, None)
+            continue
+        merges = attr == "weight" and not layer.merged and not layer.disable_adapters
+        out[f"{owner[: -len(_BASE)]}.{attr}"] = (name, layer if merges else None)
+    return out
+
+
+def adapter_pair(source: str) -> tuple[str, str]:
+    """The names of the lora_A and lora_B weights of the layer whose base weight is `source` (a
+    `merge_sources` source with a layer)."""
+    prefix = source.removesuffix(f"{_BASE}.weight")
+    return f"{prefix}.lora_A.{ADAPTER}.weight", f"{prefix}.lora_B.{ADAPTER}.weight"
+
+
+def delta_from(layer: Any, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`layer.get_delta_weight(ADAPTER)` from whole A and B given here (a sharded model's, gathered): the same
+    arithmetic as peft's, which reads them from the layer."""
+    from peft.utils.other import transpose
+
+    cast = b.device.type == "cpu" and b.dtype in (torch.float16, torch.bfloat16)  # as peft: CPU half matmuls are slow
+    delta = transpose((b.float() @ a.float()) if cast else b @ a, layer.fan_in_fan_out) * layer.scaling[ADAPTER]
+    return delta.to(b.dtype) if cast else delta
 
 
 def _merge(layer: Any, weight: torch.Tensor) -> torch.Tensor:
@@ -186,16 +214,20 @@ def adapter_disabled(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
             p.requires_grad_(requires_grad)
 
 
-def save_adapter(model: torch.nn.Module, directory: str | Path) -> Path:
+def save_adapter(model: torch.nn.Module, directory: str | Path, adapters: dict[str, torch.Tensor] | None = None) -> Path:
     """Write the adapter in peft's format under `directory` (`adapter_config.json`, `adapter_model.safetensors`):
-    what `peft.PeftModel.from_pretrained(<base model>, directory)` loads."""
+    what `peft.PeftModel.from_pretrained(<base model>, directory)` loads. `adapters`: the adapter tensors by
+    `adapter_weights`' names, when the model's own are not whole (a sharded model's, gathered)."""
     from peft.utils import get_peft_model_state_dict
     from safetensors.torch import save_file
 
     _require_lora(model)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    state = get_peft_model_state_dict(model, adapter_name=ADAPTER, save_embedding_layers=False)
+    if adapters is None:
+        state = get_peft_model_state_dict(model, adapter_name=ADAPTER, save_embedding_layers=False)
+    else:  # peft's state-dict names drop the adapter's name
+        state = {name.replace(f".{ADAPTER}.", "."): t for name, t in adapters.items()}
     # A PeftModel's state-dict names (what from_pretrained expects): its `base_model.model.` prefix.
     tensors = {f"base_model.model.{k}": v.detach().to("cpu").contiguous() for k, v in state.items()}
     save_file(tensors, str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})

@@ -47,7 +47,7 @@ CROSS_CHECKS: tuple[str, ...] = (
     "channel `replay` (both default to 1.0, so set them to 0 to run without teachers)",
     "`diloco` is given exactly when `roles.trainer.replicas > 1`, and `diloco.replicas` equals it",
     "the trainer mesh has exactly `roles.trainer.replicas` × `procs_per_replica` procs (hosts × procs_per_host)",
-    "`procs_per_replica > 1` needs a trainer binding with capability `sharded` (`hf`: FSDP2), and for now no LoRA",
+    "`procs_per_replica > 1` needs a trainer binding with capability `sharded` (`hf`: FSDP2)",
     "a trainer with `settings.lora` has no `diloco`; `lora.sync: adapter` needs a generator binding with "
     "capability `adapters` (one that applies the same LoRA config and loads adapter tensors)",
     "Slurm meshes that may share a node (`exclusive: false`, same partition) use different `monarch_port`s",
@@ -297,7 +297,7 @@ def check_replicas_fit_mesh(parts: Parts) -> Iterator[Problem]:
 
 
 def check_sharded_trainer(parts: Parts) -> Iterator[Problem]:
-    """A replica of several procs needs a binding that shards (capability `sharded`), and not yet with LoRA."""
+    """A replica of several procs needs a binding that shards (capability `sharded`)."""
     trainer = parts.roles.get("trainer")
     if not isinstance(trainer, TrainerSpec) or trainer.procs_per_replica == 1:
         return
@@ -307,9 +307,6 @@ def check_sharded_trainer(parts: Parts) -> Iterator[Problem]:
         yield (where, f"procs_per_replica = {trainer.procs_per_replica}: trainer binding {trainer.binding!r} trains a "
                       f"replica on one proc (its capabilities are {sorted(caps) or 'none'}, a sharded replica needs "
                       f"{SHARDED_CAPABILITY!r}); use 1, or the hf binding")
-    if getattr(trainer.settings, "lora", None) is not None:
-        yield (where, f"procs_per_replica = {trainer.procs_per_replica} with settings.lora: sharded LoRA is not "
-                      "built yet; use one proc per replica for LoRA")
 
 
 def check_lora(parts: Parts) -> Iterator[Problem]:

@@ -41,7 +41,7 @@ import time
 import uuid
 import warnings
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -94,17 +94,37 @@ def _dtype(name: str) -> torch.dtype:
     return dt
 
 
+@runtime_checkable
+class ShapedWeights(Protocol):
+    """Weights that tell their names, shapes, dtypes and device without being read, and are read one tensor at
+    a time (a sharded trainer's: each tensor gathered from its shards when read). A publisher lays out its
+    slots from `shapes()` and copies the tensors in one pass, so the whole model never exists twice."""
+
+    def shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+
+def _shapes(params: Mapping[str, torch.Tensor]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Name -> (shape, dtype), without reading a `ShapedWeights`' tensors."""
+    if isinstance(params, ShapedWeights):
+        return params.shapes()
+    for name, t in params.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"weight plane: {name!r} is a {type(t).__name__}, expected a torch.Tensor")
+    return {name: (tuple(t.shape), t.dtype) for name, t in params.items()}
+
+
 def _build_layout(params: Mapping[str, torch.Tensor]) -> tuple[tuple[TensorSpec, ...], int]:
     if not params:
         raise ValueError("weight plane: no tensors to publish (params is empty)")
     specs: list[TensorSpec] = []
     offset = 0
-    for name, t in params.items():
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"weight plane: {name!r} is a {type(t).__name__}, expected a torch.Tensor")
-        nbytes = t.numel() * t.element_size()
+    for name, (shape, dtype) in _shapes(params).items():
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
         offset = -(-offset // _ALIGN) * _ALIGN
-        specs.append(TensorSpec(name, tuple(t.shape), _dtype_name(t.dtype), offset, nbytes))
+        specs.append(TensorSpec(name, tuple(shape), _dtype_name(dtype), offset, nbytes))
         offset += nbytes
     return tuple(specs), max(offset, 1)
 
@@ -141,7 +161,7 @@ def _check_against(
 
 
 def _signature(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[tuple[int, ...], str]]:
-    return {n: (tuple(t.shape), _dtype_name(t.dtype)) for n, t in tensors.items()}
+    return {n: (tuple(shape), _dtype_name(dtype)) for n, (shape, dtype) in _shapes(tensors).items()}
 
 
 def _chunks(total: int, chunk_bytes: int) -> tuple[tuple[int, int], ...]:
@@ -176,7 +196,7 @@ class WeightPublisher:
         self.id = uuid.uuid4().hex
         self._specs, self._total = _build_layout(params)
         self._signature = {s.name: (s.shape, s.dtype) for s in self._specs}
-        devices = {t.device for t in params.values()}
+        devices = {params.device} if isinstance(params, ShapedWeights) else {t.device for t in params.values()}
         if len(devices) != 1:
             raise ValueError(
                 f"weight plane: params live on several devices {sorted(map(str, devices))}; use one"
@@ -267,8 +287,9 @@ class WeightPublisher:
     def _write_slot(self, slot: int, params: Mapping[str, torch.Tensor]) -> None:
         views = self._slot_views[slot]
         with torch.no_grad():
-            for name, t in params.items():
+            for name, t in params.items():  # one at a time: a `ShapedWeights` reads (gathers) each here
                 views[name].copy_(t.detach())
+                del t  # before the next one is read: one gathered tensor alive at a time
         if self._slots[slot].is_cuda:
             torch.cuda.synchronize(self._slots[slot].device)
 

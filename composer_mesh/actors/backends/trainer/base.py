@@ -15,6 +15,7 @@ a collective), and the state is one snapshot per rank (`url/rank<r>`). Capabilit
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -41,9 +42,10 @@ class TrainerBackend(Protocol):
         """Right after `start`, in place of a dead DiLoCo replica: heal from the store at round `round_id`; the
         optimizer steps behind the healed weights."""
 
-    def named_weights(self) -> dict[str, torch.Tensor]:
+    def named_weights(self) -> Mapping[str, torch.Tensor]:
         """The tensors generators load, by the names their `weight_specs` give (published on the weight plane
-        after every step; also digested to compare with the generators')."""
+        after every step; also digested to compare with the generators'). A sharded binding may read them
+        lazily, one tensor at a time (`mesh.weights.plane.ShapedWeights`): then every rank reads them all."""
 
     def train_step(self, batch: TrainBatch) -> TrainMetrics:
         """One optimizer step on `batch`; the metrics' `weight_version` is left for the service to stamp."""

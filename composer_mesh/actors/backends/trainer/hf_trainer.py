@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
@@ -84,8 +84,6 @@ class HFTrainer:
             raise ValueError("trainer.settings.lora and diloco (roles.trainer.replicas > 1) cannot be combined: "
                              "DiLoCo would synchronise and checkpoint the whole frozen model, not the adapters; "
                              "drop one of them")
-        if shard is not None and self.settings.lora is not None:
-            raise ValueError("a sharded trainer replica (procs_per_replica > 1) does not take lora yet")
         self.shard = shard
         torch.set_num_threads(self.settings.torch_threads)
         self.model, self.tokenizer = load_pretrained(model_config, device=self.settings.device)
@@ -169,27 +167,31 @@ class HFTrainer:
             check_same_round(self._ranks, self.diloco.manager.replica_id, self.diloco.round_id)
         return self.step
 
-    def named_weights(self) -> dict[str, torch.Tensor]:
-        """What generators get (`weight_kind`). 'full': the tensors generators need (parameters, tied ones once,
+    def named_weights(self) -> Mapping[str, torch.Tensor]:
+        """What generators get (`weight_kind`); on a sharded replica a `sharding.GatheredWeights` (each tensor
+        gathered when read: a collective of the replica's ranks). 'full': the tensors generators need (parameters, tied ones once,
         and persistent buffers), by HF name, in the model config's dtype (a copy only where the training dtype
         differs); with LoRA the adapters merged in, under the plain model's names. 'adapter': the LoRA adapter
         tensors by the injected model's names (`models.lora.adapter_weights`), in their training dtype (float32)."""
         from composer_mesh.models.loading import named_weights
 
         assert self.model is not None, "call start() first"
+        if self.shard is not None:  # every rank gathers, tensor by tensor as they are read; rank 0 publishes
+            return self._gathered(self.publish_dtype if self.weight_kind == "full" else None, self.weight_kind)
         if self.settings.lora is not None:
             from composer_mesh.models.lora import adapter_weights, merged_weights
 
             if self.weight_kind == "adapter":
                 return adapter_weights(self.model)
             return merged_weights(self.model, self.publish_dtype)
-        if self.shard is not None:
-            from composer_mesh.actors.backends.trainer.sharding import full_weights
-
-            weights = dict(full_weights(self.model))  # every rank gathers, rank 0 publishes
-        else:
-            weights = named_weights(self.model)
+        weights = named_weights(self.model)
         return {name: t.to(self.publish_dtype) if t.is_floating_point() else t for name, t in weights.items()}
+
+    def _gathered(self, dtype: torch.dtype | None, kind: WeightKind) -> Mapping[str, torch.Tensor]:
+        from composer_mesh.actors.backends.trainer.sharding import gathered_weights
+
+        assert self.model is not None
+        return gathered_weights(self.model, dtype, self.settings.lora is not None, kind)
 
     # ---- one step ----------------------------------------------------------------------------------
     def _autocast(self) -> Any:
@@ -341,29 +343,28 @@ class HFTrainer:
         transformers model), and the adapter alone is under `adapter/` in peft's format. A sharded replica's
         ranks all gather the weights; rank 0 writes them."""
         assert self.model is not None
-        state_dict = None
-        if self.shard is not None:
-            from composer_mesh.actors.backends.trainer.sharding import full_weights
-
-            state_dict = dict(full_weights(self.model))  # training dtype
+        state_dict, adapters, lora = None, None, self.settings.lora is not None
+        if self.shard is not None:  # every rank gathers (training dtype), the whole model at once, to write it
+            state_dict = dict(self._gathered(None, "full"))
+            adapters = dict(self._gathered(None, "adapter")) if lora else None
             if self.shard.rank != 0:
                 return directory
-        return write_checkpoint(self.model, self.tokenizer, directory, state_dict, self.settings.lora is not None,
-                                {"step": self.step, "weight_version": weight_version})
+        return write_checkpoint(self.model, self.tokenizer, directory, state_dict, lora,
+                                {"step": self.step, "weight_version": weight_version}, adapters)
 
 
 def write_checkpoint(model: torch.nn.Module, tokenizer: Any, directory: Path, state_dict: dict[str, torch.Tensor] | None,
-                     lora: bool, state: dict[str, int]) -> Path:
-    """`HFTrainer.save_checkpoint`'s files: `state_dict` (gathered shards) or the model's own weights (LoRA:
-    merged, and the adapter under `adapter/`), the tokenizer, and `trainer_state.json`."""
+                     lora: bool, state: dict[str, int], adapters: dict[str, torch.Tensor] | None = None) -> Path:
+    """`HFTrainer.save_checkpoint`'s files: `state_dict` (gathered shards; LoRA: merged) or the model's own
+    weights (LoRA: merged), with LoRA the adapter under `adapter/` (`adapters`: gathered), the tokenizer, and
+    `trainer_state.json`."""
     directory.mkdir(parents=True, exist_ok=True)
-    if state_dict is not None or not lora:
-        model.save_pretrained(directory, state_dict=state_dict, safe_serialization=True)
-    else:
+    if lora:
         from composer_mesh.models.lora import merged_weights, save_adapter
 
-        model.save_pretrained(directory, state_dict=merged_weights(model), safe_serialization=True)
-        save_adapter(model, directory / "adapter")
+        state_dict = merged_weights(model) if state_dict is None else state_dict
+        save_adapter(model, directory / "adapter", adapters)
+    model.save_pretrained(directory, state_dict=state_dict, safe_serialization=True)
     tokenizer.save_pretrained(directory)
     (directory / "trainer_state.json").write_text(json.dumps(state) + "\n")
     return directory

@@ -21,8 +21,9 @@ replicas of a trainer mesh together. Gloo on the CPU, NCCL on CUDA.
 from __future__ import annotations
 
 import datetime
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -113,7 +114,7 @@ def shard_trainer(model: torch.nn.Module, reference: torch.nn.Module | None, gro
     options = dict(bf16_mixed=settings.precision == "bf16-mixed", cpu_offload=settings.fsdp_cpu_offload,
                    reshard_after_forward=settings.fsdp_reshard_after_forward)
     shard_model(model, mesh, **options)
-    if reference is not None:
+    if reference is not None and reference is not model:  # with LoRA the reference is the policy, adapters off
         shard_model(reference, mesh, **options)
     return TorchRanks(device)
 
@@ -187,15 +188,70 @@ def idle_pass(data: TrainRows, run: StudentPass) -> None:
     (tensor.sum() * 0.0).backward()
 
 
-def full_weights(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
-    """`models.loading.named_weights` as full tensors, one at a time: a sharded parameter is all-gathered
-    (`DTensor.full_tensor`, a collective every rank must join, in this order)."""
-    from torch.distributed.tensor import DTensor
+class GatheredWeights(Mapping[str, Tensor]):
+    """`models.loading.named_weights` of a sharded model as full tensors (in `dtype`, when given and floating),
+    each gathered from its shards when it is read (`DTensor.full_tensor`). The weight plane reads them one at a
+    time (it is a `mesh.weights.plane.ShapedWeights`: shapes without reading), so publishing holds one whole
+    tensor at a time besides the plane's slot, never the whole model unsharded. Reading is a collective: every
+    rank must read the same tensors in the same order (iterate it whole, or `dict()` it).
 
-    from composer_mesh.models.loading import named_weights
+    With `sources` (`models.lora.merge_sources`: name -> (source tensor, LoRA layer or None)), the tensors are a
+    LoRA model's merged weights under the plain model's names: a LoRA layer's weight is gathered with its A and B
+    and the delta added (`models.lora.delta_from`)."""
 
-    for name, t in named_weights(model).items():
-        yield name, t.full_tensor() if isinstance(t, DTensor) else t
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype | None = None,
+                 sources: dict[str, tuple[str, Any]] | None = None) -> None:
+        from composer_mesh.models.loading import named_weights
+
+        self._tensors = named_weights(model)  # this rank's shards (DTensors) and plain tensors: nothing gathered
+        self._dtype = dtype
+        self._sources = sources if sources is not None else {name: (name, None) for name in self._tensors}
+
+    def _out_dtype(self, t: Tensor) -> torch.dtype:
+        return self._dtype if self._dtype is not None and t.is_floating_point() else t.dtype
+
+    def _gather(self, name: str) -> Tensor:
+        from torch.distributed.tensor import DTensor
+
+        t = self._tensors[name]
+        return t.full_tensor() if isinstance(t, DTensor) else t
+
+    def __getitem__(self, name: str) -> Tensor:
+        source, layer = self._sources[name]
+        full = self._gather(source)
+        if layer is not None:
+            from composer_mesh.models.lora import adapter_pair, delta_from
+
+            a, b = (self._gather(n) for n in adapter_pair(source))
+            full = full + delta_from(layer, a, b).to(full.dtype)
+        return full.to(self._out_dtype(full))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._sources)
+
+    def __len__(self) -> int:
+        return len(self._sources)
+
+    def shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return {name: (tuple(self._tensors[src].shape), self._out_dtype(self._tensors[src]))
+                for name, (src, _) in self._sources.items()}
+
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self._tensors.values())).device
+
+
+def gathered_weights(model: torch.nn.Module, dtype: torch.dtype | None, lora: bool,
+                     kind: str = "full") -> GatheredWeights:
+    """A sharded replica's weights, each gathered when read: the model's (`kind` 'full'), with `lora` its merged
+    weights ('full'), or its adapters alone ('adapter')."""
+    if not lora:
+        return GatheredWeights(model, dtype)
+    from composer_mesh.models.lora import adapter_weights, merge_sources
+
+    if kind == "adapter":
+        return GatheredWeights(model, dtype, {name: (name, None) for name in adapter_weights(model)})
+    return GatheredWeights(model, dtype, merge_sources(model))
 
 
 def reshard_snapshot(snapshots: list[TrainerSnapshot], model: torch.nn.Module, optimizer: torch.optim.Optimizer,

@@ -20,9 +20,11 @@ class ShardedRank(Actor):
     @endpoint
     async def train(self, address: str, world: int, settings: dict[str, Any], loss: dict[str, Any],
                     model: ModelConfig, batches: list[TrainBatch], load: str | None = None,
-                    save: str | None = None) -> tuple[list[dict[str, Any]], dict[str, torch.Tensor]]:
-        """Train `batches` in order (after loading the state at `load`; then saving it at `save`); every step's
-        loss, channels and metrics, and the final full weights."""
+                    save: str | None = None, checkpoint: str | None = None,
+                    ) -> tuple[list[dict[str, Any]], dict[str, torch.Tensor]]:
+        """Train `batches` in order (after loading the state at `load`; then saving it at `save`, and the final
+        model as a checkpoint directory at `checkpoint`); every step's loss, channels and metrics, and the final
+        full weights."""
         trainer = HFTrainer(HFTrainerSettings(**settings))
         trainer.start(model, LossConfig(**loss), shard=ShardGroup(current_rank().rank, world, address))
         if load is not None:
@@ -33,8 +35,61 @@ class ShardedRank(Actor):
             steps.append({"loss": m.loss, "channels": m.channels, "metrics": m.metrics})
         if save is not None:
             trainer.save_state(save)
-        weights = trainer.named_weights()
+        if checkpoint is not None:
+            from pathlib import Path
+
+            trainer.save_checkpoint(Path(checkpoint), weight_version=len(batches) + 1)
+        weights = dict(trainer.named_weights())  # a sharded trainer gathers each tensor as it is read
         return steps, weights if current_rank().rank == 0 else {}
+
+
+class PublishingRank(Actor):
+    """Rank `current_rank()` of a sharded replica publishing on the weight plane (shm) as the trainer actor does."""
+
+    def __init__(self) -> None:
+        self.service: Any = None
+
+    @endpoint
+    async def train_and_publish(self, address: str, world: int, settings: dict[str, Any], loss: dict[str, Any],
+                                model: ModelConfig, batch: TrainBatch) -> dict[str, Any]:
+        """One step, then publish while counting the gathered (whole) tensors alive at once; the manifest (rank 0)
+        and that peak. The publisher stays up for the caller to pull until `close`."""
+        import weakref
+
+        from torch.distributed.tensor import DTensor
+
+        from composer_mesh.actors.backends.trainer.sharding import GatheredWeights
+        from composer_mesh.actors.trainer import TrainerService
+        from composer_mesh.mesh.weights.config import WeightPlaneConfig
+
+        rank = current_rank().rank
+        self.service = TrainerService(HFTrainer(HFTrainerSettings(**settings)), WeightPlaneConfig(transport="shm"))
+        self.service.start(model, LossConfig(**loss), 1.0, shard=ShardGroup(rank, world, address))
+        self.service.train_step(batch)
+        # Whole tensors alive at once: the gathers' outputs, and what GatheredWeights hands out (in publish dtype).
+        alive, peak = {"gathered": 0, "read": 0}, {"gathered": 0, "read": 0}
+        gather, read = DTensor.full_tensor, GatheredWeights.__getitem__
+
+        def counting(kind: str, fn: Any) -> Any:
+            def wrapped(*args: Any, **kwargs: Any) -> torch.Tensor:
+                out = fn(*args, **kwargs)
+                alive[kind] += 1
+                peak[kind] = max(peak[kind], alive[kind])
+                weakref.finalize(out, lambda: alive.__setitem__(kind, alive[kind] - 1))
+                return out
+            return wrapped
+
+        DTensor.full_tensor = counting("gathered", gather)  # type: ignore[method-assign]
+        GatheredWeights.__getitem__ = counting("read", read)  # type: ignore[method-assign]
+        try:
+            manifest = self.service.publish()
+        finally:
+            DTensor.full_tensor, GatheredWeights.__getitem__ = gather, read  # type: ignore[method-assign]
+        return {"manifest": manifest, "peak": peak, "version": self.service.version}
+
+    @endpoint
+    async def close(self) -> None:
+        self.service.close()
 
 
 class DiLoCoShardedRank(Actor):
@@ -62,7 +117,7 @@ class DiLoCoShardedRank(Actor):
         report = trainer.diloco.last_report
         out = {"replica": replica, "rank": rank, "losses": losses, "outer_step": trainer.diloco.outer_step,
                "numel": report.numel, "bytes_read": report.bytes_read, "members": report.members,
-               "weights": trainer.named_weights()}
+               "weights": dict(trainer.named_weights())}
         trainer.close()
         if rank != 0:
             out["weights"] = {}

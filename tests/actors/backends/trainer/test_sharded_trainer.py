@@ -3,8 +3,8 @@
 Every rank gets the whole batch and trains its own rows (`sharding.py`); the ranks' gradients sum to the whole
 batch's. In float64 (`precision: fp64`) the loss, every channel, the metrics and the weights after two AdamW
 steps match one unsharded process to 1e-10, for every loss channel, both normalisations, dense and top-k
-teachers, DPO (with reference and KL) and SimPO, micro-batches and packing, activation checkpointing and CPU
-offload."""
+teachers, DPO (with reference and KL) and SimPO, micro-batches and packing, LoRA (sharded adapters; merged or
+adapter weights out), activation checkpointing and CPU offload."""
 
 from __future__ import annotations
 
@@ -31,6 +31,13 @@ CASES = {
     "sequence-topk-simpo-packed-full-head": (
         {"micro_batch_tokens": 12, "packing": True, "lm_head": "full"},
         {"alpha_sdpo": 1.0, "beta_replay": 1.0, "normalization": "sequence", "dpo_variant": "simpo"}, 4),
+    # LoRA: the adapters are sharded with the frozen base; the reference is the policy with its adapters off.
+    "lora-merged-dpo-kl-micro": (
+        {"micro_batch_tokens": 8, "lora": {"r": 4, "alpha": 8.0}},
+        {"alpha_sdpo": 1.0, "beta_replay": 1.0, "kl_beta": 0.01, "dpo_variant": "dpo"}, 0),
+    "lora-adapter-sync-sequence-packed": (
+        {"micro_batch_tokens": 12, "packing": True, "lora": {"r": 4, "alpha": 8.0, "sync": "adapter"}},
+        {"alpha_sdpo": 1.0, "beta_replay": 0.0, "normalization": "sequence"}, 4),
     "activation-checkpointing-cpu-offload-kept-gathers": (
         {"activation_checkpointing": True, "fsdp_cpu_offload": True, "fsdp_reshard_after_forward": False},
         {"alpha_sdpo": 1.0, "beta_replay": 0.0, "kl_beta": 0.01}, 0),
@@ -114,6 +121,37 @@ def test_rows_are_dealt_by_tokens_and_every_rank_runs_as_many_micro_batches():
         assert sorted(pairs) == list(range(len(data.pairs)))  # each replay pair with its rejected row
 
 
+async def test_rank_0_publishes_gathering_one_tensor_at_a_time(meshes):
+    """The trainer service publishes a sharded replica's weights through the weight plane (shm) gathering one
+    tensor at a time: no rank ever holds two whole tensors of the gather at once (never the whole model), and a
+    real subscriber pulls exactly one process's weights after the same step."""
+    from actors.backends.trainer.shard_actors import PublishingRank
+
+    from composer_mesh.mesh.weights.config import WeightPlaneConfig
+    from composer_mesh.mesh.weights.plane import WeightSubscriber
+
+    settings, loss = {"lr": 1e-2, "precision": "fp64"}, {"alpha_sdpo": 0.0, "beta_replay": 0.0}
+    data = batches(0)[:1]
+    _, want = one_process(settings, loss, data)
+    ranks = meshes[2].spawn(f"rank{next(_names)}", PublishingRank)
+    results = [out for _, out in (await ranks.train_and_publish.call(free_address(), 2, settings, loss, MODEL,
+                                                                       data[0])).items()]
+    try:
+        assert [r["peak"] for r in results] == [{"gathered": 1, "read": 1}] * 2
+        assert [r["version"] for r in results] == [2, 2]  # the initial policy was version 1
+        manifests = [r["manifest"] for r in results]
+        assert manifests[1] is None and manifests[0].version == 2  # rank 0 publishes, rank 1 only gathers
+        subscriber = WeightSubscriber(WeightPlaneConfig(transport="shm"), expected=want)
+        await subscriber.pull(manifests[0])
+        got = {name: torch.full_like(t, float("nan")) for name, t in want.items()}
+        assert subscriber.apply_to(got) == 2
+        subscriber.close()
+    finally:
+        await ranks.close.call()
+    assert got.keys() == want.keys()
+    assert max(float((got[n].double() - want[n].double()).abs().max()) for n in want) < 1e-6
+
+
 @pytest.mark.slow
 def test_a_state_saved_by_two_ranks_resumes_on_one_and_on_four(meshes, tmp_path):
     """Resharding: two ranks train step 1 and save (one file per rank); four ranks, and one unsharded process,
@@ -152,3 +190,25 @@ def test_bf16_mixed_shards_train_with_float32_master_weights(meshes):
     for got, want in zip(steps, want_steps, strict=True):
         assert got["loss"] == pytest.approx(want.loss, rel=0.05, abs=0.05)
     assert {t.dtype for t in weights.values() if t.is_floating_point()} == {torch.float32}
+
+
+@pytest.mark.slow
+def test_a_sharded_lora_checkpoint_is_the_one_process_checkpoint(meshes, tmp_path):
+    """Two LoRA ranks write the final model as one process does: a plain transformers directory of the merged
+    weights and the adapter in peft's format beside it, with the same tensors (float64, to 1e-10)."""
+    from safetensors.torch import load_file
+
+    extra, loss, top_k = CASES["lora-merged-dpo-kl-micro"]
+    settings = {"lr": 1e-2, "precision": "fp64", **extra}
+    data = batches(top_k)[:1]
+    alone = HFTrainer(HFTrainerSettings(**settings))
+    alone.start(MODEL, LossConfig(**loss))
+    alone.train_step(data[0])
+    alone.save_checkpoint(tmp_path / "one", weight_version=2)
+    meshes[2].spawn(f"rank{next(_names)}", ShardedRank).train.call(
+        free_address(), 2, settings, loss, MODEL, data, checkpoint=str(tmp_path / "two")).get()
+    for part in ("model.safetensors", "adapter/adapter_model.safetensors"):
+        want, got = load_file(tmp_path / "one" / part), load_file(tmp_path / "two" / part)
+        assert got.keys() == want.keys() and want, part
+        assert max(float((got[n] - want[n]).abs().max()) for n in want) < 1e-10, part
+    assert (tmp_path / "two" / "adapter" / "adapter_config.json").exists()
