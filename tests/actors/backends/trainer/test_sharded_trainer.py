@@ -153,10 +153,12 @@ async def test_rank_0_publishes_gathering_one_tensor_at_a_time(meshes):
 
 
 @pytest.mark.slow
-def test_a_state_saved_by_two_ranks_resumes_on_one_and_on_four(meshes, tmp_path):
+@pytest.mark.parametrize("case", ["token-dense-dpo-kl-micro", "lora-merged-dpo-kl-micro"])
+def test_a_state_saved_by_two_ranks_resumes_on_one_and_on_four(meshes, tmp_path, case):
     """Resharding: two ranks train step 1 and save (one file per rank); four ranks, and one unsharded process,
-    load it and train step 2. Both equal one process that trained both steps without stopping (float64)."""
-    extra, loss, top_k = CASES["token-dense-dpo-kl-micro"]
+    load it and train step 2. Both equal one process that trained both steps without stopping (float64). With
+    LoRA the state holds the adapters (and their AdamW moments) only."""
+    extra, loss, top_k = CASES[case]
     settings = {"lr": 1e-2, "precision": "fp64", **extra}
     first, second = batches(top_k)
     _, want = one_process(settings, loss, [first, second])
