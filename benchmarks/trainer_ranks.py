@@ -11,11 +11,15 @@ Measured per rank:
 - step time (median), and the time inside the collectives FSDP2 issues (`all_gather_single`,
   `reduce_scatter_single`, `all_reduce`, wrapped with a timer: on gloo they return when done, so the time is the
   communication plus waiting for the slowest rank; on CUDA they are asynchronous and this share is not measured);
-- tokens/s = the global batch's tokens / the slowest rank's median step.
+- tokens/s = the global batch's tokens / the slowest rank's median step;
+- publishing the weights after a step as the trainer service does (rank 0 copies them into a real weight-plane
+  slot over shared memory, the other ranks join the gathers): its seconds, and the most whole-tensor bytes a rank
+  holds at once besides the slot (the largest tensor: they are gathered one at a time), against the model's.
 """
 
 from __future__ import annotations
 
+import math
 import socket
 import statistics
 import time
@@ -57,7 +61,7 @@ class RankBench(Actor):
             trainer.train_step(batch)
             times.append(time.perf_counter() - t0)
         return {"rank": current_rank().rank, "world": world, "step_s": statistics.median(times),
-                "comm_s": sum(comm) / len(times), **held}
+                "comm_s": sum(comm) / len(times), **held, **_publish(trainer, current_rank().rank)}
 
 
 def _time_collectives(dist: Any) -> list[float]:
@@ -75,6 +79,33 @@ def _time_collectives(dist: Any) -> list[float]:
 
         setattr(dist, name, timed)
     return spent
+
+
+def _publish(trainer: Any, rank: int) -> dict[str, float]:
+    """Seconds to publish the weights once (after a first publish that allocated the slot), as the trainer service
+    does: rank 0 into a shared-memory weight plane, the others only joining the gathers; and the whole-tensor
+    bytes held at once (the largest tensor) against the whole model's, both in the publish dtype."""
+    from composer_mesh.mesh.weights.config import WeightPlaneConfig
+    from composer_mesh.mesh.weights.plane import WeightPublisher
+
+    def once(publisher: Any) -> None:
+        named = trainer.named_weights()
+        if publisher is not None:
+            publisher.publish(named)
+        else:
+            for name in named:
+                named[name]
+
+    publisher = WeightPublisher(trainer.named_weights(), WeightPlaneConfig(transport="shm")) if rank == 0 else None
+    once(publisher)
+    t0 = time.perf_counter()
+    once(publisher)
+    seconds = time.perf_counter() - t0
+    shapes = trainer.named_weights().shapes()
+    sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in shapes.values()]
+    if publisher is not None:
+        publisher.close()
+    return {"publish_s": seconds, "publish_peak_bytes": max(sizes), "model_bytes": sum(sizes)}
 
 
 def _held_bytes(trainer: Any) -> dict[str, int]:
@@ -111,7 +142,10 @@ def run_ranks(spec: dict[str, Any], ranks: list[int]) -> list[dict[str, Any]]:
         held = max(a["param_bytes"] + a["optimizer_bytes"] for a in per_rank)
         step = max(a["step_s"] for a in per_rank)
         rows.append({"ranks": world, "step_s": step, "comm_s": max(a["comm_s"] for a in per_rank),
-                     "held_bytes": held, "tokens_per_s": spec["tokens"] / step, "per_rank": per_rank})
+                     "held_bytes": held, "tokens_per_s": spec["tokens"] / step, "per_rank": per_rank,
+                     "publish_s": max(a["publish_s"] for a in per_rank),
+                     "publish_peak_bytes": max(a["publish_peak_bytes"] for a in per_rank),
+                     "model_bytes": per_rank[0]["model_bytes"]})
     one = next((r for r in rows if r["ranks"] == 1), None)
     for row in rows:
         row["held_vs_one"] = row["held_bytes"] / one["held_bytes"] if one else None
@@ -121,12 +155,14 @@ def run_ranks(spec: dict[str, Any], ranks: list[int]) -> list[dict[str, Any]]:
 
 def table(rows: list[dict[str, Any]]) -> list[str]:
     head = ["ranks", "tokens/s", "step s (slowest rank)", "in collectives", "params + AdamW per rank",
-            "vs one proc", "goal ≤ 1/N + 10%"]
+            "vs one proc", "goal ≤ 1/N + 10%", "publish s", "whole tensors held publishing"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
     for r in rows:
         ratio = "-" if r["held_vs_one"] is None else f"{r['held_vs_one']:.3f}"
         ok = "-" if r["held_vs_one"] is None else ("PASS" if r["held_vs_one"] <= r["goal_held"] else "MISS")
         share = f"{r['comm_s']:.3f} s ({r['comm_s'] / r['step_s']:.0%})"
+        held = f"{r['publish_peak_bytes'] / 2**20:,.1f} of {r['model_bytes'] / 2**20:,.1f} MiB"
         lines.append(f"| {r['ranks']} | {r['tokens_per_s']:,.0f} | {r['step_s']:.3f} | {share} | "
-                     f"{r['held_bytes'] / 2**20:,.1f} MiB | {ratio} | {r['goal_held']:.3f} {ok} |")
+                     f"{r['held_bytes'] / 2**20:,.1f} MiB | {ratio} | {r['goal_held']:.3f} {ok} | "
+                     f"{r['publish_s']:.3f} | {held} |")
     return lines

@@ -56,6 +56,8 @@ def test_bench_trainer_ranks_shards_parameters_and_adamw(tmp_path: Path) -> None
     assert set(rows) == {1, 2} and all(r["tokens_per_s"] > 0 and r["step_s"] > 0 for r in rows.values())
     assert len(rows[2]["per_rank"]) == 2 and rows[2]["comm_s"] > 0  # two ranks, their collectives timed
     assert rows[1]["held_vs_one"] == 1.0 and rows[2]["held_vs_one"] <= 0.5 + 0.10
+    for row in rows.values():  # weights published after a step: gathered one tensor at a time
+        assert row["publish_s"] > 0 and 0 < row["publish_peak_bytes"] < row["model_bytes"]
 
 
 @pytest.mark.bench
