@@ -3,8 +3,9 @@
 The module fixture brings up a two-node cluster on this machine with scripts/slurm_netns_up.sh (each node a
 network + UTS namespace with its own slurmd and address on a private bridge; slurmctld, munged and this controller
 on the host, at the bridge's address `cmhead`) and tears it down with scripts/slurm_netns_down.sh. The run
-(`slurm_two_nodes.yaml`) shards its one trainer replica over a Slurm job of two hosts with FSDP2 on gloo; its
-process group meets at rank 0's hostname, on the other node. Locally the test skips when the Slurm packages,
+(`slurm_two_nodes.yaml`, driven by a fresh controller process: two_nodes_main.py) shards its one trainer replica
+over a Slurm job of two hosts with FSDP2 on gloo; the replica's process group meets at rank 0's hostname, so rank
+1 joins it from the other node. Locally the test skips when the Slurm packages,
 iproute2 or root are missing; in CI (`CI=true`) it fails.
 """
 
@@ -15,16 +16,13 @@ import math
 import os
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from composer_mesh.app.launch import launch, run_config
-from composer_mesh.app.runner import apply_overrides, checkpoint_policy
 from composer_mesh.mesh.jobs.slurm_compat import CONTROLLER_HOST_ENV
-from composer_mesh.orchestration.loop import RLLoop
-from composer_mesh.topology import Topology, load_topology
 from tests.services import require
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]  # ~1-2 minutes: model warm start, two Slurm procs, FSDP2
@@ -70,32 +68,27 @@ def _records(run_dir: Path) -> list[dict]:
     return [r for r in lines if "event" not in r]
 
 
-def _topology(run_dir: Path) -> Topology:
-    path = HERE / "slurm_two_nodes.yaml"
-    topo = apply_overrides(load_topology(path), None, run_dir)
-    topo._source = path
-    return topo
-
-
 async def test_a_replica_whose_ranks_span_two_slurm_nodes_trains_and_syncs(
-    two_node_cluster: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    two_node_cluster: None, tmp_path: Path
 ) -> None:
-    # The nodes reach this controller only at the bridge's address (they have no other route).
-    monkeypatch.setenv(CONTROLLER_HOST_ENV, "cmhead")
-    topo = _topology(tmp_path / "run")
-    async with launch(topo) as mesh:
-        job_id = mesh.launched.slurm_job_ids["trainer"]
-        nodes = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%N"], capture_output=True, text=True)
-        assert nodes.stdout.strip() == "cmnode[1-2]"
-        where = list((await mesh.trainer.process.call()).values())  # rank order: rank 0 first
-        assert sorted(w["host"] for w in where) == list(NODES), where  # one rank per Slurm node
-        # ... each in its node's network namespace (same machine, same pid namespace: /proc shows them)
-        netns = {os.readlink(f"/proc/{w['pid']}/ns/net") for w in where}
-        assert len(netns) == 2 and os.readlink("/proc/self/ns/net") not in netns, netns
-        summary = await RLLoop(mesh, run_config(topo), topo.loss, checkpoints=checkpoint_policy(topo)).run()
-        assert summary.steps == 2
-        trainer = await mesh.trainer.weights_digest.call()  # every rank gathers the same full weights
-        generators = await mesh.generators.weights_digest.call()
-        assert len(set(trainer.values())) == 1 and set(generators.values()) == set(trainer.values())
+    # The nodes reach the controller only at the bridge's address (they have no other route); the run is a
+    # fresh controller process (two_nodes_main.py says why).
+    env = {**os.environ, CONTROLLER_HOST_ENV: "cmhead", "PYTHONPATH": os.pathsep.join(
+        p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    out = tmp_path / "seen.json"
+    run = subprocess.run(
+        [sys.executable, str(HERE / "two_nodes_main.py"), str(tmp_path / "run"), str(tmp_path / "slurm"), str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=480,
+    )
+    assert run.returncode == 0, f"controller failed ({run.returncode}):\n{run.stdout[-3000:]}\n{run.stderr[-6000:]}"
+    seen = json.loads(out.read_text())
+    assert seen["job_nodes"] == "cmnode[1-2]"  # one Slurm job over both nodes
+    ranks = seen["ranks"]
+    assert sorted(w["host"] for w in ranks) == list(NODES), ranks  # one rank of the replica per Slurm node
+    netns = {w["netns"] for w in ranks}  # ... each in its node's network namespace, not the controller's
+    assert len(netns) == 2 and seen["controller_netns"] not in netns, seen
+    assert seen["steps"] == 2
+    trainer, generators = ({json.dumps(d) for d in seen[k]} for k in ("trainer_digests", "generator_digests"))
+    assert len(trainer) == 1 and generators == trainer  # the generators got the trainer's weights
     steps = _records(tmp_path / "run")
     assert [r["step"] for r in steps] == [1, 2] and all(math.isfinite(r["loss"]) for r in steps)
