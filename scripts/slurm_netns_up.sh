@@ -3,9 +3,9 @@
 # hosts. Each node is its own network + UTS namespace (so its `hostname` and its address differ), with one
 # slurmd in it; slurmctld and munged run on this host. Stop it with scripts/slurm_netns_down.sh. Run as root.
 #
-# Why namespaces and not Slurm's multiple-slurmd mode: Debian's slurmd is built without it, and even with it
-# every node would share one hostname and one network stack, while Monarch's worker binds
-# tcp://$(hostname):<monarch_port> on *every* node of a job with the same port.
+# Why namespaces and not Slurm's multiple-slurmd mode (which Debian 12's slurmd does run): its nodes share one
+# hostname and one network stack, while Monarch's worker binds tcp://$(hostname):<monarch_port> on *every* node
+# of a job with the same port (the second bind fails: "Address already in use").
 #
 # Network: a bridge cmbr0 with 10.213.0.1/24 on this host (the "head": slurmctld, the controller), and per node
 # i a namespace cmn<i> whose veth end has 10.213.0.<10+i>/24. The namespaces have no default route: their only
