@@ -263,6 +263,25 @@ class JobWatch:
             await asyncio.sleep(poll_s)
 
 
+# The controller's address as the Slurm nodes reach it, when its hostname does not lead there (e.g. a login
+# node whose hostname resolves to an interface the compute nodes cannot route to, or the namespaced test
+# cluster of scripts/slurm_netns_up.sh, whose nodes reach the controller only at its bridge address).
+CONTROLLER_HOST_ENV = "COMPOSER_MESH_CONTROLLER_HOST"
+
+
+def controller_transport(host: str) -> str:
+    """Monarch's client transport listening on `host` (a name or an IPv4 address), on any free port.
+
+    Monarch's `TcpWithHostname` listens on the first non-loopback address of this machine's hostname, which
+    the procs in the Slurm jobs dial back; with `COMPOSER_MESH_CONTROLLER_HOST` the operator names it instead.
+    """
+    try:
+        address = socket.gethostbyname(host)
+    except socket.gaierror as e:
+        raise ValueError(f"{CONTROLLER_HOST_ENV}={host!r} does not resolve: {e}") from None
+    return f"tcp://{address}:0"
+
+
 def create_jobs(
     job_kwargs: dict[str, dict[str, Any]],
     hosts: dict[str, int],
@@ -281,7 +300,12 @@ def create_jobs(
     for name, kwargs in job_kwargs.items():
         args = {**kwargs, "slurm_args": (*kwargs.get("slurm_args", ()), *warning_args(warning_s.get(name)))}
         jobs[name] = cls(meshes={name: hosts[name]}, python_exe=worker_python(log_dir), log_dir=log_dir, **args)
-    if hostname_is_loopback_only():
+    controller_host = os.environ.get(CONTROLLER_HOST_ENV)
+    if controller_host:
+        from monarch.config import configure
+
+        configure(default_transport=controller_transport(controller_host))
+    elif hostname_is_loopback_only():
         from monarch.actor import ChannelTransport
         from monarch.config import configure
 

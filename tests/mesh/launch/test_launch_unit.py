@@ -13,6 +13,7 @@ import pytest
 from composer_mesh.actors.configs import GeneratorConfig, TrainerConfig
 from composer_mesh.app.launch import role_placements
 from composer_mesh.mesh.jobs.slurm_compat import (
+    controller_transport,
     hostname_is_loopback_only,
     normalize_squeue_job,
     select_squeue_job,
@@ -74,6 +75,13 @@ def test_squeue_new_layout_passes_unchanged() -> None:
 def test_loopback_detection() -> None:
     assert hostname_is_loopback_only("localhost")
     assert not hostname_is_loopback_only("192.0.2.7")
+
+
+def test_controller_transport_listens_on_the_named_address() -> None:
+    assert controller_transport("192.0.2.7") == "tcp://192.0.2.7:0"
+    assert controller_transport("localhost") == "tcp://127.0.0.1:0"
+    with pytest.raises(ValueError, match=r"COMPOSER_MESH_CONTROLLER_HOST='no-such-host\.invalid' does not resolve"):
+        controller_transport("no-such-host.invalid")
 
 
 def _local() -> Topology:
