@@ -8,9 +8,10 @@ Measured per rank:
 
 - parameter + AdamW-state bytes it holds (its shards: `DTensor.to_local()`), counted exactly after the warm-up
   step, and the ratio to one proc's (goal: ≤ 1/N + 10%);
-- step time (median), and the time inside the collectives FSDP2 issues (`all_gather_single`,
-  `reduce_scatter_single`, `all_reduce`, wrapped with a timer: on gloo they return when done, so the time is the
-  communication plus waiting for the slowest rank; on CUDA they are asynchronous and this share is not measured);
+- step time (median), and the time inside the collectives FSDP2 and the loss merge issue (`all_gather_single`,
+  `reduce_scatter_single`, `all_reduce`, `all_gather`, wrapped with a timer: on gloo they return when done, so the
+  time is the communication plus waiting for the slowest rank; on CUDA they are asynchronous and this share is not
+  measured), and how many of them a step issues;
 - tokens/s = the global batch's tokens / the slowest rank's median step;
 - publishing the weights after a step as the trainer service does (rank 0 copies them into a real weight-plane
   slot over shared memory, the other ranks join the gathers): its seconds, and the most whole-tensor bytes a rank
@@ -27,7 +28,7 @@ from typing import Any
 
 from monarch.actor import Actor, current_rank, endpoint
 
-COLLECTIVES = ("all_gather_single", "reduce_scatter_single", "all_reduce")
+COLLECTIVES = ("all_gather_single", "reduce_scatter_single", "all_reduce", "all_gather")
 
 
 class RankBench(Actor):
@@ -61,11 +62,13 @@ class RankBench(Actor):
             trainer.train_step(batch)
             times.append(time.perf_counter() - t0)
         return {"rank": current_rank().rank, "world": world, "step_s": statistics.median(times),
-                "comm_s": sum(comm) / len(times), **held, **_publish(trainer, current_rank().rank)}
+                "comm_s": sum(comm) / len(times), "comm_calls": len(comm) / len(times), **held,
+                **_publish(trainer, current_rank().rank)}
 
 
 def _time_collectives(dist: Any) -> list[float]:
-    """Wrap FSDP2's collectives with a timer; the seconds spent in them, appended per call."""
+    """Wrap the step's collectives (FSDP2's and the loss merge's) with a timer; the seconds spent in them,
+    appended per call."""
     spent: list[float] = []
     for name in COLLECTIVES:
         original = getattr(dist, name)
@@ -142,6 +145,7 @@ def run_ranks(spec: dict[str, Any], ranks: list[int]) -> list[dict[str, Any]]:
         held = max(a["param_bytes"] + a["optimizer_bytes"] for a in per_rank)
         step = max(a["step_s"] for a in per_rank)
         rows.append({"ranks": world, "step_s": step, "comm_s": max(a["comm_s"] for a in per_rank),
+                     "comm_calls": max(a["comm_calls"] for a in per_rank),
                      "held_bytes": held, "tokens_per_s": spec["tokens"] / step, "per_rank": per_rank,
                      "publish_s": max(a["publish_s"] for a in per_rank),
                      "publish_peak_bytes": max(a["publish_peak_bytes"] for a in per_rank),
@@ -154,15 +158,15 @@ def run_ranks(spec: dict[str, Any], ranks: list[int]) -> list[dict[str, Any]]:
 
 
 def table(rows: list[dict[str, Any]]) -> list[str]:
-    head = ["ranks", "tokens/s", "step s (slowest rank)", "in collectives", "params + AdamW per rank",
-            "vs one proc", "goal ≤ 1/N + 10%", "publish s", "whole tensors held publishing"]
+    head = ["ranks", "tokens/s", "step s (slowest rank)", "in collectives", "collectives per step",
+            "params + AdamW per rank", "vs one proc", "goal ≤ 1/N + 10%", "publish s", "whole tensors held publishing"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
     for r in rows:
         ratio = "-" if r["held_vs_one"] is None else f"{r['held_vs_one']:.3f}"
         ok = "-" if r["held_vs_one"] is None else ("PASS" if r["held_vs_one"] <= r["goal_held"] else "MISS")
         share = f"{r['comm_s']:.3f} s ({r['comm_s'] / r['step_s']:.0%})"
         held = f"{r['publish_peak_bytes'] / 2**20:,.1f} of {r['model_bytes'] / 2**20:,.1f} MiB"
-        lines.append(f"| {r['ranks']} | {r['tokens_per_s']:,.0f} | {r['step_s']:.3f} | {share} | "
+        lines.append(f"| {r['ranks']} | {r['tokens_per_s']:,.0f} | {r['step_s']:.3f} | {share} | {r['comm_calls']:.0f} | "
                      f"{r['held_bytes'] / 2**20:,.1f} MiB | {ratio} | {r['goal_held']:.3f} {ok} | "
                      f"{r['publish_s']:.3f} | {held} |")
     return lines

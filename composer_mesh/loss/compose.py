@@ -45,7 +45,7 @@ from composer_mesh.loss.hidden import (
     hidden_token_logprobs,
 )
 from composer_mesh.loss.preference import ReplayPairs, dpo_loss, replay_metrics, sequence_logps, simpo_loss
-from composer_mesh.loss.ranks import Ranks, merge_distill, merge_policy, merge_replay, merge_sums
+from composer_mesh.loss.ranks import Local, Ranks, merge
 
 __all__ = [
     "BatchTotals",
@@ -299,11 +299,10 @@ class LossAccumulator:
         return LossResult(total=total, parts=parts, metrics=metrics)
 
     def _merge(self, ranks: Ranks, teachers: Sequence[str]) -> None:
-        diag = self._diag
-        self._sums, self._saw = merge_sums(ranks, self._sums, self._saw)
-        diag.policy, diag.advantages = merge_policy(ranks, diag.policy, diag.advantages)
-        diag.distill = merge_distill(ranks, diag.distill)
-        diag.replay = merge_replay(ranks, diag.replay, teachers)
+        d = self._diag
+        whole = merge(ranks, Local(self._sums, self._saw, d.policy, d.advantages, d.distill, d.replay), teachers)
+        self._sums, self._saw = whole.sums, whole.saw
+        self._diag = _Diagnostics(whole.policy, whole.advantages, whole.distill, whole.replay)
 
     def _step_taid(self, sdpo: Tensor, metrics: dict[str, float]) -> None:
         config, state, t = self.config, self.state, self.taid_t

@@ -126,12 +126,9 @@ class TorchRanks:
         self.device = device
         self.world = dist.get_world_size()
 
-    def sum(self, t: Tensor) -> Tensor:
-        out = t.to(self.device, copy=True)
-        dist.all_reduce(out)
-        return out.to(t.device)
-
-    def cat(self, t: Tensor) -> Tensor:
+    def gather(self, t: Tensor) -> list[Tensor]:
+        """Every rank's `t` in rank order (lengths along dim 0 may differ): two all_gathers, the lengths and then
+        the values padded to the longest, whatever `t` packs (the loss merge packs a whole step's into one)."""
         sizes = [torch.zeros(1, dtype=torch.long, device=self.device) for _ in range(self.world)]
         dist.all_gather(sizes, torch.tensor([t.shape[0]], dtype=torch.long, device=self.device))
         counts = [int(s) for s in sizes]
@@ -139,7 +136,11 @@ class TorchRanks:
         padded[: t.shape[0]] = t.to(self.device)
         gathered = [torch.empty_like(padded) for _ in range(self.world)]
         dist.all_gather(gathered, padded)
-        return torch.cat([g[:n] for g, n in zip(gathered, counts, strict=True)]).to(t.device)
+        return [g[:n].to(t.device) for g, n in zip(gathered, counts, strict=True)]
+
+    def cat(self, t: Tensor) -> Tensor:
+        """Every rank's `t` concatenated in rank order along dim 0."""
+        return torch.cat(self.gather(t))
 
 
 def check_same_round(ranks: TorchRanks, replica: int, round_id: int) -> None:

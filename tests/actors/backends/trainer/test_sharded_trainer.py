@@ -19,7 +19,7 @@ from actors.backends.trainer.test_hf_trainer import MODEL, make_batch, make_trai
 from monarch.actor import this_host
 
 from composer_mesh.actors.backends.trainer.hf_trainer import HFTrainer, HFTrainerSettings
-from composer_mesh.actors.backends.trainer.sharding import rank_pieces, rank_rows
+from composer_mesh.actors.backends.trainer.sharding import TorchRanks, rank_pieces, rank_rows
 from composer_mesh.actors.backends.trainer.train_batch import TrainRows
 from composer_mesh.loss.config import LossConfig
 
@@ -150,6 +150,25 @@ async def test_rank_0_publishes_gathering_one_tensor_at_a_time(meshes):
         await ranks.close.call()
     assert got.keys() == want.keys()
     assert max(float((got[n].double() - want[n].double()).abs().max()) for n in want) < 1e-6
+
+
+def test_torch_ranks_gather_is_two_all_gathers_whatever_it_packs(monkeypatch):
+    """The loss merge's one exchange: the lengths, then the values padded to the longest, unpadded per rank."""
+    import torch.distributed as dist
+
+    peer, sent = torch.arange(5, dtype=torch.float64), []
+
+    def all_gather(out, t):  # rank 0 of 2; rank 1 sends 5 values
+        sent.append(t.clone())
+        out[0].copy_(t)
+        out[1].copy_(torch.tensor([5]) if len(sent) == 1 else torch.nn.functional.pad(peer, (0, len(t) - 5)))
+
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(dist, "all_gather", all_gather)
+    ranks = TorchRanks(torch.device("cpu"))
+    got = ranks.gather(torch.tensor([7.0, 8.0], dtype=torch.float64))
+    assert len(sent) == 2 and [g.tolist() for g in got] == [[7.0, 8.0], peer.tolist()]
+    assert got[0].dtype == torch.float64
 
 
 @pytest.mark.slow
