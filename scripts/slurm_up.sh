@@ -14,6 +14,8 @@ set -euo pipefail
 
 T0=$(date +%s.%N)
 log() { printf '[slurm_up %6.2fs] %s\n' "$(awk -v a="$(date +%s.%N)" -v b="$T0" 'BEGIN{print a-b}')" "$*"; }
+# shellcheck source=scripts/slurm_lib.sh
+. "$(dirname "$0")/slurm_lib.sh"
 
 [ "$(id -u)" = 0 ] || { echo "slurm_up.sh must run as root" >&2; exit 1; }
 SLURM_AUTH=${SLURM_AUTH:-munge}
@@ -46,25 +48,7 @@ if ! getent hosts "$HOST" >/dev/null; then
 fi
 
 # ---------------------------------------------------------------- munge
-if [ "$SLURM_AUTH" = munge ]; then
-  install -d -o munge -g munge -m 0755 /run/munge
-  install -d -o munge -g munge -m 0700 /var/lib/munge /var/log/munge /etc/munge
-  if [ ! -s /etc/munge/munge.key ]; then
-    dd if=/dev/urandom bs=1 count=1024 of=/etc/munge/munge.key status=none
-    chown munge:munge /etc/munge/munge.key; chmod 0400 /etc/munge/munge.key
-  fi
-  if ! munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then
-    runuser -u munge -- /usr/sbin/munged --force
-    for _ in $(seq 50); do munge -n 2>/dev/null | unmunge >/dev/null 2>&1 && break; sleep 0.1; done
-  fi
-  munge -n | unmunge >/dev/null
-  log "munged up"
-  AUTH_LINES="AuthType=auth/munge
-CredType=cred/munge"
-else
-  AUTH_LINES="AuthType=auth/none
-CredType=cred/none"
-fi
+start_munge
 
 # ---------------------------------------------------------------- config
 install -d -m 0755 /etc/slurm /var/log/slurm /var/spool/slurmctld /var/spool/slurmd /run/slurm
@@ -83,36 +67,14 @@ SlurmctldPidFile=/run/slurm/slurmctld.pid
 SlurmdPidFile=/run/slurm/slurmd.pid
 SlurmctldLogFile=/var/log/slurm/slurmctld.log
 SlurmdLogFile=/var/log/slurm/slurmd.log
-SlurmctldDebug=info
-SlurmdDebug=info
-# No cgroup plugins: they are what breaks in containers and without systemd.
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
-JobCompType=jobcomp/none
-MpiDefault=none
-SchedulerType=sched/backfill
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
-ReturnToService=2
-SchedulerParameters=batch_sched_delay=0,sched_interval=1
-MessageTimeout=10
-SlurmdTimeout=30
-InactiveLimit=0
-KillWait=5
-MinJobAge=300
-MailProg=/bin/true
+$(slurm_conf_common)
 ${NODE_LINE} State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 CONF
 log "config written ($NODE_LINE)"
 
 # ---------------------------------------------------------------- daemons
-/usr/sbin/slurmctld -c   # -c: start from a clean state
-for _ in $(seq 100); do scontrol ping 2>/dev/null | grep -q UP && break; sleep 0.1; done
-scontrol ping | grep -q UP || { tail -50 /var/log/slurm/slurmctld.log >&2; exit 1; }
-log "slurmctld up"
+start_slurmctld
 
 /usr/sbin/slurmd
 ok=0; st=""

@@ -1,8 +1,9 @@
 """A run whose trainer replica is sharded over two procs (FSDP2, gloo; `tiny_sharded_run.yaml`) on real meshes:
-it trains, the generators hold the trainer's exact weights after every sync, its first step's loss is the
-one-proc run's, the final model is a plain HF directory, at lag 0 a stopped and resumed run is bitwise the
-uninterrupted one (each rank saves and restores its own shards), and a rank killed with SIGKILL fails the run (no
-hang) with the trainer named, after which `--resume` finishes it. Multi-turn episodes train on it as on one proc."""
+it trains, the generators hold the trainer's exact weights after every sync, the final model is a plain HF
+directory, at lag 0 a stopped and resumed run is bitwise the uninterrupted one (each rank saves and restores
+its own shards), and a rank killed with SIGKILL fails the run (no
+hang) with the trainer named. Multi-turn episodes train on it as on one proc:
+the same first-step loss as a one-proc run (single completions: test_sharded_trainer.py, to 1e-10)."""
 
 from __future__ import annotations
 
@@ -51,16 +52,12 @@ async def test_sharded_run_trains_syncs_and_resumes_bitwise_at_lag_0(tmp_path):
     cut = records(tmp_path / "cut")
     assert [{k: r[k] for k in keys} for r in whole] == [{k: r[k] for k in keys} for r in cut]
 
-    await run_session(topology("tiny_run.yaml", tmp_path / "plain", steps=1, max_policy_lag=0, eval_prompts=0))
-    plain = records(tmp_path / "plain")
-    # Same rollouts at step 1 (same initial weights and seeds): the same loss, up to float32 sums in another order.
-    assert whole[0]["loss"] == pytest.approx(plain[0]["loss"], rel=1e-5, abs=1e-6)
-    assert whole[0]["channels"] == pytest.approx(plain[0]["channels"], rel=1e-5, abs=1e-6)
 
 
-async def test_a_killed_rank_fails_the_run_and_resume_finishes_it(tmp_path):
+async def test_a_killed_rank_fails_the_run_with_the_trainer_named(tmp_path):
     """kill -9 of rank 1 mid-run: the run fails with the trainer named (no hang in a collective: the survivor's
-    gloo sees its peer gone), and `--resume` from the last checkpoint finishes the run on a fresh replica."""
+    gloo sees its peer gone), after writing its checkpoints. (Resuming a sharded run from a checkpoint is the
+    bitwise test above; with DiLoCo, a dead rank's replica is replaced instead: test_replica_faults.py.)"""
     import asyncio
     import os
     import signal
@@ -82,9 +79,7 @@ async def test_a_killed_rank_fails_the_run_and_resume_finishes_it(tmp_path):
             await asyncio.wait_for(loop.run(), timeout=240)
     steps = [r["step"] for r in records(tmp_path / "run")]
     assert 3 <= steps[-1] < 6
-    resumed = await run_session(topo, resume=True)
-    assert resumed.stopped is None and resumed.resumed_from is not None and resumed.resumed_from >= 2
-    assert [r["step"] for r in records(tmp_path / "run")][-1] == 6
+    assert (tmp_path / "run" / "checkpoints" / "step-00000002" / "COMMITTED.json").exists()
 
 
 def sharded_agentic(run_dir: Path, **run: object) -> Topology:

@@ -4,9 +4,9 @@ The module fixture brings up a two-node cluster on this machine with scripts/slu
 network + UTS namespace with its own slurmd and address on a private bridge; slurmctld, munged and this controller
 on the host, at the bridge's address `cmhead`) and tears it down with scripts/slurm_netns_down.sh. The run
 (`slurm_two_nodes.yaml`, driven by a fresh controller process: two_nodes_main.py) shards its one trainer replica
-over a Slurm job of two hosts with FSDP2 on gloo; the replica's process group meets at rank 0's hostname, so rank
-1 joins it from the other node. Locally the test skips when the Slurm packages,
-iproute2 or root are missing; in CI (`CI=true`) it fails.
+over a Slurm job of two hosts with FSDP2 on gloo; the replica's process group meets at rank 0's hostname, so
+rank 1 joins it from the other node. Locally the test skips when the Slurm packages, iproute2 or root are
+missing; in CI (`CI=true`) it fails.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from services import require
 
 from composer_mesh.mesh.jobs.slurm_compat import CONTROLLER_HOST_ENV
-from tests.services import require
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]  # ~1-2 minutes: model warm start, two Slurm procs, FSDP2
 

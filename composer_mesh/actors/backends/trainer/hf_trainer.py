@@ -168,11 +168,12 @@ class HFTrainer:
         return self.step
 
     def named_weights(self) -> Mapping[str, torch.Tensor]:
-        """What generators get (`weight_kind`); on a sharded replica a `sharding.GatheredWeights` (each tensor
-        gathered when read: a collective of the replica's ranks). 'full': the tensors generators need (parameters, tied ones once,
+        """What generators get (`weight_kind`). 'full': the tensors generators need (parameters, tied ones once,
         and persistent buffers), by HF name, in the model config's dtype (a copy only where the training dtype
         differs); with LoRA the adapters merged in, under the plain model's names. 'adapter': the LoRA adapter
-        tensors by the injected model's names (`models.lora.adapter_weights`), in their training dtype (float32)."""
+        tensors by the injected model's names (`models.lora.adapter_weights`), in their training dtype (float32).
+        On a sharded replica a `sharding.GatheredWeights`: each tensor is gathered when read, a collective of the
+        replica's ranks, so the weight plane never holds the whole model unsharded."""
         from composer_mesh.models.loading import named_weights
 
         assert self.model is not None, "call start() first"
