@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import shutil
 import subprocess
 import time
 from collections.abc import Iterator
@@ -27,43 +26,20 @@ from composer_mesh.mesh.spec import MeshSpec, SlurmOptions, mesh_spec
 from composer_mesh.roles import ROLES
 from tests.mesh.launch.probe_actors import ProbeActor
 from tests.mesh.launch.proc_utils import descendants, new_descendants_after_exit, wait_gone
-from tests.mesh.launch.slurm_utils import ignores_usr1
-from tests.services import require
+from tests.mesh.launch.slurm_utils import cluster, ignores_usr1
 
 pytestmark = pytest.mark.slurm
 
 HERE = Path(__file__).parent
-ROOT = HERE.parents[2]
 PROBES = dict.fromkeys(ROLES, ProbeActor)
-
-
-def _script(name: str, timeout: float) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "SLURM_APT": "0"}  # never apt-get from a test; .ci/run installs the packages
-    return subprocess.run(
-        ["bash", str(ROOT / "scripts" / name)], env=env, capture_output=True, text=True, timeout=timeout
-    )
 
 
 @pytest.fixture(scope="module")
 def slurm_cluster() -> Iterator[None]:
-    missing = [
-        b for b in ("slurmctld", "slurmd", "sbatch", "squeue", "scancel", "munged") if not shutil.which(b)
-    ]
-    require(
-        not missing,
-        f"Slurm packages (missing {', '.join(missing)}; apt-get install slurmctld slurmd slurm-client munge)",
-    )
-    require(os.geteuid() == 0, "root (the Slurm tier starts slurmctld/slurmd)")
-    _script("slurm_down.sh", 60)  # a cluster left over from an interrupted run
-    up = _script("slurm_up.sh", 180)
-    if up.returncode != 0:
-        _script("slurm_down.sh", 60)
-        pytest.fail(f"scripts/slurm_up.sh failed ({up.returncode}):\n{up.stdout}\n{up.stderr}")
-    try:
-        yield
-    finally:
-        down = _script("slurm_down.sh", 60)
-        assert down.returncode == 0, down.stderr
+    yield from cluster("slurm_up.sh", "slurm_down.sh", ("slurmctld", "slurmd", "sbatch", "squeue", "scancel", "munged"),
+                       "slurmctld slurmd slurm-client munge",
+                       {"SLURM_APT": "0"},  # never apt-get from a test; .ci/run installs the packages
+                       up_timeout=180)
 
 
 def _squeue(job_id: str) -> str:

@@ -14,16 +14,15 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from services import require
 
 from composer_mesh.mesh.jobs.slurm_compat import CONTROLLER_HOST_ENV
+from tests.mesh.launch.slurm_utils import cluster
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]  # ~1-2 minutes: model warm start, two Slurm procs, FSDP2
 
@@ -32,35 +31,13 @@ ROOT = HERE.parents[2]
 NODES = ("cmnode1", "cmnode2")  # scripts/slurm_netns_up.sh's node names (SLURM_NODES=2)
 
 
-def _script(name: str, timeout: float) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "SLURM_NODES": str(len(NODES))}
-    return subprocess.run(
-        ["bash", str(ROOT / "scripts" / name)], env=env, capture_output=True, text=True, timeout=timeout
-    )
-
-
 @pytest.fixture(scope="module")
 def two_node_cluster() -> Iterator[None]:
-    missing = [
-        b for b in ("slurmctld", "slurmd", "sbatch", "squeue", "scancel", "munged", "ip", "nsenter", "unshare")
-        if not shutil.which(b)
-    ]
-    require(
-        not missing,
-        f"Slurm packages and iproute2 (missing {', '.join(missing)}; "
-        "apt-get install slurmctld slurmd slurm-client munge iproute2)",
-    )
-    require(os.geteuid() == 0, "root (the two-node Slurm tier creates network namespaces and starts slurmd)")
-    _script("slurm_netns_down.sh", 60)  # a cluster (either kind) left over from an interrupted run
-    up = _script("slurm_netns_up.sh", 120)
-    if up.returncode != 0:
-        _script("slurm_netns_down.sh", 60)
-        pytest.fail(f"scripts/slurm_netns_up.sh failed ({up.returncode}):\n{up.stdout}\n{up.stderr}")
-    try:
-        yield
-    finally:
-        down = _script("slurm_netns_down.sh", 60)
-        assert down.returncode == 0, down.stderr
+    # slurm_netns_down.sh also removes a one-node cluster left over from an interrupted run.
+    yield from cluster("slurm_netns_up.sh", "slurm_netns_down.sh",
+                       ("slurmctld", "slurmd", "sbatch", "squeue", "scancel", "munged", "ip", "nsenter", "unshare"),
+                       "slurmctld slurmd slurm-client munge iproute2", {"SLURM_NODES": str(len(NODES))},
+                       up_timeout=120)
 
 
 def _records(run_dir: Path) -> list[dict]:
