@@ -137,7 +137,6 @@ class ObjectStoreDiLoCo:
         self.config = config
         self.model = model
         self.inner_optimizer = inner_optimizer
-        self.shard = shard
         self.fragments = fragments if fragments is not None else split_fragments(model, config.fragments)
         if shard is not None:  # rank k of a sharded replica: its own shards, its own prefix of the store
             k, n = shard
