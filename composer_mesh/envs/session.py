@@ -38,13 +38,17 @@ class StepResult:
     `messages`: what it adds to the conversation (tool results, a user turn; empty when it ends the episode
     with nothing to say). `reward`: this turn's reward (None: none); an episode's reward is the sum of its turns'.
     `done`: the episode is over, with `status` saying how. `info`: counters for the metrics (e.g.
-    `{"tool_calls": 2, "tool_errors": 1}`), numbers only."""
+    `{"tool_calls": 2, "tool_errors": 1}`), numbers only. `feedback`: what went wrong with this turn, in words,
+    when the environment saw a mistake (a tool error, a failing visible test, a wrong answer); None: nothing it
+    could name. It is what a hint source may turn into targeted feedback (`orchestration/rollout/hints.py`); it
+    is never shown to the policy unless it is also in `messages`."""
 
     messages: list[Message] = field(default_factory=list)
     reward: float | None = None
     done: bool = False
     status: EpisodeStatus = "done"
     info: dict[str, float] = field(default_factory=dict)
+    feedback: str | None = None
 
 
 class EpisodePrompt(Protocol):
