@@ -22,7 +22,13 @@ from monarch.actor import concurrent_endpoint, endpoint
 from composer_mesh.actors.backends.generation.base import GeneratorBackend
 from composer_mesh.actors.configs import GeneratorConfig
 from composer_mesh.actors.digest import weights_digest
-from composer_mesh.actors.messages import GenerationRequest, RolloutGroup, WeightVersion
+from composer_mesh.actors.messages import (
+    GenerationRequest,
+    RolloutGroup,
+    SelfTeacherRequest,
+    TokenDistribution,
+    WeightVersion,
+)
 from composer_mesh.actors.position import actor_position
 from composer_mesh.actors.role_actor import RoleActor
 from composer_mesh.mesh.weights.config import WeightPlaneConfig
@@ -84,6 +90,17 @@ class GeneratorService:
                 r.generator = self.name
         return groups
 
+    def distributions(self, request: SelfTeacherRequest) -> tuple[int, list[TokenDistribution]]:
+        """The policy as its own teacher: the active weights' distributions over each continuation (pulled weights
+        applied first), and that weight version. A backend without the `self_teacher` capability refuses."""
+        score = getattr(self.backend, "distributions", None)
+        if score is None:
+            raise NotImplementedError(f"{type(self.backend).__name__} cannot score continuations (the self_teacher "
+                                      "capability: run.rollout.hints needs an hf or vllm generator)")
+        with self._serving:
+            version = self._swap_if_pending()
+            return version, score(request)
+
     async def update(self, manifest: WeightManifest) -> WeightVersion:
         """Pull `manifest` into private staging tensors; it becomes active at the next request (or at the next
         decode step of the request in flight, with an in-flight backend).
@@ -137,6 +154,10 @@ class GeneratorActor(RoleActor[GeneratorService]):
     @concurrent_endpoint
     async def generate(self, request: GenerationRequest) -> list[RolloutGroup]:
         return await asyncio.to_thread(self.service.generate, request)
+
+    @concurrent_endpoint
+    async def distributions(self, request: SelfTeacherRequest) -> tuple[int, list[TokenDistribution]]:
+        return await asyncio.to_thread(self.service.distributions, request)
 
     @concurrent_endpoint
     async def update_weights(self, manifest: WeightManifest) -> WeightVersion:

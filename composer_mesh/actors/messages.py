@@ -196,12 +196,16 @@ class TokenDistribution:
 
     Either dense `logits` [T, V] in the student's vocabulary, or sparse top-k: `topk_ids` [T, k] (student
     vocabulary ids) with `topk_logprobs` [T, k]. Only teachers that share the student's tokenizer can give it.
+    Row t is completion token `offset + t`: a teacher that scores only the tokens after some point (the policy
+    conditioned on a hint inserted there, `orchestration/rollout/hints.py`) covers `completion_ids[offset:]`, and
+    only those tokens are distilled.
     """
 
     teacher: str
     logits: torch.Tensor | None = None
     topk_ids: torch.Tensor | None = None
     topk_logprobs: torch.Tensor | None = None
+    offset: int = 0
 
     def __post_init__(self) -> None:
         dense = self.logits is not None
@@ -211,6 +215,8 @@ class TokenDistribution:
         if sparse and (self.topk_ids is None or self.topk_logprobs is None
                        or self.topk_ids.shape != self.topk_logprobs.shape):
             raise ValueError(f"TokenDistribution from {self.teacher!r}: topk_ids and topk_logprobs must match in shape")
+        if self.offset < 0:
+            raise ValueError(f"TokenDistribution from {self.teacher!r}: offset {self.offset} is negative")
 
     @property
     def num_tokens(self) -> int:
@@ -261,6 +267,24 @@ class TeacherRequest:
     seeds: list[int] | None = None
     # Only these replay teachers answer (by member name; None: every replay member). Distributions are unaffected.
     teachers: list[str] | None = None
+
+
+@dataclass
+class SelfTeacherRequest:
+    """Ask a generator for the current policy's distributions over `continuations[i]` (student token ids) given
+    `prompts[i]`, which the generator renders as it renders a turn's prompt (chat `messages` and `tools`, or the
+    exact `token_ids` plus `bridge_messages`). Targeted feedback: the prompt is an episode's conversation with a
+    hint inserted, the continuation the student's own tokens after that point (`orchestration/rollout/hints.py`).
+    `top_k` follows channel 2's rules (`teacher_topk.resolve_top_k` against the policy's vocabulary)."""
+
+    prompts: list[Prompt]
+    continuations: list[list[int]]
+    top_k: TopK = AUTO
+
+    def __post_init__(self) -> None:
+        if len(self.prompts) != len(self.continuations):
+            raise ValueError(f"SelfTeacherRequest: {len(self.prompts)} prompts for {len(self.continuations)} "
+                             "continuations")
 
 
 @dataclass

@@ -159,6 +159,10 @@ class CalculatorSession(ToolSession):
     def grade(self, answer: str) -> float:
         return 1.0 if answer.strip() == str(self.answer) else 0.0
 
+    def answer_feedback(self, answer: str, reward: float) -> str | None:
+        """A wrong product, named as wrong (not corrected: the hint's teacher must still work it out)."""
+        return None if reward > 0 else f"{answer.strip()[:40]!r} is not the product; compute it with the calculator tool"
+
 
 def operands(prompt: EpisodePrompt) -> tuple[int, int]:
     """The operands of a calculator prompt (from `extra["calculator"]`)."""

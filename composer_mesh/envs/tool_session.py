@@ -36,6 +36,11 @@ class ToolSession(ABC):
     def grade(self, answer: str) -> float:
         """The reward of the policy's final answer (its last turn's text outside tool calls, stripped)."""
 
+    def answer_feedback(self, answer: str, reward: float) -> str | None:
+        """What was wrong with a final answer graded `reward`, in words (`StepResult.feedback`, which targeted
+        feedback may turn into a hint); None: nothing to say. A task that can say more overrides it."""
+        return None
+
     async def reset(self) -> Observation:
         return Observation(messages=[dict(m) for m in self.messages], tools=self.toolbox.schemas)
 
@@ -46,15 +51,16 @@ class ToolSession(ABC):
         turn = parse_tool_calls(action)
         if turn.is_final:
             self.done = True
-            return StepResult(reward=float(self.grade(turn.content)), done=True, status="done",
-                              info={"tool_calls": 0.0, "tool_errors": 0.0, "parse_errors": 0.0})
+            reward = float(self.grade(turn.content))
+            return StepResult(reward=reward, done=True, status="done", feedback=self.answer_feedback(turn.content,
+                              reward), info={"tool_calls": 0.0, "tool_errors": 0.0, "parse_errors": 0.0})
         calls_before, errors_before = self.toolbox.calls, self.toolbox.errors
         messages = await self._run(turn.calls)
         if turn.errors:
             messages.append(format_error_message(turn.errors))
         info = {"tool_calls": float(self.toolbox.calls - calls_before),
                 "tool_errors": float(self.toolbox.errors - errors_before), "parse_errors": float(len(turn.errors))}
-        return StepResult(messages=messages, info=info)
+        return StepResult(messages=messages, info=info, feedback=mistakes(messages))
 
     async def _run(self, calls: list[ToolCall]) -> list[Message]:
         run, refused = calls[: self.max_calls_per_turn], calls[self.max_calls_per_turn:]
@@ -67,6 +73,12 @@ class ToolSession(ABC):
 
     async def close(self) -> None:
         self.closed = True
+
+
+def mistakes(messages: list[Message]) -> str | None:
+    """A turn's feedback: the error lines among its observations (failed tool calls, malformed calls), if any."""
+    lines = [line for m in messages for line in str(m.get("content", "")).splitlines() if line.startswith("error: ")]
+    return "\n".join(lines) or None
 
 
 def format_error_message(errors: list[str]) -> dict[str, Any]:

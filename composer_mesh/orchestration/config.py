@@ -59,6 +59,40 @@ class ProgressConfig(BaseModel):
                            "(a step slower than this gets a line of its own).")
 
 
+class HintsConfig(BaseModel):
+    """Targeted feedback (`run.rollout.hints`, docs/agentic.md "Targeted feedback"): at the first policy turn of an
+    episode that went wrong, a hint is inserted into the conversation before that turn; the current policy
+    conditioned on it (on a generator, with its current weights) scores the student's own tokens from that turn
+    on, and channel 2 distils toward it on those policy tokens only."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    source: Literal["none", "environment", "rule"] = Field(
+        "none", description="Where hints come from. none: no targeted feedback. environment: the feedback the "
+        "environment gave on the first turn it saw a mistake in (StepResult.feedback: a tool error, a failing "
+        "visible test, a wrong answer), through `template`. rule: the Python function `rule` names decides.")
+    rule: str | None = Field(
+        None, description="source rule: 'pkg.mod:fn', called as fn(prompt, steps) with the episode's prompt and its "
+        "steps (one per policy turn: the messages before it, its text, the environment's reward, feedback and "
+        "counters); returns a Hint(turn, text) (composer_mesh.orchestration.rollout.hints) or None.")
+    template: str = Field(
+        "Hint: {feedback}", min_length=1, description="source environment: the hint's text; {feedback} is the "
+        "environment's feedback.")
+    role: Literal["user", "system"] = Field(
+        "user", description="The chat role of the inserted hint message.")
+
+    @model_validator(mode="after")
+    def _rule_given(self) -> HintsConfig:
+        if (self.source == "rule") != (self.rule is not None):
+            raise ValueError("run.rollout.hints.rule names the rule function exactly when source is rule "
+                             f"(source {self.source!r}, rule {self.rule!r})")
+        if self.rule is not None and (self.rule.count(":") != 1 or not all(self.rule.split(":"))):
+            raise ValueError(f"run.rollout.hints.rule {self.rule!r} is not an import path 'pkg.mod:fn'")
+        if "{feedback}" not in self.template:
+            raise ValueError(f"run.rollout.hints.template {self.template!r} has no {{feedback}} placeholder")
+        return self
+
+
 class RolloutConfig(BaseModel):
     """How a prompt becomes training data (`run.rollout`): one completion (`single_turn`), or an episode of
     turns played against `run.environment` (`multi_turn`: the policy calls tools, the environment answers, until
@@ -85,6 +119,10 @@ class RolloutConfig(BaseModel):
         "played again from its start with the same seed up to this many times; after that it is trained on "
         "with status error_environment and reward 0 (not scored: `RewardResult.ok` false).")
     max_episodes: int = Field(256, ge=1, description="multi_turn: episodes in flight at once over all generators.")
+    hints: HintsConfig = Field(
+        default_factory=HintsConfig, description="multi_turn: targeted feedback as self-distillation "
+        "(`HintsConfig`): a hint at an episode's first mistake makes the current policy its own channel-2 teacher "
+        "on the tokens after it.")
     turn_linger_s: float = Field(
         0.05, ge=0, description="multi_turn: a free generator waits up to this long for the turns of every playing "
         "episode (those not already being sampled) to arrive, so one request samples them all instead of the first "
@@ -229,6 +267,8 @@ class RunConfig(BaseModel):
                 "run.environment"
             raise ValueError(f"run.rollout.kind multi_turn plays episodes against an environment, and {what} plays "
                              "none: use kind calculator, coding, or openenv with episodes: true (docs/agentic.md)")
+        if self.rollout.hints.source != "none" and self.rollout.kind != "multi_turn":
+            raise ValueError("run.rollout.hints gives feedback inside episodes: it needs run.rollout.kind multi_turn")
         own = getattr(self.environment, "max_turns", None)
         if self.rollout.kind == "multi_turn" and own is not None and own > self.rollout.max_turns:
             raise ValueError(f"run.environment.max_turns ({own}) is more than run.rollout.max_turns "

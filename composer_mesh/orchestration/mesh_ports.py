@@ -18,8 +18,10 @@ from composer_mesh.actors.messages import (
     GenerationRequest,
     RolloutGroup,
     ScoredGroup,
+    SelfTeacherRequest,
     TeacherRequest,
     TeacherSignals,
+    TokenDistribution,
 )
 from composer_mesh.actors.teacher_errors import TeacherFailed
 from composer_mesh.mesh.weights.manifest import WeightManifest
@@ -65,6 +67,9 @@ class MeshGenerators:
             return version, await gen.generate.call_one(request)
 
         return await self.recovery.attempt("generators", versioned)
+
+    async def distributions(self, index: int, request: SelfTeacherRequest) -> tuple[int, list[TokenDistribution]]:
+        return await self.recovery.attempt("generators", lambda: self.procs[index].distributions.call_one(request))
 
     async def update_weights(self, manifest: WeightManifest) -> None:
         self.manifest = manifest  # a generator replaced from now on pulls these weights

@@ -15,8 +15,10 @@ from composer_mesh.actors.messages import (
     GenerationRequest,
     RolloutGroup,
     ScoredGroup,
+    SelfTeacherRequest,
     TeacherRequest,
     TeacherSignals,
+    TokenDistribution,
     TrainBatch,
     TrainMetrics,
 )
@@ -39,6 +41,11 @@ class Generators(Protocol):
 
     async def generate_versioned(self, index: int, request: GenerationRequest) -> tuple[int, list[RolloutGroup]]:
         """Like `generate`, with the weight version generator `index` sampled with (pulled weights applied first)."""
+        ...
+
+    async def distributions(self, index: int, request: SelfTeacherRequest) -> tuple[int, list[TokenDistribution]]:
+        """Generator `index`'s policy as a teacher: its distributions over each continuation and the weight version
+        that gave them (re-issued on a replacement, like `generate`)."""
         ...
 
     async def update_weights(self, manifest: WeightManifest) -> None:

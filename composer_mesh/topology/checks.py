@@ -32,6 +32,8 @@ GPU_CAPABILITY = "gpu"
 ADAPTERS_CAPABILITY = "adapters"
 # A trainer binding that trains one replica over several procs (FSDP2): `procs_per_replica > 1`.
 SHARDED_CAPABILITY = "sharded"
+# A generator binding that scores continuations given a prompt: the policy as its own teacher (run.rollout.hints).
+SELF_TEACHER_CAPABILITY = "self_teacher"
 # The sections owned by the components (validated on their own for the checks).
 SECTIONS: tuple[str, ...] = ("model", "loss", "weights", "diloco", "run")
 
@@ -43,8 +45,10 @@ CROSS_CHECKS: tuple[str, ...] = (
     "(e.g. `openrouter` gives no per-token distributions, so it cannot feed `distill`)",
     "`roles.rewarder` is given exactly when `run.rollout.kind` is `single_turn`: a single completion is scored by "
     "the rewarder, a `multi_turn` episode by its environment (a rewarder there would never be asked)",
-    "`loss.alpha_sdpo > 0` needs a teacher with channel `distill`; `loss.beta_replay > 0` needs a teacher with "
-    "channel `replay` (both default to 1.0, so set them to 0 to run without teachers)",
+    "`loss.alpha_sdpo > 0` needs a teacher with channel `distill` (or `run.rollout.hints`); `loss.beta_replay > 0` "
+    "needs a teacher with channel `replay` (both default to 1.0, so set them to 0 to run without teachers)",
+    "`run.rollout.hints` needs `loss.alpha_sdpo > 0` and a generator binding with capability `self_teacher` "
+    "(`hf`, `vllm`)",
     "`diloco` is given exactly when `roles.trainer.replicas > 1`, and `diloco.replicas` equals it",
     "the trainer mesh has exactly `roles.trainer.replicas` × `procs_per_replica` procs (hosts × procs_per_host)",
     "`procs_per_replica > 1` needs a trainer binding with capability `sharded` (`hf`: FSDP2)",
@@ -201,14 +205,24 @@ def check_teacher_channels(parts: Parts) -> Iterator[Problem]:
                 )
 
 
+def _hints_source(parts: Parts) -> str | None:
+    """`run.rollout.hints.source`; None when the run section is invalid (reported already: unknown here)."""
+    if "run" not in parts.sections:
+        return None
+    run = parts.sections["run"]
+    return getattr(getattr(getattr(run, "rollout", None), "hints", None), "source", "none")
+
+
 def check_loss_channels_fed(parts: Parts) -> Iterator[Problem]:
-    """A loss channel with weight > 0 needs a teacher feeding it."""
+    """A loss channel with weight > 0 needs a teacher feeding it (channel 2: or targeted feedback's hints)."""
     loss = parts.sections.get("loss")
     if loss is None or "teachers" not in parts.roles:  # an invalid pool: that is reported, nothing to check
         return
     teachers = parts.roles["teachers"]
     members = teachers.members if isinstance(teachers, TeachersSpec) else []  # None: no pool
     feeding = {c for m in members for c in m.channels}
+    if _hints_source(parts) != "none":
+        feeding.add("distill")  # the policy conditioned on a hint is channel 2's teacher (None: it may be)
     for weight, channel in (("alpha_sdpo", "distill"), ("beta_replay", "replay")):
         value = getattr(loss, weight, 0) or 0
         if value > 0 and channel not in feeding:
@@ -217,6 +231,22 @@ def check_loss_channels_fed(parts: Parts) -> Iterator[Problem]:
                 f"loss.{weight} = {value} but no teacher has channel {channel!r}; set loss.{weight}: 0 "
                 f"or add a teacher with channels: [{channel}]",
             )
+
+
+def check_hints(parts: Parts) -> Iterator[Problem]:
+    """Targeted feedback feeds channel 2 from the generators: they must score continuations, and the loss must
+    weight channel 2."""
+    if _hints_source(parts) in ("none", None):
+        return
+    loss, generators = parts.sections.get("loss"), parts.roles.get("generators")
+    if loss is not None and not (getattr(loss, "alpha_sdpo", 0) or 0) > 0:
+        yield (("run", "rollout", "hints", "source"), "run.rollout.hints feeds channel 2, which loss.alpha_sdpo = 0 "
+               "switches off: set loss.alpha_sdpo > 0 or hints.source: none")
+    if isinstance(generators, GeneratorsSpec) and SELF_TEACHER_CAPABILITY not in generators.resolved.capabilities:
+        caps = generators.resolved.capabilities
+        yield (("run", "rollout", "hints", "source"), f"run.rollout.hints needs generators that score "
+               f"continuations (capability {SELF_TEACHER_CAPABILITY!r}), and binding {generators.binding!r} has "
+               f"{sorted(caps) or 'none'}: use the hf or vllm generator")
 
 
 def check_rewarder_role(parts: Parts) -> Iterator[Problem]:
@@ -358,6 +388,7 @@ CHECKS: tuple[Callable[[Parts], Iterator[Problem]], ...] = (
     check_gpu_meshes,
     check_teacher_channels,
     check_loss_channels_fed,
+    check_hints,
     check_rewarder_role,
     check_backend_meshes,
     check_local_gpus,

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedTokenizerBase
 
-    from composer_mesh.actors.messages import GenerationRequest, Prompt
+    from composer_mesh.actors.messages import GenerationRequest, Prompt, TokenDistribution
     from composer_mesh.models.config import ModelConfig
 
 
@@ -132,3 +132,18 @@ def check_weights(
         shape, dtype = specs[name]
         if tuple(t.shape) != shape or t.dtype != dtype:
             raise ValueError(f"{who} load_weights: {name!r} is {tuple(t.shape)} {t.dtype}, expected {shape} {dtype}")
+
+
+def to_distribution(name: str, logits: torch.Tensor, top_k: int) -> TokenDistribution:
+    """One sequence's float32 logit rows [T, V] (on the model's device, maybe a view of its batch) -> a CPU
+    `TokenDistribution`: dense (`top_k` 0, a copy: a view would keep the whole batch's logits alive) or the top-k
+    log-probs, taken on the device so only [T, k] crosses to the CPU."""
+    import torch
+
+    from composer_mesh.actors.messages import TokenDistribution
+
+    if top_k == 0:
+        return TokenDistribution(teacher=name, logits=logits.to("cpu", copy=True))
+    logp = torch.log_softmax(logits, dim=-1)
+    vals, ids = logp.topk(min(top_k, logp.shape[-1]), dim=-1)
+    return TokenDistribution(teacher=name, topk_ids=ids.to("cpu", torch.long), topk_logprobs=vals.cpu())

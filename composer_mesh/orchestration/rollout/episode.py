@@ -17,6 +17,7 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from composer_mesh.actors.messages import Prompt, RewardResult, Rollout, Turn
 from composer_mesh.envs.session import EnvSession, Message, StepResult
@@ -52,13 +53,29 @@ class EpisodeLimits:
 
 
 @dataclass
+class EpisodeStep:
+    """One policy turn as the environment saw it: the messages bridged in before it (turn 0: the opening
+    conversation, with the tools declared), the turn's text, and the environment's answer to it. Kept on the
+    controller for targeted feedback (`hints.py`: where a hint goes and what it says); never sent to the trainer."""
+
+    before: list[Message]
+    text: str
+    reward: float | None = None
+    feedback: str | None = None
+    info: dict[str, float] = field(default_factory=dict)
+    tools: list[dict[str, Any]] | None = None  # turn 0 only: the tool schemas the opening declared
+
+
+@dataclass
 class Episode:
-    """A played episode: its rollout, the sum of its turns' rewards and the environment's counters."""
+    """A played episode: its rollout, the sum of its turns' rewards, the environment's counters and its steps
+    (one per policy turn the environment answered)."""
 
     rollout: Rollout
     reward: float
     info: dict[str, float] = field(default_factory=dict)
     error: str | None = None
+    steps: list[EpisodeStep] = field(default_factory=list)
 
     def reward_result(self) -> RewardResult:
         """The episode's score as the trainer takes it. An environment that failed gave no reward: the episode is
@@ -138,6 +155,7 @@ class _Play:
     info: Counter[str] = field(default_factory=Counter)
     texts: list[str] = field(default_factory=list)
     reward: float = 0.0
+    steps: list[EpisodeStep] = field(default_factory=list)
 
     def remaining(self, cap: float | None = None) -> float | None:
         left = None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
@@ -166,7 +184,7 @@ async def play_episode(session: EnvSession, prompt: Prompt, seed: int, limits: E
         status, error = "error_environment", f"{type(e).__name__}: {e}"
         log.warning("episode %s: the environment failed: %s", prompt.prompt_id, error)
     rollout = play.tokens.rollout(prompt, status, "".join(play.texts))
-    return Episode(rollout, play.reward, dict(play.info), error)
+    return Episode(rollout, play.reward, dict(play.info), error, play.steps)
 
 
 async def _turns(session: EnvSession, play: _Play, sample: TurnSampler) -> EpisodeStatus:
@@ -184,8 +202,11 @@ async def _turns(session: EnvSession, play: _Play, sample: TurnSampler) -> Episo
         sampled = await asyncio.wait_for(sample(turn_prompt, play.seed + k * TURN_SEED_STRIDE), play.remaining())
         turn = play.tokens.add(sampled)
         play.texts.append(sampled.text)
+        step = EpisodeStep(pending, sampled.text, tools=(first.tools or None) if k == 0 else None)
         result: StepResult = await asyncio.wait_for(session.step(sampled.text),
                                                     play.remaining(play.limits.step_timeout_s))
+        step.reward, step.feedback, step.info = result.reward, result.feedback, dict(result.info)
+        play.steps.append(step)
         turn.reward = result.reward
         play.reward += result.reward or 0.0
         play.info.update(result.info)

@@ -34,14 +34,23 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from composer_mesh.actors.messages import Prompt, RolloutGroup, ScoredGroup, TeacherTrace, TrainBatch
+from composer_mesh.actors.messages import (
+    Prompt,
+    RolloutGroup,
+    ScoredGroup,
+    TeacherTrace,
+    TokenDistribution,
+    TrainBatch,
+)
+from composer_mesh.actors.teacher_topk import AUTO, TopK
 from composer_mesh.envs.session import EpisodeEnvironment
-from composer_mesh.orchestration.config import RunConfig
+from composer_mesh.orchestration.config import HintsConfig, RunConfig
 from composer_mesh.orchestration.ports import Generators, RestartsExhausted
 from composer_mesh.orchestration.rollout.base import ChunkSource, RolloutFactory, RolloutServices
 from composer_mesh.orchestration.rollout.episode import Episode, EpisodeLimits, TurnSampler, play_episode
+from composer_mesh.orchestration.rollout.hints import SelfTeacher, overlay
 from composer_mesh.orchestration.rollout.single_turn import group_results, spread
 from composer_mesh.orchestration.rollout.teacher_episodes import TeacherEpisodes, TeacherTurns
 from composer_mesh.orchestration.rollout.turns import TurnQueue, TurnRequest, TurnSampling, deliver
@@ -63,6 +72,8 @@ class MultiTurnConfig:
     environment_retries: int
     dynamic_sampling: bool = False
     turn_linger_s: float = 0.0
+    hints: HintsConfig = field(default_factory=HintsConfig)
+    teacher_top_k: TopK = AUTO
 
     @classmethod
     def of(cls, run: RunConfig, context: int | None = None) -> MultiTurnConfig:
@@ -70,7 +81,8 @@ class MultiTurnConfig:
                    limits=EpisodeLimits.of(run, context),
                    sampling=TurnSampling(run.max_new_tokens, run.temperature),
                    max_episodes=run.rollout.max_episodes, environment_retries=run.rollout.environment_retries,
-                   dynamic_sampling=run.dynamic_sampling, turn_linger_s=run.rollout.turn_linger_s)
+                   dynamic_sampling=run.dynamic_sampling, turn_linger_s=run.rollout.turn_linger_s,
+                   hints=run.rollout.hints, teacher_top_k=run.teacher_top_k)
 
 
 class MultiTurnRollout:
@@ -82,6 +94,8 @@ class MultiTurnRollout:
         self.spawn, self.stop = services.spawn, services.stop
         self.queue = TurnQueue(cfg.turn_linger_s, takers=len(services.generators))
         self.replay = self._teacher_episodes(services)
+        self.self_teacher = None if cfg.hints.source == "none" else SelfTeacher(cfg.hints, services.generators,
+                                                                                 cfg.teacher_top_k)
         self._intake: asyncio.Task[None] | None = None
         self._slots: asyncio.Semaphore | None = None
 
@@ -117,18 +131,21 @@ class MultiTurnRollout:
 
     async def _play_chunk(self, chunk: Chunk, chunks: ChunkSource) -> None:
         try:
-            groups = await asyncio.gather(*(self._play_group(p, chunk.first + i, chunk.step)
+            played = await asyncio.gather(*(self._play_group(p, chunk.first + i, chunk.step)
                                             for i, p in enumerate(chunk.prompts)))
-            await chunks.finish(chunk, await self._complete(chunk, list(groups), chunks))
+            await chunks.finish(chunk, await self._complete(chunk, list(played), chunks))
         except RestartsExhausted as e:
             self.stop(str(e))
 
-    async def _play_group(self, prompt: Prompt, index: int, step: int) -> ScoredGroup:
-        """The prompt's `samples_per_prompt` episodes, scored by their environment."""
+    async def _play_group(self, prompt: Prompt, index: int, step: int) -> tuple[ScoredGroup, list[Episode]]:
+        """The prompt's `samples_per_prompt` episodes, scored by their environment (and the episodes, whose steps
+        targeted feedback reads)."""
         first = row_seed(self.cfg.seed, index, self.cfg.samples_per_prompt)
         episodes = await asyncio.gather(*(self._play(prompt, first + j, step)
                                           for j in range(self.cfg.samples_per_prompt)))
-        return ScoredGroup(RolloutGroup(prompt, [e.rollout for e in episodes]), [e.reward_result() for e in episodes])
+        scored = ScoredGroup(RolloutGroup(prompt, [e.rollout for e in episodes]),
+                             [e.reward_result() for e in episodes])
+        return scored, list(episodes)
 
     async def _play(self, prompt: Prompt, seed: int, step: int) -> Episode:
         """One episode (played again from its start, same seed, while its environment fails and retries last)."""
@@ -144,17 +161,38 @@ class MultiTurnRollout:
                                 self.cfg.environment_retries)
             return episode
 
-    async def _complete(self, chunk: Chunk, scored: list[ScoredGroup], chunks: ChunkSource) -> list[GroupResult]:
-        """Teacher distributions over the episodes (channel 2) and the replay teachers' own episodes (channel 3),
-        then one result per prompt. With dynamic sampling only groups whose rewards differ are sent to the teachers
-        (the scheduler sets the others aside)."""
+    async def _complete(self, chunk: Chunk, played: list[tuple[ScoredGroup, list[Episode]]],
+                        chunks: ChunkSource) -> list[GroupResult]:
+        """Teacher distributions over the episodes (channel 2: the teachers', and the hint-conditioned policy's
+        where targeted feedback gave an episode a hint) and the replay teachers' own episodes (channel 3), then one
+        result per prompt. With dynamic sampling only groups whose rewards differ are sent to the teachers (the
+        scheduler sets the others aside)."""
         times = chunks.times(chunk.step)
+        scored = [g for g, _ in played]
         asked = [i for i, g in enumerate(scored)
                  if not self.cfg.dynamic_sampling or len({r.score for r in g.rewards}) > 1]
-        signals, traces = await asyncio.gather(
+        signals, traces, hints = await asyncio.gather(
             self.scoring.signals([scored[i].group for i in asked], chunk.first, times, traces=False),
-            self._replay(chunk, scored, asked, times))
-        return group_results(chunk, TrainBatch(scored, spread(scored, asked, signals), traces))
+            self._replay(chunk, scored, asked, times), self._hints(played, asked, times))
+        distributions = spread(scored, asked, signals)
+        if hints is not None:
+            distributions = overlay(distributions, hints)
+        return group_results(chunk, TrainBatch(scored, distributions, traces))
+
+    async def _hints(self, played: list[tuple[ScoredGroup, list[Episode]]], asked: list[int],
+                     times: StepTimes) -> list[TokenDistribution | None] | None:
+        """Targeted feedback's channel-2 targets, one entry per rollout of the chunk (None: targeted feedback
+        off)."""
+        if self.self_teacher is None:
+            return None
+        prompts, episodes = [], []
+        for i in asked:
+            group, eps = played[i]
+            prompts += [group.group.prompt] * len(eps)
+            episodes += eps
+        found = iter(await self.self_teacher.distributions(prompts, episodes, times))
+        keep = set(asked)
+        return [next(found) if i in keep else None for i, (_, eps) in enumerate(played) for _ in eps]
 
     def _teacher_episodes(self, services: RolloutServices) -> TeacherEpisodes | None:
         """Channel 3's players when the loss weights it (`loss.beta_replay > 0`) and the run has teachers."""
@@ -175,8 +213,10 @@ class MultiTurnRollout:
         return await self.replay.traces(groups, times, self._slots)
 
     def counters(self) -> dict[str, float]:
-        """Teacher episodes played, failed, skipped and sat out (`teacher_episodes/*`), when replay is on."""
-        return {} if self.replay is None else self.replay.counters()
+        """Teacher episodes played, failed, skipped and sat out (`teacher_episodes/*`), when replay is on; hints
+        given (`hints/*`), with targeted feedback."""
+        out = {} if self.replay is None else self.replay.counters()
+        return out | ({} if self.self_teacher is None else self.self_teacher.counters())
 
     async def evaluate(self, prompts: list[Prompt], samples: int, temperature: float,
                        seed: int) -> tuple[int, list[ScoredGroup]]:

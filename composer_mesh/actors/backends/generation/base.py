@@ -34,6 +34,9 @@ class GeneratorBackend(Protocol):
         returns the version now active; each rollout gets `token_versions` (the version that produced each
         token) and `weight_version` = the oldest of them. Callers pass `refresh` only to such backends."""
 
+    # Optional (capability "self_teacher"): `distributions(request: SelfTeacherRequest) -> list[TokenDistribution]`,
+    # the active weights' distributions over each continuation given its prompt (targeted feedback's teacher).
+
     def weight_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Name -> (shape, dtype) of the tensors `load_weights` accepts (the trainer's state-dict names)."""
 

@@ -11,8 +11,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from composer_mesh.actors.backends.config import LocalModelSettings, TorchSettings
 
 # Both generators take LoRA adapters alone from the weight plane (`lora.sync: adapter`).
-HF_GENERATOR_CAPABILITIES: frozenset[str] = frozenset({"adapters"})
-VLLM_GENERATOR_CAPABILITIES: frozenset[str] = frozenset({"adapters"})
+# "adapters": takes LoRA adapters alone (lora.sync: adapter); "self_teacher": scores continuations given a prompt
+# (`distributions`: the policy as its own teacher for targeted feedback, run.rollout.hints).
+HF_GENERATOR_CAPABILITIES: frozenset[str] = frozenset({"adapters", "self_teacher"})
+VLLM_GENERATOR_CAPABILITIES: frozenset[str] = frozenset({"adapters", "self_teacher"})
 
 
 class HFGeneratorSettings(LocalModelSettings, TorchSettings):

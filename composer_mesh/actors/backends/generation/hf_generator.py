@@ -41,8 +41,16 @@ from composer_mesh.actors.backends.local_model import (
     context_of,
     prompt_ids,
     stop_ids_for,
+    to_distribution,
 )
-from composer_mesh.actors.messages import GenerationRequest, Rollout, RolloutGroup
+from composer_mesh.actors.messages import (
+    GenerationRequest,
+    Rollout,
+    RolloutGroup,
+    SelfTeacherRequest,
+    TokenDistribution,
+)
+from composer_mesh.actors.teacher_topk import resolve_top_k
 from composer_mesh.models.prefix_cache import PrefixCache
 
 if TYPE_CHECKING:
@@ -155,6 +163,24 @@ class HFGenerator:
                 )
             )
         return groups
+
+    # -- the policy as its own teacher ---------------------------------------------------------------------
+    def distributions(self, request: SelfTeacherRequest) -> list[TokenDistribution]:
+        """The active weights' distributions over each continuation given its prompt (teacher-forced, one
+        forward per `max_batch` rows), dense or top-k by `request.top_k` against this model's vocabulary."""
+        from composer_mesh.models.sampling import teacher_forced_map
+
+        model, tokenizer = self._require_started()
+        k = resolve_top_k(request.top_k, self._vocab)
+        ids = [prompt_ids(p, tokenizer, self._vocab, "hf generator", len(c), self._context)
+               for p, c in zip(request.prompts, request.continuations)]
+        out: list[TokenDistribution] = []
+        with self._lock:
+            for start in range(0, len(ids), self.settings.max_batch):
+                stop = start + self.settings.max_batch
+                out += teacher_forced_map(model, ids[start:stop], request.continuations[start:stop],
+                                          pad_id=self._pad_id, fn=lambda rows: to_distribution("self", rows, k))
+        return out
 
     # -- weights -----------------------------------------------------------------------------------------
     def weight_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

@@ -269,3 +269,14 @@ def topk_from_logprob_dicts(
             ids[t, j] = int(tid)
             lps[t, j] = float(lp.logprob)
     return ids, lps
+
+
+def dense_from_logprob_dicts(rows: list[Any], vocab: int, what: str) -> torch.Tensor:
+    """Full-vocabulary prompt log-prob dicts -> [T, V] float32 log-probs."""
+    out = torch.full((len(rows), vocab), float("-inf"))
+    for t, row in enumerate(rows):
+        if row is None or len(row) < vocab:
+            raise ValueError(f"{what}: vLLM returned {0 if row is None else len(row)} of {vocab} log-probs at row {t}")
+        for tid, lp in row.items():
+            out[t, int(tid)] = float(lp.logprob)
+    return out

@@ -34,7 +34,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from composer_mesh.actors.backends.generation.config import VLLM_GENERATOR_CAPABILITIES, VLLMGeneratorSettings
-from composer_mesh.actors.backends.generation.vllm_engine import VLLMEngine
+from composer_mesh.actors.backends.generation.vllm_engine import (
+    VLLMEngine,
+    dense_from_logprob_dicts,
+    topk_from_logprob_dicts,
+)
 from composer_mesh.actors.backends.local_model import (
     as_model_config,
     check_generation_request,
@@ -43,7 +47,14 @@ from composer_mesh.actors.backends.local_model import (
     prompt_ids,
     stop_ids_for,
 )
-from composer_mesh.actors.messages import GenerationRequest, Rollout, RolloutGroup
+from composer_mesh.actors.messages import (
+    GenerationRequest,
+    Rollout,
+    RolloutGroup,
+    SelfTeacherRequest,
+    TokenDistribution,
+)
+from composer_mesh.actors.teacher_topk import resolve_top_k
 
 if TYPE_CHECKING:
     from vllm.lora.request import LoRARequest
@@ -188,6 +199,30 @@ class VLLMGenerator:
             finish_reason="stop" if c.finish_reason == "stop" else "length",
             generator=self.settings.name,
         )
+
+    def distributions(self, request: SelfTeacherRequest) -> list[TokenDistribution]:
+        """The active weights' distributions over each continuation given its prompt: vLLM's prompt log-probs of
+        prompt + continuation (the whole vocabulary when dense, else the top k), with the active adapter."""
+        from vllm import SamplingParams
+
+        engine = self._engine()
+        k = resolve_top_k(request.top_k, self._vocab)
+        ids = [prompt_ids(p, engine.tokenizer, self._vocab, "vllm generator", len(c), self._context)
+               for p, c in zip(request.prompts, request.continuations)]
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=k if k > 0 else -1, detokenize=False)
+        todo = [i for i, c in enumerate(request.continuations) if c]
+        results = engine.generate([ids[i] + list(request.continuations[i]) for i in todo], params,
+                                  lora=self._lora) if todo else []
+        rows = {i: list(res.prompt_logprobs[len(ids[i]):]) for i, res in zip(todo, results)}
+        out = []
+        for i, p in enumerate(request.prompts):
+            got, what = rows.get(i, []), f"vllm generator, prompt {p.prompt_id!r}"
+            if k > 0:
+                top_ids, lps = topk_from_logprob_dicts(got, k, what)
+                out.append(TokenDistribution(teacher="self", topk_ids=top_ids, topk_logprobs=lps))
+            else:
+                out.append(TokenDistribution(teacher="self", logits=dense_from_logprob_dicts(got, self._vocab, what)))
+        return out
 
     def weight_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Name -> (shape, dtype) of the set the trainer publishes: the LoRA adapters (started with `adapter`),

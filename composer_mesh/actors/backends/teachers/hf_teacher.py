@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from pydantic import BaseModel
 
-from composer_mesh.actors.backends.local_model import context_of, stop_ids_for
+from composer_mesh.actors.backends.local_model import context_of, stop_ids_for, to_distribution
 from composer_mesh.actors.backends.teachers.config import HF_TEACHER_CAPABILITIES, HFTeacherSettings
 from composer_mesh.actors.backends.teachers.local_teacher import LocalTeacher
 from composer_mesh.actors.messages import Rollout, TokenDistribution
@@ -82,14 +82,7 @@ class HFTeacher(LocalTeacher):
         return out
 
     def _to_distribution(self, logits: torch.Tensor, top_k: int) -> TokenDistribution:
-        """One rollout's float32 rows (on the model's device, maybe a view of its batch) -> a CPU distribution.
-        Top-k is taken on the device, so only [T, k] crosses to the CPU."""
-        logits = self._to_student_vocab(logits)
-        if top_k == 0:  # a copy, also on CPU: a view would keep the whole batch's logits alive
-            return TokenDistribution(teacher=self.name, logits=logits.to("cpu", copy=True))
-        logp = torch.log_softmax(logits, dim=-1)
-        vals, ids = logp.topk(min(top_k, logp.shape[-1]), dim=-1)
-        return TokenDistribution(teacher=self.name, topk_ids=ids.to("cpu", torch.long), topk_logprobs=vals.cpu())
+        return to_distribution(self.name, self._to_student_vocab(logits), top_k)
 
     def _sample_traces(self, ids: list[list[int]], max_new_tokens: int, seed: int,
                        seeds: list[int] | None = None) -> list[list[int]]:

@@ -23,10 +23,9 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-import torch
-
 from composer_mesh.actors.backends.generation.vllm_engine import (
     VLLMEngine,
+    dense_from_logprob_dicts,
     topk_from_logprob_dicts,
 )
 from composer_mesh.actors.backends.local_model import context_of, stop_ids_for
@@ -121,7 +120,7 @@ class VLLMTeacher(LocalTeacher):
             if ids.numel() and int(ids.max()) >= self.student_vocab:
                 raise ValueError(f"{what}: top-k id {int(ids.max())} is outside the student's vocabulary")
             return TokenDistribution(teacher=self.name, topk_ids=ids, topk_logprobs=lps)
-        return TokenDistribution(teacher=self.name, logits=self._to_student_vocab(_dense(rows, self._vocab, what)))
+        return TokenDistribution(teacher=self.name, logits=self._to_student_vocab(dense_from_logprob_dicts(rows, self._vocab, what)))
 
     def _sample_traces(self, ids: list[list[int]], max_new_tokens: int, seed: int,
                        seeds: list[int] | None = None) -> list[list[int]]:
@@ -139,14 +138,3 @@ class VLLMTeacher(LocalTeacher):
         ]
         results = engine.generate(ids, params) if ids else []
         return [[int(t) for t in res.outputs[0].token_ids] for res in results]
-
-
-def _dense(rows: list[Any], vocab: int, what: str) -> torch.Tensor:
-    """Full-vocabulary prompt log-prob dicts -> [T, V] float32 log-probs."""
-    out = torch.full((len(rows), vocab), float("-inf"))
-    for t, row in enumerate(rows):
-        if row is None or len(row) < vocab:
-            raise ValueError(f"{what}: vLLM returned {0 if row is None else len(row)} of {vocab} log-probs at row {t}")
-        for tid, lp in row.items():
-            out[t, int(tid)] = float(lp.logprob)
-    return out

@@ -288,7 +288,8 @@ class TrainRows:
         return BatchTotals(
             tokens=sum(r.policy_tokens for r in self.rollouts),
             sequences=len(self.rollouts),
-            distill_tokens=sum(r.policy_tokens for r, d in zip(self.rollouts, self.distributions) if d is not None),
+            distill_tokens=sum(sum(r.loss_mask()[d.offset:]) for r, d in zip(self.rollouts, self.distributions)
+                               if d is not None),
             replay_pairs=len(self.pairs),
         )
 
@@ -343,10 +344,10 @@ def _cost(rows: list[int], lengths: list[int], traces_of: dict[int, list[int]], 
 
 def _check_distributions(dists: list[TokenDistribution | None], rollouts: list[Rollout]) -> None:
     for d, r in zip(dists, rollouts):
-        if d is not None and d.num_tokens != len(r.completion_ids):
+        if d is not None and d.offset + d.num_tokens != len(r.completion_ids):
             raise ValueError(
-                f"teacher {d.teacher!r} gave {d.num_tokens} token distributions for a {len(r.completion_ids)}-token "
-                f"completion of prompt {r.prompt_id!r}"
+                f"teacher {d.teacher!r} gave {d.num_tokens} token distributions from token {d.offset} for a "
+                f"{len(r.completion_ids)}-token completion of prompt {r.prompt_id!r}"
             )
 
 
@@ -360,7 +361,7 @@ def _dense_teacher(dists: list[TokenDistribution | None], width: int, vocab: int
         if d is not None and d.logits is not None:
             if d.logits.shape[-1] != vocab:
                 raise ValueError(f"teacher {d.teacher!r} logits have vocab {d.logits.shape[-1]}, student has {vocab}")
-            out[b, : d.num_tokens] = d.logits.float()
+            out[b, d.offset : d.offset + d.num_tokens] = d.logits.float()
     return out
 
 
@@ -372,8 +373,8 @@ def _topk_teacher(dists: list[TokenDistribution | None], width: int) -> tuple[to
     for b, d in enumerate(dists):
         if d is not None and d.topk_ids is not None and d.topk_logprobs is not None:
             n, kk = d.topk_ids.shape
-            ids[b, :n, :kk] = d.topk_ids
-            lps[b, :n, :kk] = d.topk_logprobs.float()
+            ids[b, d.offset : d.offset + n, :kk] = d.topk_ids
+            lps[b, d.offset : d.offset + n, :kk] = d.topk_logprobs.float()
     return ids, lps
 
 
@@ -395,7 +396,7 @@ def teacher_inputs(
     mask = torch.zeros(len(dists), width, dtype=torch.bool)
     for b, d in enumerate(dists):
         if d is not None:
-            mask[b, : d.num_tokens] = True
+            mask[b, d.offset : d.offset + d.num_tokens] = True
     out = {"distill_mask": mask}
     if any(d is not None and d.logits is not None for d in dists):
         out["teacher_logits"] = _dense_teacher(dists, width, vocab) / temperature

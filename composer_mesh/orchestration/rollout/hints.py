@@ -1,0 +1,173 @@
+"""Targeted feedback: a hint at an episode's mistake makes the current policy its own channel-2 teacher.
+
+Composer 2.5's recipe (docs/agentic.md "Targeted feedback"): where an episode went wrong (a tool error, a failing
+test, a wrong answer), a short hint is inserted into the conversation at that point; the policy conditioned on it
+knows better, so its distributions over the student's OWN following tokens are a teacher, and channel 2 distils
+toward them on those tokens only. Nothing is sampled again: the teacher scores the tokens the student played.
+
+Where the hint goes: before the policy turn that made the mistake (the turn whose environment answer carried the
+feedback), so the teacher re-scores the mistaken turn itself and every later policy token. Turn 0's hint is one
+more message after the opening conversation (rendered through the chat template with the tools); a later turn's
+is appended to the environment messages bridged in before it, onto the exact ids of the conversation so far, as
+a turn's prompt is built (token in, token out). The teacher's rows cover `completion_ids[offset:]`, with `offset`
+the hinted turn's first token (`TokenDistribution.offset`); environment tokens among them are never distilled.
+
+The teacher is the generators' policy with their current weights (`ports.Generators.distributions`), no copy on
+the trainer; its rows follow channel 2's dense/top-k rule (`run.teacher_top_k`). An episode with a hint takes its
+channel-2 targets from it; episodes without one keep the teachers' (if any).
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from composer_mesh.actors.messages import Prompt, SelfTeacherRequest, TokenDistribution
+from composer_mesh.actors.teacher_topk import TopK
+from composer_mesh.bindings import import_object
+from composer_mesh.errors import UserInputError
+from composer_mesh.orchestration.config import HintsConfig
+from composer_mesh.orchestration.ports import Generators
+from composer_mesh.orchestration.rollout.episode import Episode, EpisodeStep
+from composer_mesh.orchestration.schedule import StepTimes
+
+
+@dataclass(frozen=True)
+class Hint:
+    """A hint inserted before policy turn `turn` (0-based, the turn that made the mistake)."""
+
+    turn: int
+    text: str
+
+
+HintRule = Callable[[Prompt, list[EpisodeStep]], Any]  # -> Hint | None, or an awaitable of it
+
+
+class BadHint(UserInputError, ValueError):
+    """A hint rule returned something that is not a hint of the episode it was given."""
+
+
+def feedback_rule(template: str) -> HintRule:
+    """The environment's own feedback on the first turn it saw a mistake in, through `template`."""
+
+    def rule(prompt: Prompt, steps: list[EpisodeStep]) -> Hint | None:
+        for k, step in enumerate(steps):
+            if step.feedback:
+                return Hint(k, template.format(feedback=step.feedback))
+        return None
+
+    return rule
+
+
+def rule_of(config: HintsConfig) -> HintRule | None:
+    """The hint rule `config` names (None: no targeted feedback)."""
+    if config.source == "environment":
+        return feedback_rule(config.template)
+    if config.source == "rule":
+        assert config.rule is not None
+        fn = import_object(config.rule)
+        if not callable(fn):
+            raise BadHint(f"run.rollout.hints.rule {config.rule!r} is not a function")
+        return fn  # type: ignore[no-any-return]
+    return None
+
+
+@dataclass(frozen=True)
+class Hinted:
+    """What the self-teacher scores for one episode: the conversation up to the hinted turn with the hint in it,
+    and the student's tokens from that turn on (`offset` is where they start in its completion)."""
+
+    prompt: Prompt
+    continuation: list[int]
+    offset: int
+    policy_tokens: int  # of the continuation: what channel 2 distils
+
+
+def hinted(prompt: Prompt, episode: Episode, hint: Hint, role: str) -> Hinted:
+    """`episode` with `hint` inserted before its policy turn `hint.turn` (raises `BadHint` for a turn it lacks)."""
+    r = episode.rollout
+    assert r.turns is not None
+    positions = [i for i, t in enumerate(r.turns) if t.policy]
+    if isinstance(hint.turn, bool) or not isinstance(hint.turn, int) or not 0 <= hint.turn < min(
+            len(positions), len(episode.steps)):
+        raise BadHint(f"episode {r.prompt_id!r}: a hint for policy turn {hint.turn!r}, but the episode has "
+                      f"{len(episode.steps)} answered policy turns")
+    if not isinstance(hint.text, str) or not hint.text.strip():
+        raise BadHint(f"episode {r.prompt_id!r}: the hint for turn {hint.turn} has no text")
+    at = positions[hint.turn]
+    turn, step = r.turns[at], episode.steps[hint.turn]
+    message = {"role": role, "content": hint.text}
+    if hint.turn == 0:
+        conditioned = Prompt(prompt.prompt_id, prompt.text, messages=[*step.before, message], tools=step.tools,
+                             extra=prompt.extra)
+    else:
+        bridge = r.turns[at - 1]  # the environment's span before the turn: rebuilt with the hint in it
+        conditioned = Prompt(prompt.prompt_id, "", token_ids=[*r.prompt_ids, *r.completion_ids[:bridge.start]],
+                             bridge_messages=[*step.before, message], extra=prompt.extra)
+    return Hinted(conditioned, r.completion_ids[turn.start:], turn.start, sum(r.loss_mask()[turn.start:]))
+
+
+class SelfTeacher:
+    """Hints for finished episodes and the current policy's distributions under them, asked of the generators
+    in turn (one request per chunk)."""
+
+    def __init__(self, config: HintsConfig, generators: Generators, top_k: TopK) -> None:
+        self.config, self.generators, self.top_k = config, generators, top_k
+        rule = rule_of(config)
+        assert rule is not None, "SelfTeacher needs run.rollout.hints.source other than none"
+        self.rule: HintRule = rule
+        self._next = 0
+        self.episodes = self.hinted = self.tokens = 0
+
+    async def hint(self, prompt: Prompt, episode: Episode) -> Hint | None:
+        """The rule's hint for a played episode (none for one whose environment failed: it trains with reward 0)."""
+        if episode.rollout.turns is None or episode.rollout.status == "error_environment" or not episode.steps:
+            return None
+        out = self.rule(prompt, list(episode.steps))
+        if inspect.isawaitable(out):
+            out = await out
+        if out is not None and not isinstance(out, Hint):
+            raise BadHint(f"the hint rule returned {type(out).__name__} for episode {prompt.prompt_id!r}; return a "
+                          "composer_mesh.orchestration.rollout.hints.Hint(turn, text) or None")
+        return out
+
+    async def distributions(self, prompts: list[Prompt], episodes: list[Episode],
+                            times: StepTimes | None = None) -> list[TokenDistribution | None]:
+        """One entry per episode: the hint-conditioned policy's rows over its tokens from the hinted turn on
+        (`offset` set), None for an episode without a hint."""
+        made: list[tuple[int, Hinted]] = []
+        for i, (p, e) in enumerate(zip(prompts, episodes)):
+            h = await self.hint(p, e)
+            if h is not None:
+                made.append((i, hinted(p, e, h, self.config.role)))
+        self.episodes += len(episodes)
+        out: list[TokenDistribution | None] = [None] * len(episodes)
+        if not made:
+            return out
+        t0 = time.perf_counter()
+        request = SelfTeacherRequest([m.prompt for _, m in made], [m.continuation for _, m in made], self.top_k)
+        index, self._next = self._next % len(self.generators), self._next + 1
+        _, dists = await self.generators.distributions(index, request)
+        if times is not None:
+            times.teacher_s += time.perf_counter() - t0
+        for (i, m), d in zip(made, dists, strict=True):
+            out[i] = replace(d, teacher="self", offset=m.offset)
+        self.hinted += len(made)
+        self.tokens += sum(m.policy_tokens for _, m in made)
+        return out
+
+    def counters(self) -> dict[str, float]:
+        """Run-wide: episodes looked at, episodes given a hint, and the policy tokens distilled toward the hinted
+        policy (`hints/*` in each step's record)."""
+        return {"hints/episodes": float(self.episodes), "hints/hinted": float(self.hinted),
+                "hints/tokens": float(self.tokens)}
+
+
+def overlay(base: list[TokenDistribution | None], hints: list[TokenDistribution | None]) -> list[
+        TokenDistribution | None]:
+    """Channel 2's targets per rollout: the hint-conditioned policy's where an episode has a hint, else `base`."""
+    return [h if h is not None else b for b, h in zip(base, hints, strict=True)]
+
