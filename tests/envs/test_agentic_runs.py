@@ -57,7 +57,11 @@ async def test_the_calculator_topology_trains_on_tool_episodes(tmp_path: Path) -
     # with operands it does not copy yet, so episodes have turns; the shipped 1200 steps copy about half
     data["model"]["warmstart"].update(steps=300)
     data["roles"]["teachers"]["members"][0]["settings"]["model"]["warmstart"].update(steps=20)
+    data["run"]["rollout"]["hints"] = {"source": "environment"}  # targeted feedback beside the distill teacher
     steps = await run_episodes(data, ROOT / "topologies" / "agentic.yaml")
+    # the generators scored hinted episodes: wrong answers and tool errors got a hint, and the trainer distilled
+    assert 0 < steps[-1]["metrics"]["hints/hinted"] <= steps[-1]["metrics"]["hints/episodes"]
+    assert steps[-1]["metrics"]["hints/tokens"] > 0
     assert any(r["metrics"]["episode/tool_calls"] > 0 for r in steps)
     assert any(r["metrics"]["episode/env_tokens"] > 0 for r in steps)  # tool results were bridged in
     assert all(r["metrics"]["teacher_episodes/played"] > 0 for r in steps)  # channel 3: the teacher played the task

@@ -124,8 +124,10 @@ class VLLMGenerator:
 
         cfg = as_model_config(model)
         model_dir = materialize(cfg, self.settings.cache_dir)
+        # max_logprobs=-1: a dense self-teacher request (`distributions`, top_k 0) asks for the whole vocabulary.
         self.engine = VLLMEngine(
-            self.settings, model_dir, model_dtype=cfg.dtype, lora_rank=adapter.r if adapter is not None else None
+            self.settings, model_dir, model_dtype=cfg.dtype, lora_rank=adapter.r if adapter is not None else None,
+            max_logprobs=-1,
         )
         self.stop_ids = stop_ids_for(
             self.engine.tokenizer, cfg, self.settings.stop_at_task_eos, load_generation_config(model_dir)

@@ -14,7 +14,7 @@ import pytest
 import torch
 from services import require_module
 
-from composer_mesh.actors.messages import GenerationRequest, Prompt
+from composer_mesh.actors.messages import GenerationRequest, Prompt, SelfTeacherRequest
 
 pytestmark = pytest.mark.vllm
 
@@ -201,3 +201,23 @@ def test_weight_push_then_generation_matches_transformers(gen, hf):
     # the push really changed the policy: the old weights' log-probs no longer fit
     assert [r.logprobs for g in before for r in g.rollouts] != [r.logprobs for g in after for r in g.rollouts]
 
+
+
+def test_self_teacher_distributions_match_a_transformers_forward(gen, hf) -> None:
+    """The policy as its own teacher (targeted feedback): vLLM's prompt log-probs over each continuation given its
+    prompt are the transformers model's, top-k and (for one short continuation: every id is a Python object) dense."""
+    model, tokenizer = hf
+    prompts = _prompts(tokenizer, 2, seed=5)
+    conts = [tokenizer.encode(t, add_special_tokens=False)[:3] for t in ("12;", "7 and 9")]
+    top = gen.distributions(SelfTeacherRequest(prompts, conts, top_k=3))
+    [dense] = gen.distributions(SelfTeacherRequest(prompts[:1], conts[:1], top_k=0))
+    for i, (p, c, t) in enumerate(zip(prompts, conts, top)):
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([p.token_ids + c])).logits[0].float()
+        expected = torch.log_softmax(logits[len(p.token_ids) - 1 : len(p.token_ids) - 1 + len(c)], -1)
+        best = expected.topk(3, -1)
+        assert t.topk_ids is not None and torch.equal(t.topk_ids, best.indices) and t.offset == 0
+        torch.testing.assert_close(t.topk_logprobs, best.values, atol=TOL, rtol=0)
+        if i == 0:
+            assert dense.logits is not None and dense.logits.shape == expected.shape
+            torch.testing.assert_close(torch.log_softmax(dense.logits, -1), expected, atol=TOL, rtol=0)
