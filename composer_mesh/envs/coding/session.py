@@ -132,7 +132,7 @@ def opening(task: CodingTask) -> str:
     """The user message that opens an episode: the task and how to work on it."""
     return (f"{task.statement}\n\nThe work dir holds solution.py and test_visible.py (a few of the tests). "
             "Use the tools to read, edit and test the code; call submit when solution.py is done (hidden tests "
-            "grade it; the reward is the fraction they pass).")
+            "grade solution.py alone; the reward is the fraction they pass).")
 
 
 class CodingSession:
