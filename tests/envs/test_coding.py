@@ -148,10 +148,10 @@ async def test_calls_of_a_turn_run_in_order_and_past_the_limit_are_refused(env: 
 
 
 async def test_hidden_tests_are_not_in_the_work_dir(fizz: CodingSession) -> None:
-    turn = await fizz.step(call("read_file", path="test_hidden.py") + call("run_python",
-                           code="import os; print(sorted(os.listdir('.')))"))
+    turn = await fizz.step(call("read_file", path="test_hidden.py") + call("run_tests") + call(
+        "run_python", code="import os; print(sorted(os.listdir('.')))"))
     assert turn.messages[0]["content"].startswith("error: cannot read 'test_hidden.py'")
-    assert "['solution.py', 'test_visible.py']" in turn.messages[1]["content"]
+    assert "['solution.py', 'test_visible.py']" in turn.messages[2]["content"]  # run_tests left no __pycache__
 
 
 async def test_a_solution_cannot_forge_the_graders_report(fizz: CodingSession) -> None:
@@ -162,11 +162,14 @@ async def test_a_solution_cannot_forge_the_graders_report(fizz: CodingSession) -
 
 
 async def test_the_judge_sees_solution_py_alone(fizz: CodingSession) -> None:
-    """Nothing else the episode left (a FIFO, a link, a module shadowing the probe's json) reaches the judge."""
-    fixed = call("write_file", path="solution.py", content=TASKS["fizzbuzz"].reference)
-    plant = "import os; os.mkfifo('pipe'); os.symlink('/etc', 'etc'); open('json.py', 'w').write('raise SystemExit')"
-    await fizz.step(call("run_python", code=plant) + fixed)
-    assert (await fizz.step(call("submit"))).reward == 1.0
+    """Nothing else the episode left (a FIFO, a link, a module shadowing the probe's json, a bytecode cache)
+    reaches the judge: a solution listing its directory at grading time sees only itself."""
+    plant = ("import os; os.mkfifo('pipe'); os.symlink('/etc', 'etc'); open('json.py', 'w').write('raise SystemExit')"
+             "; os.mkdir('__pycache__')")
+    lister = "import os\ndef fizzbuzz(n):\n    return sorted(os.listdir('.'))\n"
+    await fizz.step(call("run_python", code=plant) + call("write_file", path="solution.py", content=lister))
+    assert (await fizz.step(call("submit"))).reward == 0.0 and fizz.grade is not None
+    assert fizz.grade.report.splitlines()[1] == 'FAIL test_fizz: returned ["solution.py"]'
 
 
 async def test_a_solution_py_linking_out_of_the_work_dir_is_not_graded(fizz: CodingSession) -> None:

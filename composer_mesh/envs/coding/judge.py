@@ -140,7 +140,7 @@ async def grade(pool: SandboxPool, task: CodingTask, box: SandboxBox) -> Grade:
     tag = secrets.token_hex(16)
     async with pool.session() as judge:
         (judge.workdir / SOLUTION).write_bytes(source)
-        result = await judge.run([judge.python, "-I", "-S", "-c", PROBE], stdin=f"{tag}\n{request}\n")
+        result = await judge.run([judge.python, "-I", "-S", "-B", "-c", PROBE], stdin=f"{tag}\n{request}\n")
     answers = read_answers(result.stdout, tag, len(calls))
     lines, passed, index = [result.summary()], 0, 0
     for test in task.hidden:

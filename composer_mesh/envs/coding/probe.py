@@ -1,6 +1,6 @@
 """The sandbox side of grading: imports `solution.py` and answers calls of its functions, one JSON line each.
-Stdlib only: its source is passed with `-c` (`python -I -S -c SOURCE`), composer_mesh is not importable in the
-sandbox.
+Stdlib only: its source is passed with `-c` (`python -I -S -B -c SOURCE`; `-B` because `-I` ignores the sandbox's
+PYTHONDONTWRITEBYTECODE), composer_mesh is not importable in the sandbox.
 
 stdin: a tag line, then one JSON line, the calls: `[{"fn": "fizzbuzz", "args": [9]}, ...]`. Both are read, and
 `json` imported, before the solution is: its files cannot shadow the probe's imports. stdout: for call i, once it

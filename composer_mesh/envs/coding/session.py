@@ -76,7 +76,7 @@ class CodingTools:
         """Run the visible tests (test_visible.py) against solution.py and report each test's result."""
         self.counts["run_tests"] += 1
         self.tests_run += 1
-        result = await self.box.run([self.box.python, "-I", "-S", "-c", RUNNER, VISIBLE], stdin="TEST\n")
+        result = await self.box.run([self.box.python, "-I", "-S", "-B", "-c", RUNNER, VISIBLE], stdin="TEST\n")
         self.counts["sandbox_kills"] += killed(result)
         lines = [line for line in result.stdout.splitlines() if line.startswith("TEST ")]
         passed = sum(line.startswith("TEST PASS ") for line in lines)
