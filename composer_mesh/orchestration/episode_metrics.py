@@ -3,7 +3,10 @@
 Why in the step record: a policy that learns to break tool calls on purpose, or an environment whose server
 keeps failing, shows up first as a change in these numbers (statuses, tool errors per episode), not in the
 reward. Counters come from each episode's `RewardResult.components` (what its environment's `StepResult.info`
-summed, e.g. `tool_calls`, `tool_errors`), means are per episode. A step of single completions has none.
+summed, e.g. `tool_calls`, `tool_errors`, the coding environment's behaviour counters), means are per episode.
+Beside them two rates over the step's episodes, which the run plot's behaviour panel draws: tool errors per call,
+and unreadable calls per call attempted (a policy whose reward rises while these climb is gaming its tools). A
+step of single completions has none.
 """
 
 from __future__ import annotations
@@ -28,5 +31,18 @@ def episode_metrics(groups: list[ScoredGroup]) -> dict[str, float]:
     out = {  # token sums are the trainer's (`episode/policy_tokens`, `episode/env_tokens`)
         **{f"episode/status_{s}": statuses[s] / n for s in EPISODE_STATUSES},
         **{f"episode/{k}": v / n for k, v in sorted(counters.items())},
+        **error_rates(counters),
     }
+    return out
+
+
+def error_rates(counters: Counter[str]) -> dict[str, float]:
+    """`episode/tool_error_rate` (tool errors / tool calls) and `episode/parse_error_rate` (unreadable calls /
+    calls attempted, read or not), summed over the step's episodes; each left out where it would divide by 0."""
+    calls, errors, unread = counters["tool_calls"], counters["tool_errors"], counters["parse_errors"]
+    out = {}
+    if calls > 0:
+        out["episode/tool_error_rate"] = errors / calls
+    if calls + unread > 0:
+        out["episode/parse_error_rate"] = unread / (calls + unread)
     return out

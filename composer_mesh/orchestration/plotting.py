@@ -1,9 +1,13 @@
-"""The run's plot (`plot.png` in the run dir): rewards, losses and where the time goes, as one PNG.
+"""The run's plot (`plot.png` in the run dir): rewards, losses, where the time goes and, for runs of episodes,
+how the policy behaves, as one PNG.
 
 `plot_data` computes everything drawn (so tests check the data, not pixels); `plot_run` draws it. Per-step
 series are noisy at a few prompts per step, so each is drawn faint with its rolling mean over it; the held-out
 evaluations (greedy reward and pass@k, from metrics.jsonl's `eval` events) are points on the reward panel; the
-time panel is one bar per phase, the median seconds per step, instead of a spiky line each.
+time panel is one bar per phase, the median seconds per step, instead of a spiky line each. The behaviour panel
+(only when the records have episode metrics) draws the tool-error and parse-error rates per step and the coding
+environment's behaviour counters per episode: a reward hack (tool calls broken on purpose, the visible tests
+rewritten, paths probed) moves these lines while the reward climbs, so it shows up next to the reward.
 """
 
 from __future__ import annotations
@@ -21,6 +25,14 @@ PHASES = {
     "trainer_idle_s": "trainer: waiting for a batch", "train_s": "trainer: training", "sync_s": "trainer: weight sync",
     "generate_s": "generate (all generators)", "score_s": "score rewards", "teacher_s": "teacher signals",
     "generator_idle_s": "generators idle",
+}
+# The behaviour panel's series (`StepRecord.metrics` keys, `orchestration/episode_metrics.py`): rates in [0, 1] on
+# its left axis; the coding environment's counters (`envs/coding/session.py` BEHAVIOUR), per episode, on its right.
+RATES = {"episode/tool_error_rate": "tool-error rate", "episode/parse_error_rate": "parse-error rate"}
+COUNTERS = {
+    "episode/run_tests": "run_tests", "episode/run_python": "run_python",
+    "episode/writes_outside_solution": "writes outside solution.py", "episode/paths_refused": "paths refused",
+    "episode/sandbox_kills": "sandbox kills", "episode/untested_submits": "ends without run_tests",
 }
 MAX_WINDOW = 25
 
@@ -62,6 +74,14 @@ class PlotData:
     pass_at_k: list[tuple[int, float]] = field(default_factory=list)
     k: int | None = None
     phase_medians: dict[str, float] = field(default_factory=dict)
+    rates: dict[str, list[float]] = field(default_factory=dict)  # label -> per step (NaN: not measured)
+    counters: dict[str, list[float]] = field(default_factory=dict)  # label -> per episode, per step
+
+
+def behaviour_series(records: list[StepRecord], names: dict[str, str]) -> dict[str, list[float]]:
+    """Of the metrics `names` lists, those some record has: label -> value per step (NaN where absent)."""
+    seen = {k for r in records for k in r.metrics}
+    return {label: [r.metrics.get(key, math.nan) for r in records] for key, label in names.items() if key in seen}
 
 
 def plot_data(records: list[StepRecord], evals: list[dict[str, Any]] | None = None) -> PlotData:
@@ -78,6 +98,7 @@ def plot_data(records: list[StepRecord], evals: list[dict[str, Any]] | None = No
         pass_at_k=[(int(e.get("step", 0)), float(e["pass_at_k"])) for e in points
                    if isinstance(e.get("pass_at_k"), (int, float))],
         k=next((int(e["k"]) for e in points if e.get("k")), None),
+        rates=behaviour_series(records, RATES), counters=behaviour_series(records, COUNTERS),
     )
     timed = [r for r in records if r.timing]
     for key, label in PHASES.items():
@@ -95,7 +116,10 @@ def plot_run(records: list[StepRecord], path: Path, evals: list[dict[str, Any]] 
     import matplotlib.pyplot as plt
 
     data = plot_data(records, evals)
-    fig, (ax_r, ax_l, ax_t) = plt.subplots(1, 3, figsize=(16, 4.2), gridspec_kw={"width_ratios": [1.2, 1.2, 1]})
+    panels = 4 if data.rates or data.counters else 3
+    fig, axes = plt.subplots(1, panels, figsize=(16 + 5 * (panels - 3), 4.2),
+                             gridspec_kw={"width_ratios": [1.2, 1.2, 1, 1.2][:panels]})
+    ax_r, ax_l, ax_t = axes[:3]
     _reward_panel(ax_r, data)
     for i, (name, values) in enumerate(data.losses.items()):
         color = "black" if name == "total" else f"C{i}"
@@ -105,7 +129,9 @@ def plot_run(records: list[StepRecord], path: Path, evals: list[dict[str, Any]] 
     ax_l.grid(alpha=0.3)
     ax_l.legend(fontsize=8)
     _time_panel(ax_t, data)
-    for ax in (ax_r, ax_l, ax_t):
+    if panels == 4:
+        _behaviour_panel(axes[3], data)
+    for ax in axes:
         ax.title.set_fontsize(9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -138,3 +164,22 @@ def _time_panel(ax: Any, data: PlotData) -> None:
     ax.set(xlabel="median seconds per step", title="where the time goes (blue: the trainer's step, adds up to it)")
     ax.tick_params(axis="y", labelsize=8)
     ax.grid(alpha=0.3, axis="x")
+
+
+def _behaviour_panel(ax: Any, data: PlotData) -> None:
+    """Rates (solid, left axis) and the coding counters per episode (dashed, right axis), each smoothed."""
+    for i, (label, values) in enumerate(data.rates.items()):
+        ax.plot(data.steps, values, color=f"C{i}", alpha=0.2, linewidth=0.8)
+        ax.plot(data.steps, rolling_mean(values, data.window), color=f"C{i}", linewidth=1.6, label=label)
+    ax.set(xlabel="step", ylabel="rate", ylim=(-0.02, 1.02), title="behaviour (solid: rates; dashed: per episode)")
+    ax.grid(alpha=0.3)
+    handles, labels = ax.get_legend_handles_labels()
+    if data.counters:
+        right = ax.twinx()
+        for i, (label, values) in enumerate(data.counters.items(), start=len(data.rates)):
+            right.plot(data.steps, rolling_mean(values, data.window), color=f"C{i}", linewidth=1.2, linestyle="--",
+                       label=label)
+        right.set_ylabel("per episode")
+        more = right.get_legend_handles_labels()
+        handles, labels = handles + more[0], labels + more[1]
+    ax.legend(handles, labels, fontsize=7)

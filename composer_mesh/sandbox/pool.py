@@ -115,16 +115,6 @@ class SandboxPool:
                 self._free.append(slot)
 
 
-def copy_work_dir(source: Path, target: Path) -> None:
-    """Copy an episode's work dir (regular files, directories and symlinks as links, nothing else: a FIFO the
-    episode made would block the copy) into `target`."""
-    def special(base: str, names: list[str]) -> set[str]:
-        return {n for n in names if not os.path.islink(p := os.path.join(base, n))
-                and not os.path.isfile(p) and not os.path.isdir(p)}
-
-    shutil.copytree(source, target, symlinks=True, ignore=special, dirs_exist_ok=True)
-
-
 def _chown_tree(root: Path, uid: int) -> None:
     """Give the slot's uid everything in the work dir (files the host or another slot wrote), links untouched."""
     os.lchown(root, uid, uid)

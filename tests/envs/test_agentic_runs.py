@@ -73,3 +73,6 @@ async def test_the_coding_topology_plays_sandboxed_episodes(tmp_path: Path) -> N
     require_command("bwrap")  # skipped locally without Debian's bubblewrap; a failure in CI (.ci/run installs it)
     steps = await run_episodes(shortened("coding.yaml", tmp_path), ROOT / "topologies" / "coding.yaml")
     assert all(r["metrics"]["episode/status_error_environment"] == 0 for r in steps)
+    for m in (r["metrics"] for r in steps):  # the behaviour counters reach the record (docs/agentic.md)
+        assert {"episode/run_tests", "episode/sandbox_kills", "episode/untested_submits"} <= set(m)
+        assert ("episode/tool_error_rate" in m) == (m["episode/tool_calls"] > 0)

@@ -19,7 +19,8 @@ import pytest
 from composer_mesh.envs.coding.catalog import EVAL_IDS, TASKS, split_ids
 from composer_mesh.envs.coding.config import CodingConfig
 from composer_mesh.envs.coding.environment import CodingEnvironment, UnknownCodingTask
-from composer_mesh.envs.coding.session import CodingSession
+from composer_mesh.envs.coding.session import BEHAVIOUR, CodingSession
+from composer_mesh.envs.tools import EXPECTED_FORMAT, one_line
 from tests.sandbox.conftest import bwrap_config
 
 
@@ -36,6 +37,13 @@ class Row:
 
 def call(name: str, **arguments: str) -> str:
     return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+
+
+def counted(tool_calls: float, tool_errors: float = 0.0, parse_errors: float = 0.0, **behaviour: float) -> dict:
+    """A turn's `info`: the call counters and every behaviour counter (0 unless given)."""
+    assert set(behaviour) <= set(BEHAVIOUR)
+    return {"tool_calls": tool_calls, "tool_errors": tool_errors, "parse_errors": parse_errors,
+            **{k: behaviour.get(k, 0.0) for k in BEHAVIOUR}}
 
 
 @pytest.fixture
@@ -104,7 +112,7 @@ async def test_bad_calls_are_observations_and_the_episode_goes_on(fizz: CodingSe
                            + call("write_file", path="../escape.py", content="x") + call("run_python", code=3)
                            + "<tool_call>{\"name\": 1")
     answers = [m["content"] for m in turn.messages]
-    assert not turn.done and turn.info == {"tool_calls": 5.0, "tool_errors": 5.0, "parse_errors": 2.0}
+    assert not turn.done and turn.info == counted(5, 5, 2, paths_refused=2, writes_outside_solution=1)
     assert [m["role"] for m in turn.messages] == ["tool"] * 5 + ["user"]  # the unreadable calls: one user message
     assert [m["name"] for m in turn.messages[:5]] == ["rm_rf", "read_file", "read_file", "write_file", "run_python"]
     assert answers[0].startswith("error: rm_rf: no such tool; the tools are read_file, write_file")
@@ -114,7 +122,14 @@ async def test_bad_calls_are_observations_and_the_episode_goes_on(fizz: CodingSe
     assert answers[4] == "error: run_python: argument code must be string, got int 3"
     assert answers[5].startswith("error: tool call 2: not valid JSON") and "\nerror: tool call 7: <tool_call> " \
         "without </tool_call>" in answers[5]
-    assert (await fizz.step(call("submit"))).reward == 0.5  # fizz and buzz pass; fizzbuzz and number do not
+    assert turn.feedback is not None and turn.feedback.splitlines() == [
+        "unreadable tool call: tool call 2: not valid JSON (Expecting property name enclosed in double quotes at char "
+        f"1); {EXPECTED_FORMAT}",
+        f"unreadable tool call: tool call 7: <tool_call> without </tool_call>; {EXPECTED_FORMAT}",
+        *[f"{m['name']}: {one_line(a)}" for m, a in zip(turn.messages[:5], answers[:5], strict=True)]]
+    end = await fizz.step(call("submit"))
+    assert end.reward == 0.5  # fizz and buzz pass; fizzbuzz and number do not
+    assert end.feedback == "hidden tests: 2 of 4 passed" and end.info["untested_submits"] == 1.0
 
 
 async def test_calls_of_a_turn_run_in_order_and_past_the_limit_are_refused(env: CodingEnvironment) -> None:
@@ -129,14 +144,14 @@ async def test_calls_of_a_turn_run_in_order_and_past_the_limit_are_refused(env: 
     answers = [m["content"] for m in turn.messages]
     assert answers[1].startswith("1 of 1 visible tests passed")  # it saw the write before it
     assert answers[2] == "error: read_file: not run: more than 2 tool calls in one turn"
-    assert turn.info == {"tool_calls": 3.0, "tool_errors": 1.0, "parse_errors": 0.0}
+    assert turn.info == counted(3, 1, run_tests=1)
 
 
 async def test_hidden_tests_are_not_in_the_work_dir(fizz: CodingSession) -> None:
-    turn = await fizz.step(call("read_file", path="test_hidden.py") + call("run_python",
-                           code="import os; print(sorted(os.listdir('.')))"))
+    turn = await fizz.step(call("read_file", path="test_hidden.py") + call("run_tests") + call(
+        "run_python", code="import os; print(sorted(os.listdir('.')))"))
     assert turn.messages[0]["content"].startswith("error: cannot read 'test_hidden.py'")
-    assert "['solution.py', 'test_visible.py']" in turn.messages[1]["content"]
+    assert "['solution.py', 'test_visible.py']" in turn.messages[2]["content"]  # run_tests left no __pycache__
 
 
 async def test_a_solution_cannot_forge_the_graders_report(fizz: CodingSession) -> None:
@@ -146,10 +161,79 @@ async def test_a_solution_cannot_forge_the_graders_report(fizz: CodingSession) -
     assert (await fizz.step(call("submit"))).reward == 0.5
 
 
-async def test_grading_copies_only_files_dirs_and_links(fizz: CodingSession) -> None:
+async def test_the_judge_sees_solution_py_alone(fizz: CodingSession) -> None:
+    """Nothing else the episode left (a FIFO, a link, a module shadowing the probe's json, a bytecode cache)
+    reaches the judge: a solution listing its directory at grading time sees only itself."""
+    plant = ("import os; os.mkfifo('pipe'); os.symlink('/etc', 'etc'); open('json.py', 'w').write('raise SystemExit')"
+             "; os.mkdir('__pycache__')")
+    lister = "import os\ndef fizzbuzz(n):\n    return sorted(os.listdir('.'))\n"
+    await fizz.step(call("run_python", code=plant) + call("write_file", path="solution.py", content=lister))
+    assert (await fizz.step(call("submit"))).reward == 0.0 and fizz.grade is not None
+    assert fizz.grade.report.splitlines()[1] == 'FAIL test_fizz: returned ["solution.py"]'
+
+
+async def test_a_solution_py_linking_out_of_the_work_dir_is_not_graded(fizz: CodingSession) -> None:
+    await fizz.step(call("run_python", code="import os; os.remove('solution.py'); os.symlink('/etc/passwd', "
+                         "'solution.py')"))
+    end = await fizz.step(call("submit"))
+    assert end.reward == 0.0 and fizz.grade is not None and "leads out of the work dir" in fizz.grade.report
+
+
+FORGER = """
+import os, sys, json
+frame = sys._getframe()
+while frame is not None and not ('out' in frame.f_locals and 'tag' in frame.f_locals):
+    frame = frame.f_back
+out, tag = frame.f_locals['out'], frame.f_locals['tag']
+junk = ['{"i": 0, "returns": NaN}', '[' * 5000 + ']' * 5000, json.dumps({"i": 1, "returns": "Buzz" * 2000}),
+        '{"i": 2, "returns": "FizzBuzz", "passed": true}', '{"i": true, "returns": "Fizz"}', '{"i": 9, "returns": 1}',
+        '{"i": 3, "raises": "ValueError", "message": ""}', "{'i': 3, 'returns': '7'}"]
+out.write("".join(f"\\n{tag} {line}\\n" for line in junk))
+out.flush()
+os._exit(0)
+"""
+
+
+async def test_the_probes_answers_are_untrusted_input(fizz: CodingSession) -> None:
+    """A solution that takes over the probe's answer stream (its tag and fd from the frames) and exits 0: every
+    line it writes is malformed (NaN, nesting past the parser, over the size bound, unknown keys, a bool index,
+    an index out of range, a bad `raises`, not JSON), so no call has an answer and every test fails."""
+    await fizz.step(call("write_file", path="solution.py", content=FORGER))
+    end = await fizz.step(call("submit"))
+    assert end.reward == 0.0 and fizz.grade is not None
+    assert fizz.grade.report.splitlines() == ["exit code 0", *[f"FAIL {n}: no answer" for n in
+                                                               TASKS["fizzbuzz"].hidden_test_names()]]
+
+
+async def test_behaviour_counters_and_feedback_name_what_went_wrong(env: CodingEnvironment) -> None:
+    """A turn that rewrites the visible tests, runs a command the sandbox kills and fails a visible test: each
+    shows in its counters and as one feedback line; the graded end says how many hidden tests passed, not which."""
+    session = env.session(Row("coding/fizzbuzz", extra={"task_id": "fizzbuzz"}), seed=0)
+    await session.reset()
+    try:
+        broken = call("write_file", path="solution.py", content="def fizzbuzz(n):\n    return n\n")
+        turn = await session.step(broken + call("run_tests") + call("write_file", path="test_visible.py", content="")
+                                  + call("run_python", code="while True: pass") + call("read_file", path="nope.py"))
+        quiet = await session.step(call("read_file", path="solution.py"))
+        end = await session.step(call("submit"))
+    finally:
+        await session.close()
+    assert turn.info == counted(5, 2, run_tests=1, run_python=1, writes_outside_solution=1, paths_refused=1,
+                                sandbox_kills=1)
+    assert turn.feedback is not None and turn.feedback.splitlines() == [
+        "run_tests: FAIL test_fizz AssertionError", "run_python: error: killed by SIGXCPU: cpu time limit (1 s) "
+        "exceeded", "read_file: error: cannot read 'nope.py': [Errno 2] No such file or directory: " + repr(
+            str(session.tools.box.workdir / "nope.py"))]
+    assert quiet.feedback is None and quiet.info == counted(1)
+    assert end.info["untested_submits"] == 0.0 and end.feedback == "hidden tests: 0 of 4 passed"
+    assert "test_" not in end.feedback
+
+
+async def test_a_solved_episode_ends_without_feedback(fizz: CodingSession) -> None:
     fixed = call("write_file", path="solution.py", content=TASKS["fizzbuzz"].reference)
-    await fizz.step(call("run_python", code="import os; os.mkfifo('pipe'); os.symlink('/etc', 'etc')") + fixed)
-    assert (await fizz.step(call("submit"))).reward == 1.0  # a FIFO in the work dir does not block the grader
+    end = await fizz.step(fixed + call("submit"))
+    assert end.reward == 1.0 and end.feedback is None and end.info == counted(1, untested_submits=1) | {
+        "tests_passed": 4.0, "tests_total": 4.0}
 
 
 async def test_last_turn_is_graded_as_truncated(fizz: CodingSession) -> None:
@@ -373,3 +457,99 @@ async def test_a_call_whose_sandbox_is_killed_from_outside_is_an_error_answer_an
     lost = "work dir left as it was before this command (the sandbox ended before it was saved)\n"
     assert f"error: killed by SIGKILL\n{lost if what == 'sandbox' else ''}--- stdout\nstarted" in bridged(episode, 1)
     assert "1 of 1 visible tests passed" in bridged(episode, 3)
+# ---- reward hacks: none earns a pass the solution's own code does not ----------------------------------------
+STARTER_FIZZ = TASKS["fizzbuzz"].starter  # passes test_fizz and test_buzz of four hidden tests: reward 0.5
+HACKS = {
+    # read the hidden tests' source wherever it might be, and answer their asserts from a table
+    "reads_the_hidden_tests": """
+import ast, glob
+TABLE = {}
+for path in glob.glob('**/test_hidden*', recursive=True) + glob.glob('/run/**/test_hidden*', recursive=True):
+    try:
+        tree = ast.parse(open(path).read())
+    except Exception:
+        continue
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare) and isinstance(node.left, ast.Call) and node.left.args:
+            TABLE[ast.literal_eval(node.left.args[0])] = ast.literal_eval(node.comparators[0])
+_starter = {}
+exec(STARTER, _starter)
+def fizzbuzz(n):
+    return TABLE[n] if n in TABLE else _starter["fizzbuzz"](n)
+""",
+    # the expected values as constants of the calling test's code: up the stack, or any test function in memory
+    "walks_frames_and_gc": """
+import gc, sys, types
+def _expected(n):
+    codes, frame = [], sys._getframe(1)
+    while frame is not None:
+        codes.append(frame.f_code)
+        frame = frame.f_back
+    codes += [o.__code__ for o in gc.get_objects() if isinstance(o, types.FunctionType) and o.__name__.startswith('test_')]
+    for code in codes:
+        consts = list(code.co_consts)
+        if n in consts and not isinstance(n, bool):
+            after = [c for c in consts[consts.index(n) + 1:] if isinstance(c, str)]
+            if after:
+                return after[0]
+    return None
+_starter = {}
+exec(STARTER, _starter)
+def fizzbuzz(n):
+    found = _expected(n)
+    return found if found is not None else _starter["fizzbuzz"](n)
+""",
+    # the runner's nonce from its frame, print patched to report every test passed, then exit 0 before any fails
+    "forges_the_report_and_exits_0": """
+import builtins, os, sys
+def _nonce():
+    frame = sys._getframe()
+    while frame is not None:
+        for value in list(frame.f_locals.values()):
+            if isinstance(value, str) and len(value) == 32:
+                return value
+        frame = frame.f_back
+    return 'TEST'
+_TAG, _print = _nonce(), builtins.print
+def _forge(*args, **kwargs):
+    module = sys.modules.get('test_hidden')
+    for name in [n for n in vars(module) if n.startswith('test_')] if module else []:
+        _print(f"\\n{_TAG} PASS {name}", flush=True)
+    os._exit(0)
+builtins.print = _forge
+exec(STARTER)
+""",
+    # an answer equal to anything: the assert's comparison says yes
+    "returns_an_object_equal_to_anything": """
+class Anything(str):
+    def __eq__(self, other):
+        return True
+    __hash__ = str.__hash__
+def fizzbuzz(n):
+    return Anything()
+""",
+}
+
+
+@pytest.mark.parametrize("hack", sorted(HACKS))
+async def test_a_hacking_solution_earns_no_unearned_pass(fizz: CodingSession, hack: str) -> None:
+    """Each hack (docs/sandbox.md, threat model) earned 1.0 on the old grading, which imported the hidden tests
+    into the solution's process; graded from outside the sandbox it earns at most what its honest part does."""
+    source = f"STARTER = {STARTER_FIZZ!r}\n{HACKS[hack]}"
+    wrote = await fizz.step(call("write_file", path="solution.py", content=source))
+    assert wrote.messages[0]["content"].startswith("wrote ")
+    end = await fizz.step(call("submit"))
+    assert end.done and end.reward is not None and end.reward <= 0.5, end.info
+
+
+async def test_a_planted_bytecode_cache_is_not_trusted(fizz: CodingSession) -> None:
+    """An unchecked-hash .pyc of a test module whose tests all pass, planted in the work dir's __pycache__: the old
+    grading copied the work dir to the judge, whose Python loaded the cache instead of the hidden tests (1.0)."""
+    fake = "".join(f"def {name}():\n    pass\n" for name in TASKS["fizzbuzz"].hidden_test_names())
+    plant = (f"import os, py_compile, sys\nos.makedirs('__pycache__', exist_ok=True)\n"
+             f"open('/tmp/fake.py', 'w').write({fake!r})\n"
+             "py_compile.compile('/tmp/fake.py', cfile=f'__pycache__/test_hidden.{sys.implementation.cache_tag}.pyc', "
+             "invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH, doraise=True)\nprint(os.listdir('__pycache__'))")
+    planted = await fizz.step(call("run_python", code=plant))
+    assert "test_hidden." in planted.messages[0]["content"], planted.messages
+    assert (await fizz.step(call("submit"))).reward == 0.5

@@ -352,6 +352,25 @@ async def test_a_steps_episode_metrics_count_statuses_tokens_and_the_environment
     assert episode_metrics([single]) == {}
 
 
+def test_a_steps_error_rates_divide_the_sums_over_its_episodes() -> None:
+    """Tool errors per call and unreadable calls per call attempted, over all of a step's episodes (not a mean of
+    per-episode rates: an episode of one failed call weighs one call); none where nothing was attempted."""
+    from composer_mesh.actors.messages import RewardResult, ScoredGroup, Turn
+    from composer_mesh.orchestration.episode_metrics import episode_metrics
+
+    episode = Rollout("p0", [1], [2, 3], [-0.1, -0.1], 1, turns=[Turn(0, 2, policy=True)])
+    counts = [{"tool_calls": 9.0, "tool_errors": 0.0, "parse_errors": 1.0},
+              {"tool_calls": 1.0, "tool_errors": 1.0, "parse_errors": 3.0, "sandbox_kills": 1.0}]
+    group = ScoredGroup(RolloutGroup(Prompt("p0", "q"), [episode, episode]),
+                        [RewardResult(1.0, components=c) for c in counts])
+    m = episode_metrics([group])
+    assert m["episode/tool_error_rate"] == 1 / 10 and m["episode/parse_error_rate"] == 4 / 14
+    assert m["episode/tool_errors"] == 0.5 and m["episode/sandbox_kills"] == 0.5  # per-episode means, as before
+    quiet = ScoredGroup(RolloutGroup(Prompt("p0", "q"), [episode]), [RewardResult(1.0, components={"turns": 1.0})])
+    assert "episode/tool_error_rate" not in episode_metrics([quiet]) and \
+        "episode/parse_error_rate" not in episode_metrics([quiet])
+
+
 @pytest.mark.parametrize(("fields", "error"), [
     ({"rollout": {"kind": "multi_turn"}}, "no run.environment plays none"),
     ({"rollout": {"kind": "multi_turn"}, "environment": {"kind": "openenv", "url": "http://127.0.0.1:9"}},

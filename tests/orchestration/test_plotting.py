@@ -7,7 +7,15 @@ import math
 from pathlib import Path
 
 from composer_mesh.orchestration.metrics import MetricsWriter, StepRecord
-from composer_mesh.orchestration.plotting import PHASES, plot_data, plot_run, rolling_mean, smoothing_window
+from composer_mesh.orchestration.plotting import (
+    COUNTERS,
+    PHASES,
+    RATES,
+    plot_data,
+    plot_run,
+    rolling_mean,
+    smoothing_window,
+)
 
 
 def _records(n: int) -> list[StepRecord]:
@@ -57,3 +65,31 @@ def test_the_png_is_written_with_the_writers_evaluations(tmp_path: Path) -> None
     resumed.close()
     path = plot_run(writer.records, tmp_path / "plot.png", writer.evals())
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+
+
+def _episode_records(n: int) -> list[StepRecord]:
+    """A run of episodes whose policy starts breaking its tool calls at step 6, and whose first step's episodes
+    made no tool call (no rates measured); coding counters from step 2."""
+    records = _records(n)
+    for r in records:
+        if r.step > 1:
+            r.metrics["episode/tool_error_rate"] = 0.05 if r.step < 6 else 0.6
+            r.metrics["episode/parse_error_rate"] = 0.0 if r.step < 6 else 0.3
+            r.metrics["episode/run_tests"] = 2.0 if r.step < 6 else 0.0
+            r.metrics["episode/writes_outside_solution"] = 0.0 if r.step < 6 else 1.0
+        r.metrics["episode/tool_calls"] = 4.0  # an episode counter the panel does not draw
+    return records
+
+
+def test_plot_data_has_a_behaviour_panel_for_runs_of_episodes(tmp_path: Path) -> None:
+    data = plot_data(_episode_records(10))
+    nan = math.nan
+    assert list(data.rates) == [RATES["episode/tool_error_rate"], RATES["episode/parse_error_rate"]]
+    tool = data.rates[RATES["episode/tool_error_rate"]]
+    assert math.isnan(tool[0]) and tool[1:] == [0.05] * 4 + [0.6] * 5  # the hack shows up at step 6
+    assert list(data.counters) == [COUNTERS["episode/run_tests"], COUNTERS["episode/writes_outside_solution"]]
+    assert data.counters[COUNTERS["episode/writes_outside_solution"]][1:] == [0.0] * 4 + [1.0] * 5
+    assert str(data.counters[COUNTERS["episode/run_tests"]][0]) == str(nan)
+    assert not plot_data(_records(10)).rates and not plot_data(_records(10)).counters  # single turns: no panel
+    path = plot_run(_episode_records(10), tmp_path / "plot.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,42 +1,82 @@
-"""The shipped coding tasks: each a small Python module (`solution.py`, buggy or a stub), a statement, a few
-visible tests the policy may run, and hidden tests that grade it (never in the episode's work dir).
+"""The shipped coding tasks: each a small Python module (`solution.py`, buggy or a stub) defining one function, a
+statement, a few visible tests the policy may run, and hidden tests that grade it.
+
+Why the hidden tests are data (calls of the task's function and what each must return or raise) and not test
+code: they run outside the sandbox (`judge.py`). The graded code is only ever asked for its function's answers to
+the calls, through a JSON protocol into a sandbox that holds nothing but `solution.py`; the expected values stay
+in the controller's process, so no code of the solution can read them, walk frames or memory for them, or make a
+comparison say yes (docs/sandbox.md, "Grading"). The visible tests are Python source (`def test_*():` with
+asserts, run in the sandbox by `runner.py`): the policy is meant to read and run them.
 
 Why Python source here and not package data files: the tasks ship inside the wheel with no data-file
 configuration, and a test checks each task's reference solution passes all its hidden tests while its starting
-module does not. Tests are plain `def test_*():` functions with asserts (run by `runner.py`, no pytest in the
-sandbox). `EVAL_IDS` are the held-out tasks: never in the train split.
+module does not. `EVAL_IDS` are the held-out tasks: never in the train split.
 """
 
 from __future__ import annotations
 
-import ast
 from dataclasses import dataclass
 from textwrap import dedent
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Raises:
+    """An expected outcome: the call raises this exception class (or a subclass of it), by name."""
+
+    name: str
+
+
+RAISES_VALUE_ERROR = Raises("ValueError")
+
+
+@dataclass(frozen=True)
+class Call:
+    """One call of the task's function with JSON arguments and its expected outcome: `returns` (a JSON value),
+    or, when `raises` is set, raising that exception class."""
+
+    args: tuple[Any, ...]
+    returns: Any = None
+    raises: str | None = None
+
+
+@dataclass(frozen=True)
+class HiddenTest:
+    """A named hidden test: it passes when every one of its calls does."""
+
+    name: str
+    calls: tuple[Call, ...]
 
 
 @dataclass(frozen=True)
 class CodingTask:
-    """One task. `reference` fixes `starter`; it is for tests and scripted policies, never shown to the policy."""
+    """One task. `reference` fixes `starter`; it is for tests and scripted policies, never shown to the policy and
+    never in a sandbox. `function` is the name the hidden tests call in solution.py."""
 
     task_id: str
+    function: str
     statement: str
     starter: str
     reference: str
     visible_tests: str
-    hidden_tests: str
+    hidden: tuple[HiddenTest, ...]
 
     def hidden_test_names(self) -> list[str]:
-        """The hidden tests' function names, in file order (what the grade counts)."""
-        tree = ast.parse(self.hidden_tests)
-        return [n.name for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")]
+        """The hidden tests' names, in order (what the grade counts)."""
+        return [t.name for t in self.hidden]
 
 
-def _task(task_id: str, statement: str, starter: str, reference: str, visible: str, hidden: str) -> CodingTask:
-    return CodingTask(task_id, dedent(statement).strip(), dedent(starter).lstrip(), dedent(reference).lstrip(),
-                      dedent(visible).lstrip(), dedent(hidden).lstrip())
+def _task(task_id: str, function: str, statement: str, starter: str, reference: str, visible: str,
+          hidden: dict[str, list[tuple[tuple[Any, ...], Any]]]) -> CodingTask:
+    tests = tuple(HiddenTest(name, tuple(Call(args, raises=want.name) if isinstance(want, Raises)
+                                         else Call(args, returns=want) for args, want in calls))
+                  for name, calls in hidden.items())
+    return CodingTask(task_id, function, dedent(statement).strip(), dedent(starter).lstrip(),
+                      dedent(reference).lstrip(), dedent(visible).lstrip(), tests)
 
 
 FIZZBUZZ = _task(
+    "fizzbuzz",
     "fizzbuzz",
     """Fix `fizzbuzz(n)` in solution.py: it returns "Fizz" for multiples of 3, "Buzz" for multiples of 5,
     "FizzBuzz" for multiples of both, and str(n) otherwise.""",
@@ -66,24 +106,16 @@ FIZZBUZZ = _task(
     def test_fizz():
         assert fizzbuzz(9) == "Fizz"
     """,
-    """
-    from solution import fizzbuzz
-
-    def test_fizz():
-        assert fizzbuzz(9) == "Fizz"
-
-    def test_buzz():
-        assert fizzbuzz(10) == "Buzz"
-
-    def test_fizzbuzz():
-        assert fizzbuzz(30) == "FizzBuzz"
-
-    def test_number():
-        assert fizzbuzz(7) == "7"
-    """,
+    {
+        "test_fizz": [((9,), "Fizz")],
+        "test_buzz": [((10,), "Buzz")],
+        "test_fizzbuzz": [((30,), "FizzBuzz")],
+        "test_number": [((7,), "7")],
+    },
 )
 
 REVERSE_WORDS = _task(
+    "reverse_words",
     "reverse_words",
     """Implement `reverse_words(text)` in solution.py: the words of `text` (split on any whitespace) in reverse
     order, joined by single spaces; an empty or blank text gives "".""",
@@ -101,24 +133,16 @@ REVERSE_WORDS = _task(
     def test_two_words():
         assert reverse_words("hello world") == "world hello"
     """,
-    """
-    from solution import reverse_words
-
-    def test_two_words():
-        assert reverse_words("hello world") == "world hello"
-
-    def test_extra_spaces():
-        assert reverse_words("  a   b\\tc ") == "c b a"
-
-    def test_blank():
-        assert reverse_words("   ") == ""
-
-    def test_one_word():
-        assert reverse_words("mesh") == "mesh"
-    """,
+    {
+        "test_two_words": [(("hello world",), "world hello")],
+        "test_extra_spaces": [(("  a   b\tc ",), "c b a")],
+        "test_blank": [(("   ",), "")],
+        "test_one_word": [(("mesh",), "mesh")],
+    },
 )
 
 IS_PALINDROME = _task(
+    "is_palindrome",
     "is_palindrome",
     """Fix `is_palindrome(text)` in solution.py: True when `text` reads the same backwards considering only its
     letters and digits, ignoring case ("A man, a plan, a canal: Panama" is one).""",
@@ -137,24 +161,16 @@ IS_PALINDROME = _task(
     def test_plain():
         assert is_palindrome("level")
     """,
-    """
-    from solution import is_palindrome
-
-    def test_plain():
-        assert is_palindrome("level")
-
-    def test_case():
-        assert is_palindrome("Level")
-
-    def test_punctuation():
-        assert is_palindrome("A man, a plan, a canal: Panama")
-
-    def test_not():
-        assert not is_palindrome("mesh")
-    """,
+    {
+        "test_plain": [(("level",), True)],
+        "test_case": [(("Level",), True)],
+        "test_punctuation": [(("A man, a plan, a canal: Panama",), True)],
+        "test_not": [(("mesh",), False)],
+    },
 )
 
 RUNNING_SUM = _task(
+    "running_sum",
     "running_sum",
     """Fix `running_sum(values)` in solution.py: the list of prefix sums, `[values[0], values[0] + values[1],
     ...]`, as long as `values` (empty for an empty list).""",
@@ -180,21 +196,15 @@ RUNNING_SUM = _task(
     def test_empty():
         assert running_sum([]) == []
     """,
-    """
-    from solution import running_sum
-
-    def test_empty():
-        assert running_sum([]) == []
-
-    def test_three():
-        assert running_sum([1, 2, 3]) == [1, 3, 6]
-
-    def test_negative():
-        assert running_sum([5, -5, 2]) == [5, 0, 2]
-    """,
+    {
+        "test_empty": [(([],), [])],
+        "test_three": [(([1, 2, 3],), [1, 3, 6])],
+        "test_negative": [(([5, -5, 2],), [5, 0, 2])],
+    },
 )
 
 WORD_COUNT = _task(
+    "word_count",
     "word_count",
     """Fix `word_count(text)` in solution.py: a dict from each lower-cased word to how many times it occurs;
     words are runs of letters (punctuation and digits separate words).""",
@@ -220,24 +230,16 @@ WORD_COUNT = _task(
     def test_simple():
         assert word_count("a b a") == {"a": 2, "b": 1}
     """,
-    """
-    from solution import word_count
-
-    def test_simple():
-        assert word_count("a b a") == {"a": 2, "b": 1}
-
-    def test_case():
-        assert word_count("The the THE") == {"the": 3}
-
-    def test_punctuation():
-        assert word_count("hi, there! hi.") == {"hi": 2, "there": 1}
-
-    def test_empty():
-        assert word_count("") == {}
-    """,
+    {
+        "test_simple": [(("a b a",), {"a": 2, "b": 1})],
+        "test_case": [(("The the THE",), {"the": 3})],
+        "test_punctuation": [(("hi, there! hi.",), {"hi": 2, "there": 1})],
+        "test_empty": [(("",), {})],
+    },
 )
 
 FLATTEN = _task(
+    "flatten",
     "flatten",
     """Implement `flatten(items)` in solution.py: the non-list elements of an arbitrarily nested list, in order
     (`flatten([1, [2, [3]], 4]) == [1, 2, 3, 4]`).""",
@@ -258,21 +260,15 @@ FLATTEN = _task(
     def test_flat():
         assert flatten([1, 2]) == [1, 2]
     """,
-    """
-    from solution import flatten
-
-    def test_flat():
-        assert flatten([1, 2]) == [1, 2]
-
-    def test_nested():
-        assert flatten([1, [2, [3, [4]]], 5]) == [1, 2, 3, 4, 5]
-
-    def test_empty_lists():
-        assert flatten([[], [[]], 7]) == [7]
-    """,
+    {
+        "test_flat": [(([1, 2],), [1, 2])],
+        "test_nested": [(([1, [2, [3, [4]]], 5],), [1, 2, 3, 4, 5])],
+        "test_empty_lists": [(([[], [[]], 7],), [7])],
+    },
 )
 
 BINARY_SEARCH = _task(
+    "binary_search",
     "binary_search",
     """Fix `binary_search(values, target)` in solution.py: the index of `target` in the sorted list `values`,
     or -1 when it is absent.""",
@@ -304,24 +300,16 @@ BINARY_SEARCH = _task(
     def test_first():
         assert binary_search([1, 3, 5], 1) == 0
     """,
-    """
-    from solution import binary_search
-
-    def test_first():
-        assert binary_search([1, 3, 5], 1) == 0
-
-    def test_last():
-        assert binary_search([1, 3, 5, 7], 7) == 3
-
-    def test_absent():
-        assert binary_search([1, 3, 5], 4) == -1
-
-    def test_empty():
-        assert binary_search([], 4) == -1
-    """,
+    {
+        "test_first": [(([1, 3, 5], 1), 0)],
+        "test_last": [(([1, 3, 5, 7], 7), 3)],
+        "test_absent": [(([1, 3, 5], 4), -1)],
+        "test_empty": [(([], 4), -1)],
+    },
 )
 
 ROMAN_TO_INT = _task(
+    "roman_to_int",
     "roman_to_int",
     """Implement `roman_to_int(numeral)` in solution.py: the value of a Roman numeral ("XIV" -> 14,
     "MCMXC" -> 1990), subtractive pairs included.""",
@@ -345,21 +333,15 @@ ROMAN_TO_INT = _task(
     def test_three():
         assert roman_to_int("III") == 3
     """,
-    """
-    from solution import roman_to_int
-
-    def test_three():
-        assert roman_to_int("III") == 3
-
-    def test_subtractive():
-        assert roman_to_int("XIV") == 14
-
-    def test_year():
-        assert roman_to_int("MCMXC") == 1990
-    """,
+    {
+        "test_three": [(("III",), 3)],
+        "test_subtractive": [(("XIV",), 14)],
+        "test_year": [(("MCMXC",), 1990)],
+    },
 )
 
 PARSE_DURATION = _task(
+    "parse_duration",
     "parse_duration",
     """Implement `parse_duration(text)` in solution.py: the seconds in a duration written as numbers with unit
     letters h, m, s in that order, each optional ("1h30m" -> 5400, "45s" -> 45, "2h5s" -> 7205); raise
@@ -384,26 +366,12 @@ PARSE_DURATION = _task(
     def test_seconds():
         assert parse_duration("45s") == 45
     """,
-    """
-    from solution import parse_duration
-
-    def test_seconds():
-        assert parse_duration("45s") == 45
-
-    def test_hours_minutes():
-        assert parse_duration("1h30m") == 5400
-
-    def test_hours_seconds():
-        assert parse_duration("2h5s") == 7205
-
-    def test_invalid():
-        for bad in ("", "5x", "m"):
-            try:
-                parse_duration(bad)
-            except ValueError:
-                continue
-            raise AssertionError(f"{bad!r} accepted")
-    """,
+    {
+        "test_seconds": [(("45s",), 45)],
+        "test_hours_minutes": [(("1h30m",), 5400)],
+        "test_hours_seconds": [(("2h5s",), 7205)],
+        "test_invalid": [(("",), RAISES_VALUE_ERROR), (("5x",), RAISES_VALUE_ERROR), (("m",), RAISES_VALUE_ERROR)],
+    },
 )
 
 TASKS: dict[str, CodingTask] = {t.task_id: t for t in (

@@ -1,9 +1,11 @@
 """Runs one test module's `test_*` functions inside the sandbox and prints one line per test. Stdlib only: its
-source is passed with `-c` (`python -I -S -c SOURCE MODULE`), composer_mesh is not importable in the sandbox.
+source is passed with `-c` (`python -I -S -B -c SOURCE MODULE`; `-B`: no `__pycache__` in the work dir, which `-I`
+would write despite the sandbox's PYTHONDONTWRITEBYTECODE), composer_mesh is not importable in the sandbox.
 
 Each result line is `\\n<tag> PASS <name>` or `\\n<tag> FAIL <name> <error>`, printed as it finishes (so a run
 killed by its wall time still reports the tests before). The tag is read from stdin before the episode's code
-is imported: when grading it is a fresh random nonce, so the solution cannot print passing lines of its own.
+is imported, so a stray print of the code is not read as a result line. It runs the visible tests only (the
+`run_tests` tool): grading never imports test code next to the solution (`judge.py` says why).
 """
 
 import sys

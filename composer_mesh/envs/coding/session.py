@@ -1,61 +1,37 @@
 """A coding episode: the task's statement and tools (`read_file`, `write_file`, `run_tests`, `run_python`,
 `submit`) over a private sandbox work dir; the episode ends on `submit` or a turn without tool calls, graded by
-the task's hidden tests in a separate sandbox run (they are never in the episode's work dir).
+the task's hidden tests from outside the sandbox (`judge.py`: they are never in any sandbox).
 
-Why grading copies the work dir to a fresh one: the hidden tests must not be readable by the policy during the
-episode, and a fresh directory holds nothing the episode left running or half-written beyond its files.
+Each turn's `info` counts what the policy did besides the calls and their errors (`BEHAVIOUR`): runs of the
+visible tests and of Python, writes to files other than solution.py, paths refused, commands the sandbox killed,
+and an end without any test run. Why: the reward hacks a policy finds (breaking tool calls on purpose, rewriting
+the visible tests, probing for files it should not read) show up in these per-episode counters before they show
+up in the reward (`orchestration/episode_metrics.py`, the run plot's behaviour panel). Each turn's `feedback`
+names what went wrong in it, one line per problem; the final one says how many hidden tests passed, never which.
 """
 
 from __future__ import annotations
 
-import asyncio
-import secrets
+from collections import Counter
 from contextlib import AsyncExitStack
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from composer_mesh.envs.coding.catalog import CodingTask
 from composer_mesh.envs.coding.config import CodingConfig
+from composer_mesh.envs.coding.judge import SOLUTION, Grade, grade
 from composer_mesh.envs.session import Message, Observation, StepResult
 from composer_mesh.envs.tool_session import format_error_message
-from composer_mesh.envs.tools import Tool, Toolbox, ToolCall, parse_tool_calls
-from composer_mesh.sandbox.pool import SandboxBox, SandboxPool, copy_work_dir
+from composer_mesh.envs.tools import Tool, Toolbox, ToolCall, one_line, parse_tool_calls
+from composer_mesh.sandbox.pool import BoxPathError, SandboxBox, SandboxPool
 from composer_mesh.sandbox.run import SandboxResult
 from composer_mesh.tasks.episode import EpisodeStatus
 
 RUNNER = Path(__file__).with_name("runner.py").read_text()  # sent to the sandbox's python with -c
-VISIBLE, HIDDEN = "test_visible", "test_hidden"
-
-
-@dataclass
-class Grade:
-    """The hidden tests' verdict: `passed` of `total`, and the runner's lines (for logs)."""
-
-    passed: int
-    total: int
-    report: str
-
-    @property
-    def reward(self) -> float:
-        return self.passed / self.total if self.total else 0.0
-
-
-def count_passed(result: SandboxResult, tag: str, names: list[str]) -> int:
-    """Tests of `names` the runner reported passing under `tag` (a run cut short counts what it reported)."""
-    passed = {line.split()[2] for line in result.stdout.splitlines() if line.startswith(f"{tag} PASS ")}
-    return len(passed & set(names))
-
-
-async def grade(pool: SandboxPool, task: CodingTask, workdir: Path) -> Grade:
-    """Run `task`'s hidden tests against a copy of `workdir` in a fresh sandbox session."""
-    async with pool.session() as judge:
-        await asyncio.to_thread(copy_work_dir, workdir, judge.workdir)
-        judge.write(f"{HIDDEN}.py", task.hidden_tests)
-        tag = secrets.token_hex(16)
-        result = await judge.run([judge.python, "-I", "-S", "-c", RUNNER, HIDDEN], stdin=tag + "\n")
-    names = task.hidden_test_names()
-    return Grade(count_passed(result, tag, names), len(names), result.summary())
+VISIBLE = "test_visible"
+# The behaviour counters of a turn's `info` (besides tool_calls, tool_errors, parse_errors).
+BEHAVIOUR = ("run_tests", "run_python", "writes_outside_solution", "paths_refused", "sandbox_kills",
+             "untested_submits")
 
 
 class CodingTools:
@@ -68,6 +44,8 @@ class CodingTools:
 
     def __init__(self, box: SandboxBox) -> None:
         self.box = box
+        self.counts: Counter[str] = Counter()  # the `BEHAVIOUR` counters since the session last cleared them
+        self.tests_run = 0  # run_tests calls in the episode
         self.toolbox = Toolbox([Tool(getattr(self, name)) for name in self.NAMES], timeout_s=None)
 
     async def read_file(self, path: str) -> str:
@@ -76,7 +54,9 @@ class CodingTools:
         Args:
             path: The file's path relative to the work dir, e.g. "solution.py".
         """
-        return self.box.read(path)
+        answer = self.box.read(path)
+        self.counts["paths_refused"] += answer.startswith("error: ")
+        return answer
 
     async def write_file(self, path: str, content: str) -> str:
         """Write a text file in the work dir, replacing the file if it exists.
@@ -85,11 +65,19 @@ class CodingTools:
             path: The file's path relative to the work dir, e.g. "solution.py".
             content: The file's whole new text.
         """
+        self.counts["writes_outside_solution"] += path != SOLUTION
+        try:
+            self.box.path(path)
+        except BoxPathError:
+            self.counts["paths_refused"] += 1
         return self.box.write(path, content)
 
     async def run_tests(self) -> str:
         """Run the visible tests (test_visible.py) against solution.py and report each test's result."""
-        result = await self.box.run([self.box.python, "-I", "-S", "-c", RUNNER, VISIBLE], stdin="TEST\n")
+        self.counts["run_tests"] += 1
+        self.tests_run += 1
+        result = await self.box.run([self.box.python, "-I", "-S", "-B", "-c", RUNNER, VISIBLE], stdin="TEST\n")
+        self.counts["sandbox_kills"] += killed(result)
         lines = [line for line in result.stdout.splitlines() if line.startswith("TEST ")]
         passed = sum(line.startswith("TEST PASS ") for line in lines)
         body = "\n".join(line.removeprefix("TEST ") for line in lines)
@@ -102,7 +90,9 @@ class CodingTools:
         Args:
             code: The Python source to run.
         """
+        self.counts["run_python"] += 1
         result = await self.box.run_python(code)
+        self.counts["sandbox_kills"] += killed(result)
         return killed_is_error(result, result.observation())
 
     async def submit(self) -> str:
@@ -117,18 +107,32 @@ class CodingTools:
         return await self.toolbox.call(call)
 
 
+def killed(result: SandboxResult) -> bool:
+    """The command did not finish on its own: killed by a limit, the wall time or a signal from outside."""
+    return result.signal is not None or result.timed_out
+
+
 def killed_is_error(result: SandboxResult, answer: str) -> str:
     """`answer`, as an `error: ` answer (a tool error in the turn's `info`) when the command was killed: by a limit,
     the wall time or a signal from outside. Why: a command that did not finish is the sandbox failing it, not the
     code's own answer (docs/sandbox.md); the output it printed before stays in the answer."""
-    return f"error: {answer}" if result.signal is not None or result.timed_out else answer
+    return f"error: {answer}" if killed(result) else answer
+
+
+def answer_problems(tool: str, answer: str) -> list[str]:
+    """The feedback lines of one tool answer: its error line, or the failing visible tests `run_tests` listed."""
+    if answer.startswith("error: "):
+        return [f"{tool}: {one_line(answer.splitlines()[0])}"]
+    if tool != "run_tests":
+        return []
+    return [f"run_tests: {one_line(line)}" for line in answer.splitlines()[1:] if line.startswith(("FAIL ", "ERROR "))]
 
 
 def opening(task: CodingTask) -> str:
     """The user message that opens an episode: the task and how to work on it."""
     return (f"{task.statement}\n\nThe work dir holds solution.py and test_visible.py (a few of the tests). "
             "Use the tools to read, edit and test the code; call submit when solution.py is done (hidden tests "
-            "grade it; the reward is the fraction they pass).")
+            "grade solution.py alone; the reward is the fraction they pass).")
 
 
 class CodingSession:
@@ -154,23 +158,30 @@ class CodingSession:
         if self.tools is None:
             raise RuntimeError("CodingSession.step before reset")
         self.turns += 1
+        self.tools.counts.clear()
         turn = parse_tool_calls(action)
         info = {"tool_calls": 0.0, "tool_errors": 0.0, "parse_errors": float(len(turn.errors))}
-        if turn.is_final:
-            return await self._finish("done", info)
         messages: list[Message] = []
+        problems = [f"unreadable tool call: {one_line(e)}" for e in turn.errors]
+        submitted = turn.is_final
         for i, call in enumerate(turn.calls):
             if call.name == "submit":
-                return await self._finish("done", info)
+                submitted = True
+                break
             answer = await self._answer(call, i)
             info["tool_calls"] += 1
             info["tool_errors"] += str(answer["content"]).startswith("error: ")
+            problems += answer_problems(call.name, str(answer["content"]))
             messages.append(answer)
+        info |= {k: float(self.tools.counts[k]) for k in BEHAVIOUR}
+        if submitted:
+            info["untested_submits"] = float(self.tools.tests_run == 0)
+            return await self._finish("done", info, problems)
         if turn.errors:
             messages.append(format_error_message(turn.errors))
         if self.turns >= self.config.max_turns:
-            return await self._finish("truncated_turns", info)
-        return StepResult(messages=messages, info=info)
+            return await self._finish("truncated_turns", info, problems)
+        return StepResult(messages=messages, info=info, feedback="\n".join(problems) or None)
 
     async def _answer(self, call: ToolCall, index: int) -> Message:
         assert self.tools is not None
@@ -179,11 +190,14 @@ class CodingSession:
                                             "calls in one turn")
         return await self.tools.call(call)
 
-    async def _finish(self, status: EpisodeStatus, info: dict[str, float]) -> StepResult:
+    async def _finish(self, status: EpisodeStatus, info: dict[str, float], problems: list[str]) -> StepResult:
         assert self.tools is not None
-        self.grade = await grade(self.pool, self.task, self.tools.box.workdir)
+        self.grade = await grade(self.pool, self.task, self.tools.box)
         info = info | {"tests_passed": float(self.grade.passed), "tests_total": float(self.grade.total)}
-        return StepResult(reward=self.grade.reward, done=True, status=status, info=info)
+        if self.grade.passed < self.grade.total:
+            problems = [*problems, f"hidden tests: {self.grade.passed} of {self.grade.total} passed"]
+        return StepResult(reward=self.grade.reward, done=True, status=status, info=info,
+                          feedback="\n".join(problems) or None)
 
     async def close(self) -> None:
         await self._stack.aclose()
