@@ -19,7 +19,13 @@ from orchestration.test_multi_turn import run_chunks
 from composer_mesh.actors.backends.generation.hf_generator import HFGenerator, HFGeneratorSettings
 from composer_mesh.actors.backends.teachers.openrouter import OpenRouterTeacher
 from composer_mesh.actors.backends.teachers.openrouter_client import OpenRouterSettings
-from composer_mesh.actors.messages import GenerationRequest, Prompt, RolloutGroup, TeacherRequest, TeacherSignals
+from composer_mesh.actors.messages import (
+    GenerationRequest,
+    Prompt,
+    RolloutGroup,
+    TeacherRequest,
+    TeacherSignals,
+)
 from composer_mesh.actors.teacher_pool import PoolMember, TeacherPool
 from composer_mesh.envs.calculator import CalculatorEnvironment
 from composer_mesh.envs.config import CalculatorConfig
