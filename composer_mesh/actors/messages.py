@@ -246,6 +246,14 @@ class TeacherTrace:
     # teacher that re-tokenises, e.g. OpenRouter). Episodes need them token in, token out: a teacher's episode
     # holds its opening conversation here, and each of its turns is found in the conversation by them.
     prompt_ids: list[int] = field(default_factory=list)
+    # A turn of a teacher that plays at the message level (a hosted model): the turn as a chat message (`content`,
+    # OpenAI `tool_calls`), which the episode's next request carries back; `prompt_ids` and `completion_ids` are
+    # then the conversation and the turn rendered by the student's chat template (`prompt_ids` empty: the template
+    # cannot render the turn as a continuation of the conversation, and the episode is not trained on).
+    message: dict[str, Any] | None = None
+    # What this trace cost its teacher (`prompt_tokens`, `completion_tokens` in its own tokenizer; `cost` in USD as
+    # its provider reports it); a teacher's episode sums its turns'. Empty: not counted.
+    usage: dict[str, float] = field(default_factory=dict)
 
     def loss_mask(self) -> list[int]:
         """1 on the teacher's own tokens, 0 on the environment's (all 1 for a completion)."""

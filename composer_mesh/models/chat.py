@@ -319,3 +319,46 @@ def next_turn_token_ids(
     assert end is not None  # bridge_token_ids raised otherwise
     ids = [int(i) for i in token_ids]
     return ids + ([] if ids and ids[-1] == end else [end]) + bridge
+
+
+# -- a conversation played at the message level (a hosted teacher's episode), in a model's tokens ----------------
+class TurnRenderError(ValueError):
+    """The chat template cannot render an assistant turn as a continuation of the conversation before it (it
+    re-renders earlier turns, drops the turn's tool calls, or writes no end-of-turn token after it)."""
+
+
+def _ids(out: Any) -> list[int]:
+    if isinstance(out, Mapping):  # transformers versions that ignore return_dict=False
+        out = out["input_ids"]
+    return [int(i) for i in out]
+
+
+def turn_token_ids(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], reply: dict[str, Any],
+    tools: list[dict[str, Any]] | None = None,
+) -> tuple[list[int], list[int]]:
+    """(the conversation `messages` with the generation prompt, the assistant `reply` after it through the
+    template's end-of-turn token), both in `tokenizer`'s ids, rendered by its chat template. What a turn played
+    by another model (a hosted teacher, at the message level) is in this model's tokens.
+
+    Why checked: the turn is trained on as the continuation of the conversation's ids, so the whole conversation
+    rendered with the reply must start with the conversation rendered alone, the reply's tool calls must be
+    rendered (a template that ignores `tool_calls` would train a turn without its calls), and the turn must end
+    with the template's single end-of-turn token (where the next turn's ids continue). Raises `TurnRenderError`
+    saying which failed."""
+    prompt = chat_token_ids(tokenizer, messages, tools=tools)
+    kwargs: dict[str, Any] = {"tools": tools} if tools else {}
+    full = _ids(tokenizer.apply_chat_template([*messages, reply], add_generation_prompt=False, tokenize=True,
+                                              return_dict=False, **kwargs))
+    if full[: len(prompt)] != prompt:
+        raise TurnRenderError("the template renders the conversation differently once the reply follows it")
+    if reply.get("tool_calls"):
+        bare = {k: v for k, v in reply.items() if k != "tool_calls"}
+        if render_chat(tokenizer, [*messages, bare], tools, False) == render_chat(tokenizer, [*messages, reply],
+                                                                                  tools, False):
+            raise TurnRenderError("the template does not render an assistant turn's tool_calls")
+    end = chat_end_token_id(tokenizer)
+    turn = full[len(prompt):]
+    if end is None or end not in turn:
+        raise TurnRenderError("the template writes no single end-of-turn token after the assistant turn")
+    return prompt, turn[: turn.index(end) + 1]

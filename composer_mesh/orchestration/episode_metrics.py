@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from composer_mesh.actors.messages import ScoredGroup
+from composer_mesh.actors.messages import ScoredGroup, TeacherTrace
 from composer_mesh.tasks.episode import EPISODE_STATUSES
 
 
@@ -45,4 +45,26 @@ def error_rates(counters: Counter[str]) -> dict[str, float]:
         out["episode/tool_error_rate"] = errors / calls
     if calls + unread > 0:
         out["episode/parse_error_rate"] = unread / (calls + unread)
+    return out
+
+
+def teacher_episode_metrics(traces: list[TeacherTrace]) -> dict[str, float]:
+    """Per replay teacher, what its episodes in the step cost (from each trace's summed `usage`): `episodes`,
+    `cost_usd` (the step's sum, as the provider reports it; 0 for a local teacher), `cost_per_episode_usd`, and
+    `tokens_per_episode` / `completion_tokens_per_episode` (in the teacher's own tokens). Why per step: a hosted
+    teacher is paid per token, and its cost per episode is what decides whether its episodes are worth it."""
+    by_teacher: dict[str, list[TeacherTrace]] = {}
+    for t in traces:
+        if t.turns is not None:  # an episode, not a single-turn trace
+            by_teacher.setdefault(t.teacher, []).append(t)
+    out: dict[str, float] = {}
+    for name, played in sorted(by_teacher.items()):
+        n = len(played)
+        cost = sum(t.usage.get("cost", 0.0) for t in played)
+        completion = sum(t.usage.get("completion_tokens", 0.0) for t in played)
+        tokens = completion + sum(t.usage.get("prompt_tokens", 0.0) for t in played)
+        out.update({f"teacher_episodes/episodes/{name}": float(n), f"teacher_episodes/cost_usd/{name}": cost,
+                    f"teacher_episodes/cost_per_episode_usd/{name}": cost / n,
+                    f"teacher_episodes/tokens_per_episode/{name}": tokens / n,
+                    f"teacher_episodes/completion_tokens_per_episode/{name}": completion / n})
     return out

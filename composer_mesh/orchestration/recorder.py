@@ -11,7 +11,7 @@ from typing import Any
 from composer_mesh.actors.messages import TrainMetrics
 from composer_mesh.loss.config import LossConfig
 from composer_mesh.orchestration.config import RunConfig
-from composer_mesh.orchestration.episode_metrics import episode_metrics
+from composer_mesh.orchestration.episode_metrics import episode_metrics, teacher_episode_metrics
 from composer_mesh.orchestration.metrics import MetricsWriter, RunSummary, StepRecord, window_mean
 from composer_mesh.orchestration.pipeline import LagGate, StepDone
 from composer_mesh.orchestration.schedule import StepScheduler
@@ -76,7 +76,8 @@ class StepRecorder:
                  "replay/traces_scored": float(self.sources.traces_scored()),
                  "sampling/generators": float(len({r.generator for r in rollouts})), **self.sources.faults(),
                  **self.sources.rollout(),
-                 **episode_metrics([g for b in done.batches for g in b.groups])}
+                 **episode_metrics([g for b in done.batches for g in b.groups]),
+                 **teacher_episode_metrics([t for b in done.batches for t in b.traces])}
         record = self._record(done, since, timing, extra, len(rollouts))
         record.prompts = [g.group.prompt.prompt_id for b in done.batches for g in b.groups]
         failed = [rw.error or "(no error given)" for b in done.batches for g in b.groups for rw in g.rewards

@@ -53,7 +53,8 @@ class TurnTeachers:
         else:
             ids = [*p.token_ids, *(BRIDGE + len(str(m["content"])) for m in p.bridge_messages)]
         tokens = [100 + ord(name[0]) % 50, seed % 97, (seed >> 48) % 97]
-        return TeacherTrace(name, p.prompt_id, f"{name}:{seed}", tokens, prompt_ids=ids if self.playable[name] else [])
+        return TeacherTrace(name, p.prompt_id, f"{name}:{seed}", tokens, prompt_ids=ids if self.playable[name] else [],
+                            usage={"prompt_tokens": float(len(ids)), "completion_tokens": 3.0})
 
     async def signals(self, request: TeacherRequest) -> list[TeacherSignals]:
         self.requests.append(request)
@@ -119,6 +120,8 @@ async def test_each_replay_teacher_plays_the_groups_task_token_in_token_out() ->
             policy = [t.completion_ids[x.start : x.end] for x in t.turns or [] if x.policy]
             assert [p[1:] for p in policy] == [[(first + k * TURN_SEED_STRIDE) % 97, k] for k in range(3)]
             assert t.text == "".join(f"{t.teacher}:{first + k * TURN_SEED_STRIDE}" for k in range(3))
+            # what the episode cost: its three turns' usage, summed (each turn's prompt is the conversation so far)
+            assert t.usage == {"prompt_tokens": 3.0 + 7 + 11, "completion_tokens": 9.0}
         # the teachers played in sessions made from the group's prompt and its first episode's seed
         pid = r.group.group.prompt.prompt_id
         assert [s for p, s in env.seeds if p == pid].count(first) == 1 + 2  # the student's first episode + a + b
@@ -241,3 +244,66 @@ async def test_a_teacher_request_lingers_for_the_turns_of_every_playing_episode(
     generators' turns do), and one request each when it does not."""
     assert await request_sizes(linger_s=5.0) == [4, 4]
     assert await request_sizes(linger_s=0.0) == [4, 1, 1, 1, 1]
+
+
+class MessageTeachers:
+    """`ports.Teachers` of one replay member that plays at the message level, as a hosted teacher does: each turn
+    answers with a message (a call until the conversation holds a tool result, then the answer "done") and the
+    turn in "student ids" (one id per message of the conversation: an assistant turn's is 77, as the turn's own). `drift_at`: the turn whose
+    ids re-render the conversation (they do not extend the earlier turns' ids)."""
+
+    def __init__(self, drift_at: int | None = None) -> None:
+        self.drift_at = drift_at
+        self.asked: list[Prompt] = []
+
+    async def signals(self, request: TeacherRequest) -> list[TeacherSignals]:
+        self.asked += request.prompts
+        return [TeacherSignals(traces=[self._trace(p) for p in request.prompts])]
+
+    def _trace(self, p: Prompt) -> TeacherTrace:
+        messages = p.messages or []
+        k = sum(m["role"] == "assistant" for m in messages)
+        call = {"id": f"c{k}", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}
+        message = ({"role": "assistant", "content": "done"} if k == 2 else
+                   {"role": "assistant", "content": "", "tool_calls": [call]})
+        ids = [77 if m["role"] == "assistant" else len(str(m["content"])) + 50 * (k == self.drift_at) for m in messages]
+        return TeacherTrace("hosted", p.prompt_id, "", [77], prompt_ids=ids, message=message,
+                            usage={"prompt_tokens": 10.0, "completion_tokens": 2.0, "cost": 0.25})
+
+
+class ToolSessionEnv:
+    """Counting's sessions (two tool turns, then the answer) whose tool messages are named, as a toolbox's are."""
+
+    name = "tools"
+
+    def __init__(self) -> None:
+        self.sessions: list[Counting] = []
+
+    def session(self, prompt: Prompt, seed: int) -> Counting:
+        self.sessions.append(Counting(calls=2))
+        return self.sessions[-1]
+
+
+async def test_a_message_level_teacher_plays_with_the_conversation_as_messages_and_its_tool_results_answer_its_calls(
+        ) -> None:
+    teachers, env = MessageTeachers(), ToolSessionEnv()
+    eps = episodes(teachers, env)  # type: ignore[arg-type]
+    [trace] = await eps.traces([(Prompt("p0", "q"), 5)])
+    # the session read the teacher's calls as a policy's Hermes text, its answer as the final turn
+    assert env.sessions[0].steps == ['<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'] * 2 + ["done"]
+    last = teachers.asked[-1].messages or []
+    assert [m["role"] for m in last] == ["user", "assistant", "tool", "assistant", "tool"]
+    assert [m.get("tool_call_id") for m in last if m["role"] == "tool"] == ["c0", "c1"]  # each answers its call
+    assert teachers.asked[-1].tools == [{"type": "function"}] and teachers.asked[-1].token_ids == []
+    assert [t.policy for t in trace.turns or []] == [True, False, True, False, True] and trace.reward == 1.0
+    assert trace.usage == {"prompt_tokens": 30.0, "completion_tokens": 6.0, "cost": 0.75}  # three turns' usage
+    assert eps.counters()["teacher_episodes/played"] == 1.0 and not eps.cannot_play
+
+
+async def test_a_turn_that_does_not_extend_the_conversations_ids_drops_the_episode_and_is_counted(
+        caplog: pytest.LogCaptureFixture) -> None:
+    eps = episodes(MessageTeachers(drift_at=1), ToolSessionEnv())  # type: ignore[arg-type]
+    with caplog.at_level(logging.WARNING, logger="composer_mesh"):
+        assert await eps.traces([(Prompt("p0", "q"), 5), (Prompt("p1", "q"), 6)]) == []
+    assert eps.counters()["teacher_episodes/misaligned/hosted"] == 2.0 and eps.skipped == 0
+    assert len([r for r in caplog.records if "does not extend" in r.getMessage()]) == 1  # warned about once

@@ -15,17 +15,27 @@ conversation exactly as a generator's `Rollout.prompt_ids` do (`EpisodeTokens.ad
 episodes wait in `TeacherTurns`, which sends every waiting turn of a teacher as one request (like
 `turns.TurnQueue` does for generators); the per-turn seeds make that batching change no token.
 
+Hosted teachers (OpenRouter) play at the message level: their turns are asked as the conversation in chat messages
+with the tools, and answered with a chat message (`TeacherTrace.message`: content, `tool_calls`), which the session
+gets as the text a policy writes (`message_turns.action_text`); the environment's tool results go back as tool
+messages answering the calls' ids. The binding renders each turn in the student's tokens with its chat template
+(`prompt_ids`: the conversation, `completion_ids`: the turn), so the episode is a trace like any other; turns that
+do not extend the conversation's ids as a prefix chain drop the episode, counted (`misaligned/<teacher>`), never
+trained on misaligned ids.
+
 Which teachers play. The driver does not know the pool's members: the first teacher turn is asked of every replay
 teacher (`teachers: None`), and the answers name them. A teacher whose trace has `prompt_ids` continues the
-student's ids (a local teacher with the student's tokenizer) and plays; one without (another tokenizer, a hosted
-model: OpenRouter) cannot play token in, token out: it is warned about once and counted (`unplayable`) for every
-group it sits out. Until some teacher has answered, each group's first turn asks them all; after that only the
-teachers that can play are asked (a teacher unavailable at that first answer is not learnt).
+student's ids (a local teacher with the student's tokenizer) and plays token in, token out; one whose trace has a
+`message` plays at the message level; one with neither (a local teacher with another tokenizer) cannot play: it is
+warned about once and counted (`unplayable`) for every group it sits out. Until some teacher has answered, each
+group's first turn asks them all; after that only the teachers that can play are asked (a teacher unavailable at
+that first answer is not learnt). Each episode's trace carries its turns' summed `usage` (tokens; USD `cost` as
+a hosted teacher's provider reports it), which the step's metrics show per teacher (`episode_metrics`).
 
 Failures follow the student's rules: an environment error ends that episode (played again from its start while
 `environment_retries` last; one that still fails gives no trace); a teacher unavailable with `on_failure: skip`
 ends its episode without a trace (`skipped`); a teacher's `TeacherFailed` (`on_failure: stop`), a binding's bug or
-token drift propagates and the run stops.
+a local teacher's token drift propagates and the run stops.
 """
 
 from __future__ import annotations
@@ -42,6 +52,7 @@ from typing import Any
 from composer_mesh.actors.messages import Prompt, Rollout, TeacherRequest, TeacherTrace
 from composer_mesh.orchestration.ports import Teachers
 from composer_mesh.orchestration.rollout.episode import Episode, TurnSampler
+from composer_mesh.orchestration.rollout.message_turns import action_text, answered_calls, with_call_ids
 from composer_mesh.orchestration.rollout.turns import PlayingEpisodes
 from composer_mesh.orchestration.schedule import StepTimes
 
@@ -161,33 +172,71 @@ class TeacherTurns(PlayingEpisodes):
 
 class _EpisodeEnds(BaseException):
     """Ends a teacher episode from inside its sampler, past `play_episode`'s handling of environment failures (a
-    teacher's error is not the environment's): `cause` None = the teacher gave no turn (skipped), else raised."""
+    teacher's error is not the environment's): `cause` None = the teacher gave no turn (skipped, or `misaligned`:
+    its turn is not a continuation of the conversation's ids), else raised."""
 
-    def __init__(self, cause: BaseException | None) -> None:
+    def __init__(self, cause: BaseException | None, misaligned: bool = False) -> None:
         super().__init__(cause)
-        self.cause = cause
+        self.cause, self.misaligned = cause, misaligned
 
 
 class _TeacherSampler:
     """A teacher episode's `TurnSampler`: its turns asked of `teacher`. `teacher` None: the first turn is asked of
-    every replay teacher; the answers tell `owner` who they are, and the episode goes on as the first that plays."""
+    every replay teacher; the answers tell `owner` who they are, and the episode goes on as the first that plays.
+    A teacher that answers with messages plays at the message level: the sampler keeps the conversation as chat
+    messages (`chat`) and asks each later turn with it instead of the turn's token ids."""
 
     def __init__(self, owner: TeacherEpisodes, teacher: str | None, times: StepTimes | None) -> None:
         self.owner, self.teacher, self.times = owner, teacher, times
+        self.usage: Counter[str] = Counter()  # the episode's turns' usage, its attempts included
+        self.restart()
+
+    def restart(self) -> None:
+        """A new attempt at the episode (after an environment error): the conversation starts again."""
+        self.chat: list[dict[str, Any]] | None = None  # message level: the conversation, as the teacher's API has it
+        self.tools: list[dict[str, Any]] | None = None
+        self.calls: list[str] = []  # the ids of the last turn's calls that tool results answer
+        self.sent: list[int] = []  # message level: the conversation's student ids so far
 
     async def __call__(self, prompt: Prompt, seed: int) -> Rollout:
+        ask = prompt
+        if self.chat is not None and prompt.bridge_messages is not None:
+            ask = Prompt(prompt.prompt_id, "", answer=prompt.answer, extra=prompt.extra, tools=self.tools,
+                         messages=[*self.chat, *with_call_ids(prompt.bridge_messages, self.calls)])
         try:
-            answers = await self.owner.turns.sample(self.teacher, prompt, seed, self.times)
+            answers = await self.owner.turns.sample(self.teacher, ask, seed, self.times)
         except Exception as e:
             raise _EpisodeEnds(e) from e
         if self.teacher is None:
             self.teacher = self.owner.learn(answers)
         trace = answers.get(self.teacher) if self.teacher is not None else None
-        if trace is None or not trace.prompt_ids:
+        if trace is None:
             raise _EpisodeEnds(None)
-        n = len(trace.completion_ids)
-        return Rollout(prompt.prompt_id, list(trace.prompt_ids), list(trace.completion_ids), [0.0] * n,
-                       weight_version=0, text=trace.text, finish_reason="stop", generator=trace.teacher)
+        self.usage.update(trace.usage)
+        if trace.message is not None:
+            return self._message_turn(ask, trace)
+        if not trace.prompt_ids:
+            raise _EpisodeEnds(None)
+        return _turn(ask, trace, trace.text)
+
+    def _message_turn(self, ask: Prompt, trace: TeacherTrace) -> Rollout:
+        """A turn played at the message level: the conversation goes on with the teacher's message; the turn is
+        the text the environment parses, in the student's ids the binding rendered, checked to extend the ids of
+        the conversation so far (else the episode ends as `misaligned`)."""
+        assert trace.message is not None
+        if not trace.prompt_ids or trace.prompt_ids[: len(self.sent)] != self.sent:
+            raise _EpisodeEnds(None, misaligned=True)
+        self.chat, self.tools = [*(ask.messages or []), trace.message], ask.tools
+        self.calls = answered_calls(trace.message)
+        self.sent = [*trace.prompt_ids, *trace.completion_ids]
+        return _turn(ask, trace, action_text(trace.message))
+
+
+def _turn(prompt: Prompt, trace: TeacherTrace, text: str) -> Rollout:
+    """A teacher's turn as `play_episode` takes a sampled one (no log-probs: a teacher's tokens are not scored)."""
+    n = len(trace.completion_ids)
+    return Rollout(prompt.prompt_id, list(trace.prompt_ids), list(trace.completion_ids), [0.0] * n,
+                   weight_version=0, text=text, finish_reason="stop", generator=trace.teacher)
 
 
 class TeacherEpisodes:
@@ -201,6 +250,7 @@ class TeacherEpisodes:
         self.played = 0  # episodes that gave a trace
         self.failed = 0  # episodes whose environment still failed after the retries
         self.skipped = 0  # episodes ended by an unavailable teacher (on_failure: skip)
+        self.misaligned: Counter[str] = Counter()  # message-level episodes dropped: turns not a prefix chain
 
     async def traces(self, groups: list[tuple[Prompt, int]], times: StepTimes | None = None,
                      slots: asyncio.Semaphore | None = None) -> list[TeacherTrace]:
@@ -211,12 +261,12 @@ class TeacherEpisodes:
 
     def learn(self, answers: dict[str, TeacherTrace]) -> str | None:
         """The replay teachers from a first turn asked of them all; the first (by name) that can play, or None."""
-        playable = sorted(n for n, t in answers.items() if t.prompt_ids)
+        playable = sorted(n for n, t in answers.items() if t.prompt_ids or t.message is not None)
         for name in sorted(set(answers) - set(playable) - self.cannot_play):
             self.cannot_play.add(name)
-            log.warning("teacher %r cannot play episodes (its traces have no prompt ids: it does not continue the "
-                        "student's token ids, e.g. another tokenizer or a hosted model); it gives no channel-3 "
-                        "episodes", name)
+            log.warning("teacher %r cannot play episodes (its traces have no prompt ids and no message: it neither "
+                        "continues the student's token ids, e.g. a local teacher with another tokenizer, nor plays "
+                        "at the message level as a hosted one); it gives no channel-3 episodes", name)
         if answers and self.names is None:
             self.names = playable
             log.info("replay teachers playing episodes: %s", playable or "none")
@@ -227,6 +277,7 @@ class TeacherEpisodes:
         out = {"teacher_episodes/played": float(self.played), "teacher_episodes/failed": float(self.failed),
                "teacher_episodes/skipped": float(self.skipped)}
         out.update({f"teacher_episodes/unplayable/{n}": float(c) for n, c in sorted(self.unplayable.items())})
+        out.update({f"teacher_episodes/misaligned/{n}": float(c) for n, c in sorted(self.misaligned.items())})
         return out
 
     async def _group(self, prompt: Prompt, seed: int, times: StepTimes | None,
@@ -251,13 +302,17 @@ class TeacherEpisodes:
         """One teacher episode (played again, same seed, while its environment fails and retries last)."""
         async with slots if slots is not None else contextlib.nullcontext():
             for attempt in range(self.retries + 1):
+                sampler.restart()
                 try:
                     async with self.turns.playing():
                         episode = await self.play(prompt, seed, sampler)
                 except _EpisodeEnds as e:
                     if e.cause is not None:
                         raise e.cause from None
-                    self.skipped += 1
+                    if e.misaligned:
+                        self._misaligned(prompt, sampler)
+                    else:
+                        self.skipped += 1
                     return None
                 if episode.rollout.status != "error_environment":
                     break
@@ -271,4 +326,13 @@ class TeacherEpisodes:
         r = episode.rollout
         return TeacherTrace(sampler.teacher, prompt.prompt_id, r.text, list(r.completion_ids),
                             reward=episode.reward_result().score, turns=list(r.turns or []),
-                            prompt_ids=list(r.prompt_ids))
+                            prompt_ids=list(r.prompt_ids), usage=dict(sampler.usage))
+
+    def _misaligned(self, prompt: Prompt, sampler: _TeacherSampler) -> None:
+        name = sampler.teacher or "?"
+        if not self.misaligned[name]:
+            log.warning("teacher episode %s (%s): a turn in the student's tokens does not extend the conversation's "
+                        "ids (the student's chat template re-renders earlier turns or cannot write the turn); "
+                        "dropped, as are later such episodes (counted: teacher_episodes/misaligned/%s)",
+                        prompt.prompt_id, name, name)
+        self.misaligned[name] += 1

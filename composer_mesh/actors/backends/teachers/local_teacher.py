@@ -196,8 +196,9 @@ class LocalTeacher(ABC):
         text."""
         tokenizer = self.tokenizer
         text = tokenizer.decode(token_ids, skip_special_tokens=True)
+        usage = {"prompt_tokens": float(len(ids)), "completion_tokens": float(len(token_ids))}  # in its tokens
         if self.shares_tokenizer:
-            return TeacherTrace(self.name, p.prompt_id, text, list(token_ids), prompt_ids=list(ids))
+            return TeacherTrace(self.name, p.prompt_id, text, list(token_ids), prompt_ids=list(ids), usage=usage)
         # Another tokenizer: write the text in the student's vocabulary. A text the student cannot
         # represent is dropped (a silently shortened trace would teach something the teacher never said).
         student = self.student_tokenizer
@@ -211,7 +212,8 @@ class LocalTeacher(ABC):
         if ended_on_eos and student.eos_token_id is not None:
             completion.append(int(student.eos_token_id))
         completion = completion[:max_new_tokens]
-        return TeacherTrace(self.name, p.prompt_id, student.decode(completion, skip_special_tokens=True), completion)
+        return TeacherTrace(self.name, p.prompt_id, student.decode(completion, skip_special_tokens=True), completion,
+                            usage=usage)
 
     # -- plumbing ----------------------------------------------------------------------------------------
     async def _run(self, fn: Any, *args: Any) -> Any:

@@ -7,10 +7,17 @@ validator rejects `channels: [distill]` for this binding from `capabilities`. Tr
 the student's tokenizer (`TeacherTrace.completion_ids` are student ids). A batch that fails for a reason
 outside our code (the client's `OpenRouterError`s after their retries, or no usable trace) raises
 `TeacherUnavailable`, so the pool applies the member's `on_failure`; anything else is a bug and propagates.
+
+Episodes (a request with per-prompt `seeds`: the pool passes them only for a teacher's episode turns) are played
+at the message level: each prompt is the conversation so far as chat messages, sent with its `tools`; the
+answer is a turn (`TeacherTrace.message`: content and `tool_calls`) and, for training, the conversation and the
+turn rendered by the student's chat template (`models.chat.turn_token_ids`). Every trace carries what its
+request cost (`TeacherTrace.usage`: OpenRouter's token counts and `cost`).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -24,6 +31,7 @@ from composer_mesh.actors.backends.teachers.openrouter_wire import (
 from composer_mesh.actors.messages import Prompt, Rollout, TeacherTrace, TokenDistribution
 from composer_mesh.actors.teacher_errors import TeacherUnavailable
 from composer_mesh.actors.teacher_topk import TopK
+from composer_mesh.models.chat import TurnRenderError, turn_token_ids
 
 log = logging.getLogger("composer_mesh.openrouter")
 
@@ -86,6 +94,7 @@ class OpenRouterTeacher:
         self._client: OpenRouterClient | None = None
         self._tokenizer: StudentTokenizer | None = None
         self._untokenizable = 0
+        self._misrendered = 0  # episode turns the student's chat template could not render as a continuation
 
     def __repr__(self) -> str:
         return f"OpenRouterTeacher(name={self.name!r}, models={self.settings.models!r}, started={self._client is not None})"
@@ -116,7 +125,7 @@ class OpenRouterTeacher:
                      seeds: list[int] | None = None) -> list[TeacherTrace]:
         """One trace per prompt, in order, once every request has finished. `seed` and `seeds` are not sent: a
         hosted model's sampling is not reproducible anyway (providers treat a seed as best effort, when at all).
-        Its traces have no `prompt_ids` (the hosted model applies its own template): it cannot play episodes.
+        `seeds` given: the prompts are episode turns, answered at the message level (`_turn_trace`).
 
         Failed prompts are left out when `partial_traces` (already-paid traces are kept; the pool's traces
         are a flat list, not aligned with prompts); otherwise, or when every request failed, raises
@@ -127,8 +136,12 @@ class OpenRouterTeacher:
         cap = self.settings.max_tokens
         max_tokens = min(max_new_tokens, cap) if cap is not None else max_new_tokens
         # Chat prompts go as their messages (the hosted model applies its own template), text prompts as text.
+        turns = seeds is not None
+        if turns and any(p.messages is None for p in prompts):
+            raise ValueError(f"teacher {self.name!r}: an episode turn sent without its conversation as messages")
         asks = [p.text if p.messages is None else p.messages for p in prompts]
-        results = await client.complete_many(asks, max_tokens=max_tokens)
+        results = await client.complete_many(asks, max_tokens=max_tokens,
+                                             tools=[p.tools for p in prompts] if turns else None)
         failed = [(p, r) for p, r in zip(prompts, results) if isinstance(r, OpenRouterError)]
         if failed and (not self.settings.partial_traces or len(failed) == len(prompts)):
             prompt, err = failed[0]
@@ -144,7 +157,7 @@ class OpenRouterTeacher:
         for p, r in zip(prompts, results):
             if not isinstance(r, ChatResult):
                 continue
-            trace = self._to_trace(p, r, tokenizer, max_new_tokens)
+            trace = self._turn_trace(p, r, tokenizer) if turns else self._to_trace(p, r, tokenizer, max_new_tokens)
             if trace is None:
                 lossy.append((p.prompt_id, r.text))
             else:
@@ -167,6 +180,7 @@ class OpenRouterTeacher:
         `untokenizable_traces` (completions dropped because the student's vocabulary cannot represent them)."""
         out = self._client.usage() if self._client is not None else {}
         out["untokenizable_traces"] = float(self._untokenizable)
+        out["misrendered_turns"] = float(self._misrendered)
         return out
 
     async def aclose(self) -> None:
@@ -196,4 +210,44 @@ class OpenRouterTeacher:
         if len(ids) > max_new_tokens:
             ids = ids[:max_new_tokens]
             text = tok.decode(ids)
-        return TeacherTrace(teacher=self.name, prompt_id=prompt.prompt_id, text=text, completion_ids=ids)
+        return TeacherTrace(teacher=self.name, prompt_id=prompt.prompt_id, text=text, completion_ids=ids,
+                            usage=dict(r.usage))
+
+    def _turn_trace(self, prompt: Prompt, r: ChatResult, tok: StudentTokenizer) -> TeacherTrace:
+        """An episode turn: the reply as a chat message, and the conversation and the reply in the student's tokens
+        (rendered by its chat template, tool-call arguments as objects, as templates expect them). A template
+        that cannot render the turn as a continuation gives no ids (warned about once; the episode is dropped)."""
+        message: dict[str, Any] = {"role": "assistant", "content": r.text}
+        if r.tool_calls:
+            message["tool_calls"] = r.tool_calls
+        try:
+            ids, turn = turn_token_ids(tok, [student_message(m) for m in prompt.messages or []],  # type: ignore[arg-type]
+                                       student_message(message), prompt.tools)
+        except TurnRenderError as e:
+            if not self._misrendered:
+                log.warning("teacher %s: the student's chat template cannot write its episode turns (%s); those "
+                            "episodes are not trained on", self.name, e)
+            self._misrendered += 1
+            ids, turn = [], []
+        return TeacherTrace(self.name, prompt.prompt_id, r.text, turn, prompt_ids=ids, message=message,
+                            usage=dict(r.usage))
+
+
+def student_message(message: dict[str, Any]) -> dict[str, Any]:
+    """A chat message as the student's chat template renders it: tool-call arguments as objects (chat templates
+    write an object as JSON; a string, as OpenAI sends them, would be written quoted by some). Arguments that are
+    not a JSON object stay the string they are."""
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    out = []
+    for call in calls:
+        fn = dict(call.get("function") or {})
+        try:
+            arguments = json.loads(fn.get("arguments") or "{}")
+        except (TypeError, ValueError):
+            arguments = None
+        if isinstance(arguments, dict):
+            fn["arguments"] = arguments
+        out.append({**call, "function": fn})
+    return {**message, "tool_calls": out}

@@ -166,24 +166,29 @@ class OpenRouterClient:
         self._sem = None
         self._loop = None
 
-    async def complete(self, prompt: ChatInput, *, max_tokens: int) -> ChatResult:
-        """One completion for `prompt` (a text: one user message; or chat messages, sent as given), waiting for
-        a concurrency slot first."""
+    async def complete(self, prompt: ChatInput, *, max_tokens: int,
+                       tools: list[dict[str, Any]] | None = None) -> ChatResult:
+        """One completion for `prompt` (a text: one user message; or chat messages, sent as given), offered
+        `tools` when given, waiting for a concurrency slot first."""
         _, sem = self._ensure_loop_state()
         async with sem:
             try:
-                return await self._complete_with_fallback(prompt, max_tokens)
+                return await self._complete_with_fallback(prompt, max_tokens, tools)
             except OpenRouterError:
                 self._counters.failed_requests += 1
                 raise
 
-    async def complete_many(self, prompts: list[ChatInput], *, max_tokens: int) -> list[ChatResult | OpenRouterError]:
-        """Concurrent `complete` for every prompt (bounded by `max_concurrency`); errors are returned in place.
+    async def complete_many(self, prompts: list[ChatInput], *, max_tokens: int,
+                            tools: list[list[dict[str, Any]] | None] | None = None) -> list[ChatResult | OpenRouterError]:
+        """Concurrent `complete` for every prompt (bounded by `max_concurrency`; `tools[i]` offered to prompt i);
+        errors are returned in place.
 
         Every request finishes (or fails) before this returns: no orphaned tasks keep spending credits.
         """
+        offered = tools if tools is not None else [None] * len(prompts)
         results = await asyncio.gather(
-            *(self.complete(p, max_tokens=max_tokens) for p in prompts), return_exceptions=True
+            *(self.complete(p, max_tokens=max_tokens, tools=t) for p, t in zip(prompts, offered)),
+            return_exceptions=True,
         )
         out: list[ChatResult | OpenRouterError] = []
         for r in results:
@@ -216,13 +221,14 @@ class OpenRouterClient:
             self._loop = loop
         return self._http, self._sem
 
-    async def _complete_with_fallback(self, prompt: ChatInput, max_tokens: int) -> ChatResult:
+    async def _complete_with_fallback(self, prompt: ChatInput, max_tokens: int,
+                                      tools: list[dict[str, Any]] | None) -> ChatResult:
         s = self.settings
         models = s.models if s.model_fallback == "client" else s.models[:1]
         errors: list[str] = []
         for i, model in enumerate(models):
             try:
-                return await self._complete_one_model(prompt, model, max_tokens)
+                return await self._complete_one_model(prompt, model, max_tokens, tools)
             except OpenRouterError as e:
                 # Auth, credits, moderation and bad requests fail the same way for every model: stop.
                 if e.status in (400, 401, 402, 403) or isinstance(e, OpenRouterConfigError) or i == len(models) - 1:
@@ -237,9 +243,10 @@ class OpenRouterClient:
                 log.warning("openrouter model %s failed (%s); falling back to %s", model, type(e).__name__, models[i + 1])
         raise AssertionError("unreachable")  # pragma: no cover
 
-    async def _complete_one_model(self, prompt: ChatInput, model: str, max_tokens: int) -> ChatResult:
+    async def _complete_one_model(self, prompt: ChatInput, model: str, max_tokens: int,
+                                  tools: list[dict[str, Any]] | None) -> ChatResult:
         s = self.settings
-        payload = chat_payload(self.settings, prompt, model, max_tokens)
+        payload = chat_payload(self.settings, prompt, model, max_tokens, tools)
         attempt = 0
         while True:
             attempt += 1

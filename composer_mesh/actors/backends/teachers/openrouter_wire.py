@@ -9,6 +9,7 @@ Shapes follow https://openrouter.ai/docs (see `shared/notes/vllm_tiny.md` §3).
 from __future__ import annotations
 
 import email.utils
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,8 +21,9 @@ from composer_mesh.errors import UserInputError
 # OpenRouter: 408 timeout, 429 rate limit, 502 upstream down/invalid, 503 no provider available; any 5xx.
 _RETRYABLE_STATUS = frozenset({408, 429})
 
-# What one request asks: a text (sent as one user message, after `system_prompt`) or chat messages, sent as given.
-ChatInput = str | list[dict[str, str]]
+# What one request asks: a text (sent as one user message, after `system_prompt`) or chat messages, sent as given
+# (an episode's conversation: assistant turns may carry `tool_calls`, tool results a `tool_call_id`).
+ChatInput = str | list[dict[str, Any]]
 Redact = Callable[[str], str]
 
 
@@ -71,7 +73,9 @@ class TokenLogprob:
 
 @dataclass
 class ChatResult:
-    """One completion. `logprobs` is None when none were requested, or when missing and flagged."""
+    """One completion. `logprobs` is None when none were requested, or when missing and flagged. `tool_calls`:
+    the calls of a request that offered tools, as OpenAI writes them (`{"id", "type": "function", "function":
+    {"name", "arguments": a JSON string}}`)."""
 
     text: str
     model: str
@@ -81,13 +85,15 @@ class ChatResult:
     logprobs_missing: bool = False
     usage: dict[str, float] = field(default_factory=dict)
     attempts: int = 1
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------------------------------------- requests
-def chat_payload(settings: OpenRouterSettings, prompt: ChatInput, model: str, max_tokens: int) -> dict[str, Any]:
-    """The request body of one chat completion for `model`."""
+def chat_payload(settings: OpenRouterSettings, prompt: ChatInput, model: str, max_tokens: int,
+                 tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The request body of one chat completion for `model`; `tools` (OpenAI function schemas) are offered to it."""
     s = settings
-    messages: list[dict[str, str]] = []
+    messages: list[dict[str, Any]] = []
     if not isinstance(prompt, str):  # chat messages: the hosted model applies its own template
         messages = [dict(m) for m in prompt]
     else:
@@ -101,6 +107,8 @@ def chat_payload(settings: OpenRouterSettings, prompt: ChatInput, model: str, ma
         "temperature": s.temperature,
         "stream": False,
     }
+    if tools:
+        body["tools"] = [dict(t) for t in tools]
     if s.model_fallback == "openrouter" and len(s.models) > 1:
         body["models"] = list(s.models)
     if s.logprobs:
@@ -224,6 +232,7 @@ def parse_completion(settings: OpenRouterSettings, redact: Redact, where: str, m
 
     return ChatResult(
         text=text,
+        tool_calls=parse_tool_calls(message.get("tool_calls"), bad),
         model=str(body.get("model") or model),
         provider=body.get("provider") if isinstance(body.get("provider"), str) else None,
         finish_reason=finish if isinstance(finish, str) else None,
@@ -256,6 +265,26 @@ def parse_logprobs(lp: Any, bad: Callable[[str], OpenRouterResponseError]) -> li
             if isinstance(alt, dict) and isinstance(alt.get("token"), str) and isinstance(alt.get("logprob"), (int, float)):
                 top.append((alt["token"], float(alt["logprob"])))
         out.append(TokenLogprob(token=entry["token"], logprob=float(value), top=top))
+    return out
+
+
+def parse_tool_calls(calls: Any, bad: Callable[[str], OpenRouterResponseError]) -> list[dict[str, Any]]:
+    """`choices[0].message.tool_calls` as OpenAI function calls with string arguments ([] when absent); `bad`
+    builds the error of a malformed one. A call without an id gets `call_<i>` (ids pair results with calls)."""
+    if calls is None:
+        return []
+    if not isinstance(calls, list):
+        raise bad("`choices[0].message.tool_calls` is not a list")
+    out: list[dict[str, Any]] = []
+    for i, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise bad(f"`tool_calls[{i}]` has no `function.name`")
+        arguments = fn.get("arguments", "{}")
+        if not isinstance(arguments, str):  # some providers send the object itself
+            arguments = json.dumps(arguments)
+        ident = call.get("id") if isinstance(call.get("id"), str) and call.get("id") else f"call_{i}"
+        out.append({"id": ident, "type": "function", "function": {"name": fn["name"], "arguments": arguments}})
     return out
 
 

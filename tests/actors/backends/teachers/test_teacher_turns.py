@@ -71,6 +71,8 @@ def test_a_teacher_turn_continues_the_exact_ids_a_generator_continues(teacher_an
         r = g.rollouts[0]
         assert t.prompt_ids == r.prompt_ids  # the chat template's opening, then the bridge the generator appends
         assert t.completion_ids == r.completion_ids  # same weights, same seed: the same turn, token for token
+        # what the turn cost (a teacher episode's tokens sum these): the ids it read and the ids it wrote
+        assert t.usage == {"prompt_tokens": float(len(t.prompt_ids)), "completion_tokens": float(len(t.completion_ids))}
     assert traces[1].prompt_ids[: len(ps[1].token_ids)] == ps[1].token_ids
 
 

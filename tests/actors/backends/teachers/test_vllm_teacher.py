@@ -105,6 +105,10 @@ async def test_traces_equal_hf_teacher_greedy(teacher, hf_teacher, tok):
     assert [t.prompt_id for t in traces] == [p.prompt_id for p in prompts]
     assert [(t.text, t.completion_ids) for t in traces] == [(r.text, r.completion_ids) for r in ref]
     assert all(t.teacher == "t_vllm" for t in traces)
+    # each trace's usage (what a teacher episode sums per turn): the ids it read and the ids it wrote
+    assert [t.usage for t in traces] == [{"prompt_tokens": float(len(p.token_ids)),
+                                          "completion_tokens": float(len(t.completion_ids))}
+                                         for p, t in zip(prompts, traces)]
     assert teacher.stop_ids == hf_teacher.stop_ids
     # the warm-started teacher ends its answers with the task's ';'
     assert sum(t.text.endswith(";") for t in traces) >= 4, [t.text for t in traces]

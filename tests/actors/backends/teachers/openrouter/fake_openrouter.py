@@ -2,7 +2,9 @@
 
 It speaks the documented shapes (see shared/notes/vllm_tiny.md §3): bearer auth, `POST /api/v1/chat/completions`,
 completions with `logprobs.content[]`, `usage` with `cost`, and errors as `{"error": {"code", "message"}}`.
-Tests queue scripted replies (`FakeOpenRouter.push`); with none queued it answers a deterministic success.
+Tests queue scripted replies (`FakeOpenRouter.push`); with none queued it answers a deterministic success. A request
+that offers `tools` is answered by its `tool_policy` (e.g. `calculator_policy`) with a message that may hold OpenAI
+`tool_calls` (`finish_reason: "tool_calls"`), its usage counted as for any completion.
 Importable (not a test module) so other tiers — e.g. a whole run with the openrouter binding — can reuse it.
 """
 
@@ -104,6 +106,43 @@ def completion_body(
     }
 
 
+def calculator_policy(messages: list[dict[str, Any]]) -> dict[str, Any]:
+    """A teacher that solves the calculator task with its tool: the user's problem goes to `calculator` as one
+    call; the tool's result comes back as the answer."""
+    last = messages[-1]
+    if last.get("role") == "tool":
+        return {"role": "assistant", "content": str(last.get("content", ""))}
+    calls = sum(len(m.get("tool_calls") or []) for m in messages)
+    call = {"id": f"call_{calls}", "type": "function",
+            "function": {"name": "calculator", "arguments": json.dumps({"expression": str(last.get("content", ""))})}}
+    return {"role": "assistant", "content": None, "tool_calls": [call]}
+
+
+def usage_of(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    """`usage` as OpenRouter documents it: token counts and `cost` (credits, USD) of the generation."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "cost": COST_PER_TOKEN * (prompt_tokens + completion_tokens), "is_byok": False}
+
+
+def tool_policy_body(request: dict[str, Any], policy: Callable[[list[dict[str, Any]]], dict[str, Any]]) -> dict[str, Any]:
+    """The completion of a request with tools: `policy(messages)`'s message; usage counts words, as ours do."""
+    messages = request.get("messages") or []
+    message = policy(messages)
+    prompt_tokens = sum(len(str(m.get("content") or "").split()) + 3 for m in messages)
+    completion_tokens = len(str(message.get("content") or "").split()) + 8 * len(message.get("tool_calls") or [])
+    choice: dict[str, Any] = {"index": 0, "finish_reason": "tool_calls" if message.get("tool_calls") else "stop",
+                              "message": message}
+    if request.get("logprobs"):
+        words = teacher_tokens(message["content"]) if message.get("content") else []
+        choice["logprobs"] = {"content": [{"token": w, "logprob": -0.1, "top_logprobs": []} for w in words]}
+    return {
+        "id": "gen-fake-tools", "object": "chat.completion", "created": int(time.time()),
+        "model": request.get("model", "unknown"), "provider": "FakeProvider", "choices": [choice],
+        "usage": usage_of(prompt_tokens, completion_tokens),
+    }
+
+
 def error_body(code: int, message: str) -> dict[str, Any]:
     return {"error": {"code": code, "message": message, "metadata": {"provider_name": "FakeProvider"}}}
 
@@ -111,10 +150,14 @@ def error_body(code: int, message: str) -> dict[str, Any]:
 class FakeOpenRouter:
     """Start with `start()` (returns the base URL), stop with `stop()`; `reset()` between tests."""
 
-    def __init__(self, api_key: str, answer: Callable[[str], str] = teacher_text) -> None:
-        """`answer(prompt) -> text` is the fake teacher (e.g. `addition_answer` for the tiny addition task)."""
+    def __init__(self, api_key: str, answer: Callable[[str], str] = teacher_text,
+                 tool_policy: Callable[[list[dict[str, Any]]], dict[str, Any]] = calculator_policy) -> None:
+        """`answer(prompt) -> text` is the fake teacher (e.g. `addition_answer` for the tiny addition task);
+        `tool_policy(messages) -> message` answers requests that offer tools."""
         self.api_key = api_key
         self.answer = answer
+        self.tool_policy = tool_policy
+        self.responses: list[dict[str, Any]] = []  # bodies of the successes sent, in order (their usage, cost)
         self._lock = threading.Lock()
         self._script: deque[Reply] = deque()
         self.requests: list[dict[str, Any]] = []  # JSON bodies of authorised chat requests, in arrival order
@@ -135,6 +178,7 @@ class FakeOpenRouter:
         with self._lock:
             self._script.clear()
             self.requests.clear()
+            self.responses.clear()
             self.headers.clear()
             self.inflight = 0
             self.max_inflight = 0
@@ -202,7 +246,11 @@ class FakeOpenRouter:
             if reply.delay:
                 time.sleep(reply.delay)
             if reply.success:
-                self._send(h, 200, completion_body(request, logprobs=reply.logprobs, answer=self.answer), reply.headers)
+                body = (tool_policy_body(request, self.tool_policy) if request.get("tools") else
+                        completion_body(request, logprobs=reply.logprobs, answer=self.answer))
+                with self._lock:
+                    self.responses.append(body)
+                self._send(h, 200, body, reply.headers)
             elif reply.raw is not None:
                 self._send_bytes(h, reply.status, reply.raw, reply.headers)
             else:
