@@ -64,11 +64,11 @@ async def two_turn_agent(task: HarnessTask) -> float:
 
 @pytest.mark.slow  # a two-step run on real meshes: about 40 s on a busy 2-core VM
 async def test_an_openai_agent_through_the_endpoint_is_trained_on_exactly_the_served_tokens(tmp_path: Path) -> None:
+    import orchestration.test_harness_run as agent  # the module the run imports the agent from (not pytest's)
+
     from composer_mesh.app.launch import launch, run_config
     from composer_mesh.orchestration.loop import RLLoop
     from composer_mesh.topology import parse_topology
-
-    import orchestration.test_harness_run as agent  # the module the run imports the agent from (not pytest's)
 
     served = agent.SERVED
     data = yaml.safe_load(TOPOLOGY)

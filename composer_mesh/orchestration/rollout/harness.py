@@ -197,7 +197,7 @@ class HarnessRollout:
         if any(r is None for r in rewards):
             scored = (await self.scoring.score([group]))[0].rewards
             rewards = [r if r is not None else s for r, s in zip(rewards, scored, strict=True)]
-        return ScoredGroup(group, [r for r in rewards if r is not None])
+        return ScoredGroup(group, [_counted(r, e) for r, e in zip(rewards, played, strict=True) if r is not None])
 
     async def _play(self, prompt: Prompt, seed: int, step: int, episode_id: str, queue: TurnQueue) -> HarnessEpisode:
         """One episode, from handing its task out to its reported end (or `episode_timeout_s`)."""
@@ -259,6 +259,12 @@ class HarnessRollout:
         finally:
             server.cancel()
         return min(versions, default=0), list(groups)
+
+
+def _counted(reward: RewardResult, episode: HarnessEpisode) -> RewardResult:
+    """The reward with the episode's policy turns among its components (`episode/turns` in the step records)."""
+    turns = float(len(episode.tokens.policy_turns()))
+    return RewardResult(reward.score, reward.ok, reward.error, {**reward.components, "turns": turns})
 
 
 def factory(run: RunConfig, context: int | None = None) -> RolloutFactory:
