@@ -56,6 +56,11 @@ Measured per (side, latency), side by side in one invocation:
   starts at the `train_start` event (the generators start after it), so step 1 includes the pipeline fill; the
   table also shows episodes/s and idle after step 1 (steady state), which the goals judge (`steady`).
 
+The endpoint side (`--sides ... endpoint`, issue 28): the composer-mesh run again with `run.rollout.kind:
+harness`, its episodes played by `endpoint_agent`, an agent on the official `openai` client that sleeps the tool
+latency and calls the calculator itself, through the harness endpoint; same scripted generator, same turns. The
+goal: its steady episodes/s >= 0.8x the built-in driver's at every latency.
+
     .venv/bin/python benchmarks/bench_agentic.py --quick   # CI-sized: 2 (ours 3) steps x 2 prompts x 2 samples, 1 call
     .venv/bin/python benchmarks/bench_agentic.py           # 5 (ours 12) steps x 4 prompts x 4 samples, 2 calls, 2 TRL modes
 
