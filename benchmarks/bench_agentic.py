@@ -56,6 +56,11 @@ Measured per (side, latency), side by side in one invocation:
   starts at the `train_start` event (the generators start after it), so step 1 includes the pipeline fill; the
   table also shows episodes/s and idle after step 1 (steady state), which the goals judge (`steady`).
 
+The endpoint side (`--sides ... endpoint`, issue 28): the composer-mesh run again with `run.rollout.kind:
+harness`, its episodes played by `endpoint_agent`, an agent on the official `openai` client that sleeps the tool
+latency and calls the calculator itself, through the harness endpoint; same scripted generator, same turns. The
+goal: its steady episodes/s >= 0.8x the built-in driver's at every latency.
+
     .venv/bin/python benchmarks/bench_agentic.py --quick   # CI-sized: 2 (ours 3) steps x 2 prompts x 2 samples, 1 call
     .venv/bin/python benchmarks/bench_agentic.py           # 5 (ours 12) steps x 4 prompts x 4 samples, 2 calls, 2 TRL modes
 
@@ -101,6 +106,7 @@ from composer_mesh.envs.calculator import calculator as env_calculator  # noqa: 
 GOAL_SPEEDUP_AT_1S = 10.0  # ours vs TRL, episodes/s, at 1 s tool latency
 GOAL_OWN_SLOWDOWN = 2.0  # ours at 1 s vs ours at 0 s
 GOAL_IDLE = 0.15  # trainer idle fraction, ours, at every latency
+GOAL_ENDPOINT = 0.8  # an openai-client agent through the harness endpoint vs the built-in driver, episodes/s
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 SYSTEM = "Use the calculator tool, then answer with the number only."
 
@@ -515,13 +521,19 @@ class ScriptedGenerator(HFGenerator):
         return groups
 
 
-def ours_topology_yaml(latency_s: float, cfg: dict[str, Any]) -> str:
+def ours_topology_yaml(latency_s: float, cfg: dict[str, Any], endpoint: bool = False) -> str:
     """composer-mesh's side: one hf trainer, one scripted hf generator, the calculator environment with the tool
     latency, multi-turn episodes, GRPO only (no teachers), `max_policy_lag` from `--lag`. The environment scores
-    the episodes: no rewarder role (a multi-turn topology has none)."""
+    the episodes: no rewarder role (a multi-turn topology has none). `endpoint`: the same run with the episodes
+    played by `endpoint_agent` (an `openai`-client agent) through the harness endpoint (`run.rollout.kind:
+    harness`); the calculator environment is then only the prompt stream, the agent sleeps the latency itself."""
     turns = cfg["tool_calls"] + 1
     # every admitted step's episodes at once (lag + 1 steps): every tool wait of a step overlaps
     in_flight = (cfg["lag"] + 1) * cfg["prompts"] * cfg["samples"]
+    rollout = f"{{kind: multi_turn, max_turns: {turns}, max_episodes: {in_flight}}}"
+    if endpoint:
+        rollout = (f"{{kind: harness, max_turns: {turns}, max_episodes: {in_flight}, "
+                   f"harness: {{agent: \"benchmarks.bench_agentic:endpoint_agent\"}}}}")
     return f"""\
 # Written by benchmarks/bench_agentic.py: composer-mesh's side of the agentic comparison with TRL.
 name: bench-agentic-latency{latency_s:g}
@@ -540,7 +552,7 @@ loss: {{alpha_sdpo: 0.0, beta_replay: 0.0}}
 run:
   environment: {{kind: calculator, tool_latency_s: {latency_s}, system_prompt: {json.dumps(SYSTEM)}, min_digits: 2,
                 max_digits: 2, eval_size: 0}}
-  rollout: {{kind: multi_turn, max_turns: {turns}, max_episodes: {in_flight}}}
+  rollout: {rollout}
   max_new_tokens: {TURN_BUDGET}
   steps: {cfg["steps"]}
   prompts_per_step: {cfg["prompts"]}
@@ -552,22 +564,24 @@ run:
 """
 
 
-def run_ours(latency_s: float, cfg: dict[str, Any]) -> dict[str, Any]:
+def run_ours(latency_s: float, cfg: dict[str, Any], endpoint: bool = False) -> dict[str, Any]:
     """composer-mesh at one tool latency: {episodes_per_s, trainer_idle_fraction, episodes, wall_s, ...}.
 
     Writes `ours_topology_yaml(latency_s, cfg)` to a run dir, runs `python -m composer_mesh.cli run FILE
     --run-dir DIR` and reads DIR/metrics.jsonl (`summarise_ours`). RuntimeError when the run fails (the log's
     last line)."""
-    run_dir = Path(cfg["out"]) / f"latency{latency_s:g}"
+    run_dir = Path(cfg["out"]) / f"{'endpoint-' if endpoint else ''}latency{latency_s:g}"
     run_dir.mkdir(parents=True, exist_ok=True)
     topo = run_dir / "topology.yaml"
-    topo.write_text(ours_topology_yaml(latency_s, cfg))
+    topo.write_text(ours_topology_yaml(latency_s, cfg, endpoint))
     (run_dir / "metrics.jsonl").unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "composer_mesh.cli", "run", str(topo), "--run-dir", str(run_dir)]
     with (run_dir / "log.txt").open("w") as log:
         try:
+            env = {**child_env(ROOT, cfg["threads"]), ENDPOINT_LATENCY_ENV: str(latency_s),
+                   ENDPOINT_CALLS_ENV: str(cfg["tool_calls"])}
             proc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=cfg["timeout"],
-                                  env=child_env(ROOT, cfg["threads"]), check=False)
+                                  env=env, check=False)
         except subprocess.TimeoutExpired as e:
             raise RuntimeError(f"timeout ({cfg['timeout']:.0f} s); log {run_dir / 'log.txt'}") from e
     if proc.returncode != 0:
@@ -617,12 +631,52 @@ def run_ours_all(args: argparse.Namespace, model_dir: str) -> list[dict[str, Any
                tool_calls=args.tool_calls, threads=args.threads, out=str(args.out / "ours"), timeout=args.timeout,
                lag=args.lag)
     rows = []
+    sides = [(side, side == "endpoint") for side in ("ours", "endpoint") if side in args.sides]
     for latency in args.latencies:
-        try:
-            rows.append({"side": "ours", "latency_s": latency, "status": "ok", **run_ours(latency, cfg)})
-        except RuntimeError as e:
-            rows.append({"side": "ours", "latency_s": latency, "status": f"failed: {e}"})
+        for side, endpoint in sides:
+            try:
+                rows.append({"side": side, "latency_s": latency, "status": "ok", **run_ours(latency, cfg, endpoint)})
+            except RuntimeError as e:
+                rows.append({"side": side, "latency_s": latency, "status": f"failed: {e}"})
     return rows
+
+
+ENDPOINT_LATENCY_ENV = "BENCH_AGENTIC_TOOL_LATENCY_S"  # what `endpoint_agent` sleeps per tool call
+ENDPOINT_CALLS_ENV = "BENCH_AGENTIC_TOOL_CALLS"
+
+
+async def endpoint_agent(task: Any) -> float:
+    """The endpoint side's agent, written as anyone would against the official `openai` client: ask with the
+    task's tools, run each tool call (the calculator after the benchmark's latency, an asyncio sleep as the
+    built-in environment's), send the results back, and reward the final answer 1 when it is the product. The
+    scripted generator makes the same calls as on the built-in side, so both sides play the same episodes."""
+    import openai
+
+    latency, calls = float(os.environ.get(ENDPOINT_LATENCY_ENV, "0")), int(os.environ.get(ENDPOINT_CALLS_ENV, "1"))
+    client = _openai_client(openai, task)
+    messages: list[Any] = list(task.messages)
+    for _ in range(calls + 1):
+        r = await client.chat.completions.create(model="policy", messages=messages, tools=task.tools,
+                                                 extra_headers=task.headers)
+        message = r.choices[0].message
+        messages.append(message.model_dump(exclude_none=True))
+        if not message.tool_calls:
+            return float((message.content or "").strip() == task.answer)
+        for call in message.tool_calls:
+            await asyncio.sleep(latency)
+            result = env_calculator(json.loads(call.function.arguments)["expression"])
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+    return 0.0
+
+
+_CLIENTS: dict[str, Any] = {}
+
+
+def _openai_client(openai: Any, task: Any) -> Any:
+    """One client (one connection pool) per endpoint, as an agent process would keep."""
+    if task.base_url not in _CLIENTS:
+        _CLIENTS[task.base_url] = openai.AsyncOpenAI(base_url=task.base_url, api_key=task.api_key, max_retries=0)
+    return _CLIENTS[task.base_url]
 
 
 # ---- summary, goals, printing -----------------------------------------------------------------------------------
@@ -680,6 +734,12 @@ def goals(args: argparse.Namespace, rows: list[dict[str, Any]]) -> list[dict[str
         lambda: (f"{ours_lo['episodes_per_s'] / trl_lo['episodes_per_s']:.2f}x",
                  ours_lo["episodes_per_s"] >= trl_lo["episodes_per_s"]),
         f" (needs >= {trl_lo['episodes_per_s']:.2f} episodes/s)" if trl_lo else "")
+    if "endpoint" in args.sides:
+        pairs = [(steady(_ok(rows, "endpoint", lat)), steady(_ok(rows, "ours", lat))) for lat in args.latencies]
+        ratios = [e["episodes_per_s"] / o["episodes_per_s"] for e, o in pairs if e and o]
+        add(f"endpoint (openai-client agent) >= {GOAL_ENDPOINT:g}x the built-in driver's episodes/s, every latency",
+            len(ratios) == len(args.latencies),
+            lambda: (f"min {min(ratios):.2f}x", min(ratios) >= GOAL_ENDPOINT))
     return out
 
 
@@ -729,13 +789,14 @@ def trl_table(args: argparse.Namespace, rows: list[dict[str, Any]]) -> list[str]
     return _markdown(head, lines)
 
 
-def ours_table(rows: list[dict[str, Any]]) -> list[str]:
-    """Every composer-mesh row: where a step's time went (seconds per step; generate and train overlap) and the
-    checks on the scripted episodes."""
+def ours_table(rows: list[dict[str, Any]], side: str = "ours") -> list[str]:
+    """Every composer-mesh row of `side` (ours: the built-in driver; endpoint: the openai-client agent through the
+    harness endpoint): where a step's time went (seconds per step; generate and train overlap) and the checks on
+    the scripted episodes (the endpoint's tool calls are the agent's, not counted by an environment: nan)."""
     head = ["tool latency", "episodes/s", "trainer idle", "after step 1: episodes/s", "after step 1: idle",
             "generate s/step", "train s/step", "tool calls / episode", "turns / episode", "reward mean"]
     lines = []
-    for r in (r for r in rows if r["side"] == "ours"):
+    for r in (r for r in rows if r["side"] == side):
         if r["status"] != "ok":
             lines.append([f"{r['latency_s'] * 1000:g} ms", r["status"][:120], *["-"] * 8])
             continue
@@ -783,6 +844,9 @@ def report(args: argparse.Namespace, model: dict[str, Any], rows: list[dict[str,
     print("\n".join(trl_table(args, rows)))
     print("\ncomposer-mesh, where the time went (its generator and trainer run at once)")
     print("\n".join(ours_table(rows)))
+    if "endpoint" in args.sides:
+        print("\ncomposer-mesh through the harness endpoint (an openai-client agent plays the episodes)")
+        print("\n".join(ours_table(rows, "endpoint")))
     result_goals = goals(args, rows)
     print("\ngoals")
     for g in result_goals:
@@ -825,6 +889,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, help="seconds for each side's whole sweep (default 3600; quick 600)")
     p.add_argument("--out", type=Path, help="model, logs and results.json (default runs/bench_agentic)")
     p.add_argument("--json", type=Path, help="also write the results JSON here")
+    p.add_argument("--sides", nargs="+", choices=["trl", "ours", "endpoint"], default=["trl", "ours", "endpoint"],
+                   help="what runs: TRL, composer-mesh's built-in episode driver, and the same run with an "
+                        "openai-client agent playing through the harness endpoint (run.rollout.kind: harness)")
     p.add_argument("--trl-child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     for key, value in DEFAULTS["quick" if args.quick else "full"].items():
@@ -845,8 +912,10 @@ def main() -> None:
         return
     args.out.mkdir(parents=True, exist_ok=True)
     model = build_model_dir(args.out / "model")
-    print("  TRL: running ...", file=sys.stderr, flush=True)
-    rows = run_trl(args, model["dir"])
+    rows = []
+    if "trl" in args.sides:
+        print("  TRL: running ...", file=sys.stderr, flush=True)
+        rows += run_trl(args, model["dir"])
     rows += run_ours_all(args, model["dir"])
     report(args, model, rows)
 

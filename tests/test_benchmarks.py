@@ -214,7 +214,8 @@ def test_scripted_generator_forces_the_turns_trl_is_forced_to_with_the_models_lo
 def test_bench_agentic_quick_measures_both_sides_per_latency(tmp_path: Path) -> None:
     """TRL's GRPOTrainer and composer-mesh's multi-turn driver play the scripted calculator episodes at every
     latency, the same tool calls and turns per episode on both sides; the tables and goals print."""
-    stdout, result = run_quick("bench_agentic.py", tmp_path / "bench_agentic.json", 900, "--out", str(tmp_path / "out"))
+    stdout, result = run_quick("bench_agentic.py", tmp_path / "bench_agentic.json", 900, "--out", str(tmp_path / "out"),
+                               "--sides", "trl", "ours")  # the endpoint side has its own test below
     assert "TRL episodes/s" in stdout and "ours / TRL" in stdout and "goals" in stdout and "hardware:" in stdout
     assert "composer-mesh, where the time went" in stdout
     assert result["hardware"] and result["versions"] and result["params"] > 0
@@ -240,3 +241,23 @@ def test_bench_agentic_quick_measures_both_sides_per_latency(tmp_path: Path) -> 
     assert ours[1.0]["wall_s"] < 12 * 1.0, ours[1.0]
     assert len(result["goals"]) == 4 and all(not g["got"].startswith("not measured") for g in result["goals"])
     assert (tmp_path / "out" / "results.json").is_file()
+
+
+@pytest.mark.bench
+@pytest.mark.slow  # ~2 min on a busy 2-core VM: two composer-mesh runs of 3 steps
+def test_bench_agentic_quick_measures_an_openai_agent_through_the_endpoint_beside_the_built_in_driver(
+        tmp_path: Path) -> None:
+    """The endpoint side: `endpoint_agent` (the official `openai` client) plays the same scripted calculator
+    episodes through the harness endpoint as the built-in driver plays against the environment; both rows and
+    the >= 0.8x goal print (the goal's verdict is the full benchmark's, on an idle machine)."""
+    stdout, result = run_quick("bench_agentic.py", tmp_path / "bench_agentic.json", 900, "--out", str(tmp_path / "out"),
+                               "--sides", "ours", "endpoint", "--latencies", "0.1")
+    assert "composer-mesh through the harness endpoint" in stdout and "endpoint (openai-client agent)" in stdout
+    rows = {r["side"]: r for r in result["rows"]}
+    assert sorted(rows) == ["endpoint", "ours"], result["rows"]
+    for row in rows.values():
+        assert row["status"] == "ok" and row["steps"] == 3 and row["episodes"] == 12, row
+        assert (row["turns_per_episode"], row["done_fraction"], row["reward_mean"]) == (2.0, 1.0, 1.0), row
+        assert row["steady_episodes_per_s"] > 0, row
+    goal = next(g for g in result["goals"] if g["goal"].startswith("endpoint"))
+    assert goal["got"].startswith("min ") and goal["got"].endswith("x"), goal

@@ -101,7 +101,7 @@ def run_config(topology: Topology) -> RunConfig:
     `rollout.max_context` defaults to the policy's context length (so the driver ends an episode that would not
     fit, instead of a generator refusing its turn)."""
     run = topology.run
-    if run.rollout.kind != "multi_turn" or run.rollout.max_context is not None:
+    if run.rollout.kind == "single_turn" or run.rollout.max_context is not None:
         return run
     from composer_mesh.models.compat import context_length
 

@@ -6,6 +6,7 @@ Import-cheap (pydantic only): topology validation imports it without torch or Mo
 from __future__ import annotations
 
 import importlib.util
+import ipaddress
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -93,6 +94,45 @@ class HintsConfig(BaseModel):
         return self
 
 
+def is_loopback(host: str) -> bool:
+    """Whether `host` only accepts connections from this machine (127.0.0.0/8, ::1, localhost)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve anywhere
+        return False
+
+
+class HarnessConfig(BaseModel):
+    """Where the OpenAI-compatible endpoint of a harness run listens and who may call it
+    (`run.rollout.harness`, `run.rollout.kind: harness`; docs/agentic.md "Your agent harness as the rollout")."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = Field("127.0.0.1", min_length=1, description="harness: the address the Chat Completions endpoint "
+                      "binds on the controller's host. Anything but a loopback address needs token_env.")
+    port: int = Field(0, ge=0, le=65535, description="harness: its port; 0 picks a free one (logged, and in each "
+                      "task's base_url).")
+    token_env: str | None = Field(
+        None, min_length=1, description="harness: the environment variable holding the bearer token every caller "
+        "must send (`Authorization: Bearer <token>`, the openai client's api_key); required when host is not a "
+        "loopback address. The token itself never appears in the topology, logs or metrics.")
+    agent: str | None = Field(
+        None, min_length=1, description="harness: 'pkg.mod:fn', an `async def fn(task: HarnessTask) -> float | None` "
+        "that plays one episode against task.base_url and returns its reward (None: the rewarder scores the last "
+        "answer). null: tasks wait for an outside agent at GET /v1/episodes/next.")
+    model_name: str = Field("policy", min_length=1, description="harness: the model id the endpoint lists and "
+                            "answers with (a request may name any model: it is always the policy).")
+
+    @model_validator(mode="after")
+    def _token_beyond_loopback(self) -> HarnessConfig:
+        if self.token_env is None and not is_loopback(self.host):
+            raise ValueError(f"run.rollout.harness.token_env is required: host {self.host!r} is not a loopback "
+                             "address, and the endpoint must refuse unauthenticated callers there")
+        return self
+
+
 class RolloutConfig(BaseModel):
     """How a prompt becomes training data (`run.rollout`): one completion (`single_turn`), or an episode of
     turns played against `run.environment` (`multi_turn`: the policy calls tools, the environment answers, until
@@ -100,10 +140,11 @@ class RolloutConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    kind: Literal["single_turn", "multi_turn"] = Field(
+    kind: Literal["single_turn", "multi_turn", "harness"] = Field(
         "single_turn", description="single_turn: one completion per sample, scored by the rewarder. multi_turn: "
         "one episode per sample, played against run.environment (which must be one that plays episodes) and "
-        "scored by it; run.max_new_tokens caps each policy turn.")
+        "scored by it; run.max_new_tokens caps each policy turn. harness: one episode per sample played by your "
+        "own agent through an OpenAI-compatible endpoint (run.rollout.harness), rewarded by it or the rewarder.")
     max_turns: int = Field(8, ge=1, description="multi_turn: policy turns per episode; an episode still going "
                            "after them ends with status truncated_turns.")
     max_context: int | None = Field(
@@ -128,6 +169,8 @@ class RolloutConfig(BaseModel):
         "episode (those not already being sampled) to arrive, so one request samples them all instead of the first "
         "alone (the episodes' tool results come back a few at a time); a replay teacher's request of its episodes' "
         "turns does the same. 0: take whatever is waiting.")
+    harness: HarnessConfig = Field(default_factory=HarnessConfig, description="harness: the endpoint your agent "
+                                   "calls (`HarnessConfig`).")
 
 
 class RunConfig(BaseModel):

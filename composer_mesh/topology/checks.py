@@ -44,7 +44,8 @@ CROSS_CHECKS: tuple[str, ...] = (
     "a teacher's channel `distill` / `replay` needs the binding capability of the same name "
     "(e.g. `openrouter` gives no per-token distributions, so it cannot feed `distill`)",
     "`roles.rewarder` is given exactly when `run.rollout.kind` is `single_turn`: a single completion is scored by "
-    "the rewarder, a `multi_turn` episode by its environment (a rewarder there would never be asked)",
+    "the rewarder, a `multi_turn` episode by its environment (a rewarder there would never be asked); a `harness` "
+    "run may have one, for the episodes whose agent reports no reward",
     "`loss.alpha_sdpo > 0` needs a teacher with channel `distill` (or `run.rollout.hints`); `loss.beta_replay > 0` "
     "needs a teacher with channel `replay` (both default to 1.0, so set them to 0 to run without teachers)",
     "`run.rollout.hints` needs `loss.alpha_sdpo > 0` and a generator binding with capability `self_teacher` "

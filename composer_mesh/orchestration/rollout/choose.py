@@ -5,7 +5,7 @@ from __future__ import annotations
 from composer_mesh.errors import UserInputError
 from composer_mesh.orchestration.config import RunConfig
 from composer_mesh.orchestration.prompts import PromptSource
-from composer_mesh.orchestration.rollout import multi_turn, single_turn
+from composer_mesh.orchestration.rollout import harness, multi_turn, single_turn
 from composer_mesh.orchestration.rollout.base import RolloutFactory
 
 
@@ -14,9 +14,12 @@ class NoEpisodeEnvironment(UserInputError, ValueError):
 
 
 def rollout_factory(run: RunConfig, prompts: PromptSource) -> RolloutFactory:
-    """`single_turn` completions, or `multi_turn` episodes against the prompt source's environment."""
+    """`single_turn` completions, `multi_turn` episodes against the prompt source's environment, or `harness`
+    episodes played by your agent through the OpenAI-compatible endpoint."""
     if run.rollout.kind == "single_turn":
         return single_turn.factory(run)
+    if run.rollout.kind == "harness":
+        return harness.factory(run, run.rollout.max_context)
     environment = prompts.episode_environment()
     if environment is None:
         raise NoEpisodeEnvironment(

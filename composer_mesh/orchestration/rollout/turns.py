@@ -29,11 +29,13 @@ from composer_mesh.actors.messages import GenerationRequest, Prompt, Rollout, Ro
 
 @dataclass
 class TurnRequest:
-    """One policy turn to sample: the conversation so far as `prompt`, its seed, and the step it works for."""
+    """One policy turn to sample: the conversation so far as `prompt`, its seed, and the step it works for;
+    `max_new_tokens` a cap of its own below the run's (an OpenAI client's `max_tokens`; None: the run's)."""
 
     prompt: Prompt
     seed: int
     step: int
+    max_new_tokens: int | None = None
     result: asyncio.Future[Rollout] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
@@ -80,9 +82,9 @@ class TurnQueue(PlayingEpisodes):
         self._waiting: deque[TurnRequest] = deque()
         self._in_service = 0  # turns taken by a generator and not yet delivered (`finished`)
 
-    async def sample(self, prompt: Prompt, seed: int, step: int) -> Rollout:
+    async def sample(self, prompt: Prompt, seed: int, step: int, max_new_tokens: int | None = None) -> Rollout:
         """The turn sampled by whichever generator takes it next."""
-        turn = TurnRequest(prompt, seed, step)
+        turn = TurnRequest(prompt, seed, step, max_new_tokens)
         async with self._changed:
             self._waiting.append(turn)
             self._changed.notify_all()
