@@ -123,8 +123,10 @@ class SelfTeacher:
         self.episodes = self.hinted = self.tokens = 0
 
     async def hint(self, prompt: Prompt, episode: Episode) -> Hint | None:
-        """The rule's hint for a played episode (none for one whose environment failed: it trains with reward 0)."""
-        if episode.rollout.turns is None or episode.rollout.status == "error_environment" or not episode.steps:
+        """The rule's hint for a played episode (none for one whose environment failed: it trains with reward 0;
+        none for one whose conversation was rewritten: its turns are not one prefix chain to insert a hint into)."""
+        if (episode.rollout.turns is None or episode.rollout.status == "error_environment" or not episode.steps
+                or episode.earlier):
             return None
         out = self.rule(prompt, list(episode.steps))
         if inspect.isawaitable(out):

@@ -139,13 +139,11 @@ class MultiTurnRollout:
 
     async def _play_group(self, prompt: Prompt, index: int, step: int) -> tuple[ScoredGroup, list[Episode]]:
         """The prompt's `samples_per_prompt` episodes, scored by their environment (and the episodes, whose steps
-        targeted feedback reads)."""
+        targeted feedback reads); an episode of several segments is that many rollouts."""
         first = row_seed(self.cfg.seed, index, self.cfg.samples_per_prompt)
         episodes = await asyncio.gather(*(self._play(prompt, first + j, step)
                                           for j in range(self.cfg.samples_per_prompt)))
-        scored = ScoredGroup(RolloutGroup(prompt, [e.rollout for e in episodes]),
-                             [e.reward_result() for e in episodes])
-        return scored, list(episodes)
+        return scored_episodes(prompt, list(episodes)), list(episodes)
 
     async def _play(self, prompt: Prompt, seed: int, step: int) -> Episode:
         """One episode (played again from its start, same seed, while its environment fails and retries last)."""
@@ -192,7 +190,8 @@ class MultiTurnRollout:
             episodes += eps
         found = iter(await self.self_teacher.distributions(prompts, episodes, times))
         keep = set(asked)
-        return [next(found) if i in keep else None for i, (_, eps) in enumerate(played) for _ in eps]
+        return [d for i, (_, eps) in enumerate(played) for e in eps  # a hint belongs to an episode's last segment
+                for d in [*[None] * len(e.earlier), next(found) if i in keep else None]]
 
     def _teacher_episodes(self, services: RolloutServices) -> TeacherEpisodes | None:
         """Channel 3's players when the loss weights it (`loss.beta_replay > 0`) and the run has teachers."""
@@ -235,6 +234,12 @@ class MultiTurnRollout:
         return min(versions, default=0), list(groups)
 
 
+def scored_episodes(prompt: Prompt, episodes: list[Episode]) -> ScoredGroup:
+    """A prompt's episodes as a group to train on: every segment of each is a rollout with the episode's reward."""
+    return ScoredGroup(RolloutGroup(prompt, [r for e in episodes for r in e.segments]),
+                       [e.reward_result() for e in episodes for _ in e.segments])
+
+
 async def play_in_session(environment: EpisodeEnvironment, prompt: Prompt, seed: int, limits: EpisodeLimits,
                           sample: TurnSampler) -> Episode:
     """One episode in a fresh session of `environment`, closed whatever happens."""
@@ -254,7 +259,7 @@ async def _episodes(environment: EpisodeEnvironment, prompt: Prompt, seeds: list
         async with queue.playing():
             return await play_in_session(environment, prompt, seed, limits, lambda p, s: queue.sample(p, s, 0))
 
-    episodes = await asyncio.gather(*(play(s) for s in seeds))
+    episodes = await asyncio.gather(*(play(s) for s in seeds))  # held out: each counts once, as its last segment
     return ScoredGroup(RolloutGroup(prompt, [e.rollout for e in episodes]), [e.reward_result() for e in episodes])
 
 

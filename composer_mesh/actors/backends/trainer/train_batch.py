@@ -34,6 +34,7 @@ import torch
 from composer_mesh.actors.messages import Rollout, TeacherTrace, TokenDistribution, TrainBatch
 from composer_mesh.loss.compose import BatchTotals, HiddenStates, LossBatch, ReplayPairs, student_logprobs
 from composer_mesh.loss.config import LossConfig
+from composer_mesh.loss.grpo import episode_advantages
 
 Head = Literal["chunked", "full"]
 
@@ -252,6 +253,7 @@ class TrainRows:
     rollouts: list[Rollout]
     rewards: torch.Tensor  # [N] float32
     group_ids: torch.Tensor  # [N] long
+    episode_ids: torch.Tensor  # [N] long: rows with one label are segments of one episode (`Rollout.episode_id`)
     distributions: list[TokenDistribution | None]  # [N]
     pairs: list[tuple[TeacherTrace, int]]  # (chosen trace, rejected row) per replay pair
     traces_not_better: int = 0  # scored traces left unpaired: reward <= the rejected rollout's
@@ -278,10 +280,19 @@ class TrainRows:
             rollouts=rollouts,
             rewards=torch.tensor([rw.score for g in batch.groups for rw in g.rewards], dtype=torch.float32),
             group_ids=torch.tensor([i for i, g in enumerate(batch.groups) for _ in g.group.rollouts]),
+            episode_ids=torch.tensor(episode_labels(batch), dtype=torch.long),
             distributions=dists,
             pairs=pairs,
             traces_not_better=not_better,
         )
+
+    def advantages(self, loss: LossConfig) -> torch.Tensor:
+        """[N] GRPO advantages of the whole batch, each episode counted once in its group (`episode_advantages`)."""
+        return episode_advantages(self.rewards, self.group_ids, self.episode_ids, loss.scale_std, loss.advantage_eps)
+
+    def episode_rewards(self) -> torch.Tensor:
+        """[episodes] the reward of each episode once (the rows that open one), for the step's reward mean."""
+        return self.rewards[[i for i, r in enumerate(self.rollouts) if r.opens_episode]]
 
     def totals(self) -> BatchTotals:
         """The whole batch's denominators (what `BatchTotals.of` gives for the whole batch as one piece)."""
@@ -317,6 +328,18 @@ class TrainRows:
             current.append(row)
         pieces.append(Piece(current, [p for r in current for p in traces_of.get(r, [])]))
         return pieces
+
+
+def episode_labels(batch: TrainBatch) -> list[int]:
+    """One label per flat row: the segments of an episode (same group, same `episode_id`) share one, every other
+    row has its own."""
+    labels: list[int] = []
+    seen: dict[tuple[int, str | int], int] = {}
+    for g, group in enumerate(batch.groups):
+        for r in group.group.rollouts:
+            key = (g, len(labels) if r.episode_id is None else r.episode_id)
+            labels.append(seen.setdefault(key, len(seen)))
+    return labels
 
 
 def episode_metrics(rollouts: list[Rollout]) -> dict[str, float]:
@@ -579,7 +602,7 @@ def build_loss_batch(
     packed: bool = False,
     reference_scope: Callable[[], AbstractContextManager[Any]] = nullcontext,
 ) -> LossBatch:
-    """The whole batch as one `LossBatch` (one piece, group advantages from its own rewards)."""
+    """The whole batch as one `LossBatch` (one piece, group advantages from its own rewards, each episode once)."""
     data = TrainRows.of(batch, loss)
     run = StudentPass(model, loss, temperature, reference, head, packed, reference_scope)
-    return build_piece(data, data.micro_batches(None)[0], run)
+    return build_piece(data, data.micro_batches(None)[0], run, data.advantages(loss))
