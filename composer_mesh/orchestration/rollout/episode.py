@@ -7,6 +7,11 @@ bridging to the next assistant turn and appends. The returned `prompt_ids` must 
 episode whose tokens drifted raises `TokenDrift` rather than training on ids the policy never saw. The episode
 is one `Rollout`: `prompt_ids` = the opening conversation, `completion_ids` = every later token, with `turns`
 marking the policy's spans (trained on) and the environment's (log-prob 0.0, never trained on).
+
+An environment that rewrites the conversation (`StepResult.rewrite`: a summary in place of earlier turns, a tool
+result cut short) breaks the prefix: the next turn is rendered fresh from the new messages, like the opening, and
+starts a new segment. The episode is then one `Rollout` per segment, each a prefix chain with exact log-probs,
+marked with the episode's id (`Rollout.episode_id`, `segment`) and sharing its reward and status.
 """
 
 from __future__ import annotations
