@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 import torch
 
-from composer_mesh.actors.messages import Rollout, TeacherTrace, TokenDistribution, TrainBatch
+from composer_mesh.actors.messages import Rollout, TeacherTrace, TokenDistribution, TrainBatch, Turn
 from composer_mesh.loss.compose import BatchTotals, HiddenStates, LossBatch, ReplayPairs, student_logprobs
 from composer_mesh.loss.config import LossConfig
 from composer_mesh.loss.credit import episode_turn_rewards, padded_turns, token_advantages, turn_advantages
@@ -299,7 +299,7 @@ class TrainRows:
             return group_advantages(self.rewards, self.group_ids, loss.scale_std, loss.advantage_eps)
         per_turn = turn_advantages(self.turn_rewards, self.turn_mask, self.group_ids, loss.credit,
                                    loss.credit_gamma, loss.scale_std, loss.advantage_eps)
-        return token_advantages(per_turn, pad([_token_turns(r) for r in self.rollouts], -1, torch.long))
+        return token_advantages(per_turn, _token_turns(self.rollouts))
 
     def totals(self) -> BatchTotals:
         """The whole batch's denominators (what `BatchTotals.of` gives for the whole batch as one piece)."""
@@ -344,13 +344,15 @@ def _turn_rewards(rollout: Rollout, score: float) -> list[float]:
     return episode_turn_rewards([t.reward for t in rollout.turns if t.policy], score)
 
 
-def _token_turns(rollout: Rollout) -> list[int]:
-    """Per completion token, the index of its policy turn (0, 1, ...), -1 on the environment's tokens."""
-    if rollout.turns is None:
-        return [0] * len(rollout.completion_ids)
-    out = [-1] * len(rollout.completion_ids)
-    for k, t in enumerate(t for t in rollout.turns if t.policy):
-        out[t.start : t.end] = [k] * (t.end - t.start)
+def _token_turns(rollouts: list[Rollout]) -> torch.Tensor:
+    """[N, T] (T as `pad` gives the completions): each completion token's policy turn index (0, 1, ...), -1 on
+    the environment's tokens and padding. Filled a turn span at a time (a batch has N x K spans, N x T tokens)."""
+    width = max(max((len(r.completion_ids) for r in rollouts), default=0), 1)
+    out = torch.full((len(rollouts), width), -1, dtype=torch.long)
+    for n, r in enumerate(rollouts):
+        policy = [t for t in r.turns if t.policy] if r.turns is not None else [Turn(0, len(r.completion_ids), True)]
+        for k, t in enumerate(policy):
+            out[n, t.start : t.end] = k
     return out
 
 
