@@ -31,9 +31,11 @@ from typing import Any, Literal
 
 import torch
 
-from composer_mesh.actors.messages import Rollout, TeacherTrace, TokenDistribution, TrainBatch
+from composer_mesh.actors.messages import Rollout, TeacherTrace, TokenDistribution, TrainBatch, Turn
 from composer_mesh.loss.compose import BatchTotals, HiddenStates, LossBatch, ReplayPairs, student_logprobs
 from composer_mesh.loss.config import LossConfig
+from composer_mesh.loss.credit import episode_turn_rewards, padded_turns, token_advantages, turn_advantages
+from composer_mesh.loss.grpo import group_advantages
 
 Head = Literal["chunked", "full"]
 
@@ -254,6 +256,8 @@ class TrainRows:
     group_ids: torch.Tensor  # [N] long
     distributions: list[TokenDistribution | None]  # [N]
     pairs: list[tuple[TeacherTrace, int]]  # (chosen trace, rejected row) per replay pair
+    turn_rewards: torch.Tensor  # [N, K] float32: r_k per policy turn (`loss/credit.py`), K = the most turns
+    turn_mask: torch.Tensor  # [N, K] bool: row n has a k-th policy turn
     traces_not_better: int = 0  # scored traces left unpaired: reward <= the rejected rollout's
 
     @classmethod
@@ -274,14 +278,28 @@ class TrainRows:
         not_better = 0
         if loss.beta_replay > 0 and batch.traces:
             pairs, not_better = _replay_pairs_of(batch)
+        scores = [rw.score for g in batch.groups for rw in g.rewards]
+        turn_rewards, turn_mask = padded_turns([_turn_rewards(r, s) for r, s in zip(rollouts, scores)])
         return cls(
             rollouts=rollouts,
-            rewards=torch.tensor([rw.score for g in batch.groups for rw in g.rewards], dtype=torch.float32),
+            rewards=torch.tensor(scores, dtype=torch.float32),
             group_ids=torch.tensor([i for i, g in enumerate(batch.groups) for _ in g.group.rollouts]),
             distributions=dists,
             pairs=pairs,
+            turn_rewards=turn_rewards,
+            turn_mask=turn_mask,
             traces_not_better=not_better,
         )
+
+    def advantages(self, loss: LossConfig) -> torch.Tensor:
+        """The whole batch's advantages under `loss.credit`: [N] group-normalised scores ("episode", GRPO), or
+        [N, T] per completion token (the per-turn modes; 0 on environment tokens and padding), T as `pad` gives
+        the batch's completions. Computed once per batch: a micro-batch may split a group."""
+        if loss.credit == "episode":
+            return group_advantages(self.rewards, self.group_ids, loss.scale_std, loss.advantage_eps)
+        per_turn = turn_advantages(self.turn_rewards, self.turn_mask, self.group_ids, loss.credit,
+                                   loss.credit_gamma, loss.scale_std, loss.advantage_eps)
+        return token_advantages(per_turn, _token_turns(self.rollouts))
 
     def totals(self) -> BatchTotals:
         """The whole batch's denominators (what `BatchTotals.of` gives for the whole batch as one piece)."""
@@ -317,6 +335,25 @@ class TrainRows:
             current.append(row)
         pieces.append(Piece(current, [p for r in current for p in traces_of.get(r, [])]))
         return pieces
+
+
+def _turn_rewards(rollout: Rollout, score: float) -> list[float]:
+    """r_k of each policy turn, summing to the rollout's `score` (a completion: one turn holding it)."""
+    if rollout.turns is None:
+        return [score]
+    return episode_turn_rewards([t.reward for t in rollout.turns if t.policy], score)
+
+
+def _token_turns(rollouts: list[Rollout]) -> torch.Tensor:
+    """[N, T] (T as `pad` gives the completions): each completion token's policy turn index (0, 1, ...), -1 on
+    the environment's tokens and padding. Filled a turn span at a time (a batch has N x K spans, N x T tokens)."""
+    width = max(max((len(r.completion_ids) for r in rollouts), default=0), 1)
+    out = torch.full((len(rollouts), width), -1, dtype=torch.long)
+    for n, r in enumerate(rollouts):
+        policy = [t for t in r.turns if t.policy] if r.turns is not None else [Turn(0, len(r.completion_ids), True)]
+        for k, t in enumerate(policy):
+            out[n, t.start : t.end] = k
+    return out
 
 
 def episode_metrics(rollouts: list[Rollout]) -> dict[str, float]:
@@ -507,7 +544,8 @@ def build_piece(
 ) -> LossBatch:
     """The `LossBatch` of one piece under `run.model` (with grad). Each channel's inputs are computed only when
     `run.loss` weights it: reference log-probs for `kl_beta > 0`, teacher inputs for `alpha_sdpo > 0`, replay
-    pairs for `beta_replay > 0`. `advantages` [N] are the WHOLE batch's (a piece may split a group).
+    pairs for `beta_replay > 0`. `advantages` are the WHOLE batch's (a piece may split a group): [N], or [N, T]
+    per token (`TrainRows.advantages` under a per-turn `loss.credit`), cut to the piece's rows and width.
 
     One student forward holds the piece's rows and its replay traces, and at most one reference forward (no
     grad) holds them too: the model runs the same forwards for every piece of a batch. `uniform` runs the
@@ -536,8 +574,17 @@ def build_piece(
         rewards=data.rewards[rows].to(dev), group_ids=data.group_ids[rows].to(dev),
         ref_logprobs=reference[:n, :width] if reference is not None and run.loss.kl_beta > 0 else None,
         replay=_replay_pairs(inputs, run, everything, all_masks, token_ids, reference) if inputs.traces else None,
-        advantages=None if advantages is None else advantages[rows].to(dev), **teacher,
+        advantages=_piece_advantages(advantages, rows, width, dev), **teacher,
     )
+
+
+def _piece_advantages(advantages: torch.Tensor | None, rows: torch.Tensor, width: int,
+                      device: torch.device) -> torch.Tensor | None:
+    """The piece's rows of the whole batch's advantages ([N] or [N, T]), per-token ones cut to its `width`."""
+    if advantages is None:
+        return None
+    picked = advantages[rows]
+    return (picked[:, :width] if picked.dim() == 2 else picked).to(device)
 
 
 def _replay_pairs(
@@ -579,7 +626,9 @@ def build_loss_batch(
     packed: bool = False,
     reference_scope: Callable[[], AbstractContextManager[Any]] = nullcontext,
 ) -> LossBatch:
-    """The whole batch as one `LossBatch` (one piece, group advantages from its own rewards)."""
+    """The whole batch as one `LossBatch` (one piece; "episode" credit: group advantages from its own rewards,
+    a per-turn `loss.credit`: `TrainRows.advantages` per token)."""
     data = TrainRows.of(batch, loss)
     run = StudentPass(model, loss, temperature, reference, head, packed, reference_scope)
-    return build_piece(data, data.micro_batches(None)[0], run)
+    advantages = None if loss.credit == "episode" else data.advantages(loss)
+    return build_piece(data, data.micro_batches(None)[0], run, advantages)
