@@ -43,21 +43,31 @@ from composer_mesh.loss.config import LossConfig
 def group_advantages(rewards: Tensor, group_ids: Tensor, scale_std: bool, eps: float = 1e-4) -> Tensor:
     """Group-normalised advantages [B] from rewards [B] and group ids [B] (any integer labels)."""
     rewards = rewards.detach().to(compute_dtype(rewards))
+    mean, std = group_stats(rewards, group_ids, scale_std)
+    centred = rewards - mean
+    if std is None:
+        return centred
+    return centred / (std + eps)
+
+
+def group_stats(values: Tensor, group_ids: Tensor, scale_std: bool) -> tuple[Tensor, Tensor | None]:
+    """Each row's group mean [B] and unbiased group std [B] (None without `scale_std`; 0 for a group of one)
+    of `values` [B], in their dtype: the baseline and scale of `group_advantages`, shared with `loss/credit.py`
+    so that its per-turn modes reduce to it exactly."""
     _, inverse = torch.unique(group_ids, return_inverse=True)
     n_groups = int(inverse.max()) + 1 if inverse.numel() else 0
-    counts = torch.zeros(n_groups, dtype=rewards.dtype, device=rewards.device).index_add_(
-        0, inverse, torch.ones_like(rewards)
+    counts = torch.zeros(n_groups, dtype=values.dtype, device=values.device).index_add_(
+        0, inverse, torch.ones_like(values)
     )
-    sums = torch.zeros(n_groups, dtype=rewards.dtype, device=rewards.device).index_add_(0, inverse, rewards)
-    mean = sums / counts
-    centred = rewards - mean[inverse]
+    sums = torch.zeros(n_groups, dtype=values.dtype, device=values.device).index_add_(0, inverse, values)
+    mean = (sums / counts)[inverse]
     if not scale_std:
-        return centred
-    sq = torch.zeros(n_groups, dtype=rewards.dtype, device=rewards.device).index_add_(0, inverse, centred**2)
+        return mean, None
+    sq = torch.zeros(n_groups, dtype=values.dtype, device=values.device).index_add_(0, inverse, (values - mean) ** 2)
     var = torch.where(
         counts > 1, sq / (counts - 1).clamp_min(1), torch.zeros_like(sq)
     )  # unbiased, like torch.std
-    return centred / (var.sqrt()[inverse] + eps)
+    return mean, var.sqrt()[inverse]
 
 
 def episode_advantages(rewards: Tensor, group_ids: Tensor, episode_ids: Tensor, scale_std: bool,

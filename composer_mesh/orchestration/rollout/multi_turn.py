@@ -94,8 +94,8 @@ class MultiTurnRollout:
         self.spawn, self.stop = services.spawn, services.stop
         self.queue = TurnQueue(cfg.turn_linger_s, takers=len(services.generators))
         self.replay = self._teacher_episodes(services)
-        self.self_teacher = None if cfg.hints.source == "none" else SelfTeacher(cfg.hints, services.generators,
-                                                                                 cfg.teacher_top_k)
+        self.self_teacher = None if cfg.hints.source == "none" else SelfTeacher(
+            cfg.hints, services.generators, cfg.teacher_top_k, services.scoring.teachers)
         self._intake: asyncio.Task[None] | None = None
         self._slots: asyncio.Semaphore | None = None
 
@@ -171,13 +171,13 @@ class MultiTurnRollout:
                  if not self.cfg.dynamic_sampling or len({r.score for r in g.rewards}) > 1]
         signals, traces, hints = await asyncio.gather(
             self.scoring.signals([scored[i].group for i in asked], chunk.first, times, traces=False),
-            self._replay(chunk, scored, asked, times), self._hints(played, asked, times))
+            self._replay(chunk, scored, asked, times), self._hints(chunk, played, asked, times))
         distributions = spread(scored, asked, signals)
         if hints is not None:
             distributions = overlay(distributions, hints)
         return group_results(chunk, TrainBatch(scored, distributions, traces))
 
-    async def _hints(self, played: list[tuple[ScoredGroup, list[Episode]]], asked: list[int],
+    async def _hints(self, chunk: Chunk, played: list[tuple[ScoredGroup, list[Episode]]], asked: list[int],
                      times: StepTimes) -> list[TokenDistribution | None] | None:
         """Targeted feedback's channel-2 targets, one entry per rollout of the chunk (None: targeted feedback
         off)."""
@@ -188,7 +188,8 @@ class MultiTurnRollout:
             group, eps = played[i]
             prompts += [group.group.prompt] * len(eps)
             episodes += eps
-        found = iter(await self.self_teacher.distributions(prompts, episodes, times))
+        seed = row_seed(self.cfg.seed, chunk.first, 1)  # a hint writer's sampling: the chunk's, as its traces'
+        found = iter(await self.self_teacher.distributions(prompts, episodes, times, seed))
         keep = set(asked)
         return [d for i, (_, eps) in enumerate(played) for e in eps  # a hint belongs to an episode's last segment
                 for d in [*[None] * len(e.earlier), next(found) if i in keep else None]]

@@ -207,7 +207,7 @@ class HFTrainer:
         data = TrainRows.of(batch, self.loss)
         run = StudentPass(self.model, self.loss, self.temperature, self.reference, s.lm_head, s.packing,
                           self.reference_scope)
-        advantages = data.advantages(self.loss)  # GRPO over each group's episodes (segments share theirs)
+        advantages = data.advantages(self.loss)  # [N] or [N, T] per token (per-turn credit); each episode once
         accumulator = LossAccumulator(self.loss, data.totals(), step=self.step, state=self.loss_state)
         pieces: list[Piece | None] = list(data.micro_batches(s.micro_batch_tokens, s.packing))
         if self.shard is not None:  # this rank's share, padded to the busiest rank's count

@@ -403,4 +403,26 @@ def test_the_hf_trainer_weighs_an_episode_once_however_many_segments_it_has():
     m = trainer.train_step(segmented_batch(trainer.model.config.vocab_size))
     a = 0.5 / (0.5**0.5 + 1e-4)
     assert m.metrics["reward_mean"] == 0.5  # over episodes, not rows (2/3)
-    assert m.metrics["grpo/advantage_mean"] == pytest.approx(a / 3, abs=1e-6)  # rows a, a, -a (rows as samples: 0)
+    # over the 18 policy tokens: 12 (both segments) at a, 6 at -a; rows as samples would give 0
+    assert m.metrics["grpo/advantage_mean"] == pytest.approx(a / 3, abs=1e-6)
+
+
+def test_per_turn_credit_runs_over_an_episodes_turns_across_its_segments(model):
+    """Episode A (score 1) has policy turns with rewards 0.25, None in segment 0 and None, None in segment 1:
+    r = 0.25, 0, 0, 0.75 (the remainder on the episode's last turn, not on each segment's), G = 1, 0.75, 0.75, 0.75
+    (gamma 1). Episode B (score 0): r = G = 0, 0. The group's G_0 are 1 and 0 (mean 0.5, std sqrt(0.5)): A gets
+    (1 - 0.5) / s on its first turn and 0.25 / s on the others, B -0.5 / s on both."""
+    batch = segmented_batch(model.config.vocab_size)
+    first, second, other = batch.rollouts()
+    first.turns[0].reward = 0.25
+    data = TrainRows.of(batch, LossConfig(alpha_sdpo=0.0, beta_replay=0.0, credit="discounted_return"))
+    assert data.turn_rewards.tolist() == [[0.25, 0.0], [0.0, 0.75], [0.0, 0.0]]
+    adv = data.advantages(LossConfig(credit="discounted_return"))
+    s = 0.5**0.5 + 1e-4
+    for row, r, want in [(0, first, [0.5, 0.25]), (1, second, [0.25, 0.25]), (2, other, [-0.5, -0.5])]:
+        policy = [t for t in r.turns if t.policy]
+        for t, a in zip(policy, want, strict=True):
+            torch.testing.assert_close(adv[row, t.start:t.end].float(), torch.full((t.end - t.start,), a / s),
+                                       rtol=0, atol=1e-6)
+        env = [i for t in r.turns if not t.policy for i in range(t.start, t.end)]
+        assert not adv[row, env].any()
