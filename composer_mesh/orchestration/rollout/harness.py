@@ -47,7 +47,7 @@ from composer_mesh.orchestration.rollout.harness_episodes import (
     TurnLimits,
 )
 from composer_mesh.orchestration.rollout.single_turn import group_results, spread
-from composer_mesh.orchestration.rollout.turns import TurnQueue, TurnRequest, deliver
+from composer_mesh.orchestration.rollout.turns import TurnQueue, TurnRequest, deliver, next_turns
 from composer_mesh.orchestration.schedule import Chunk, row_seed
 
 if TYPE_CHECKING:  # the web framework is imported only when a harness run starts its endpoint
@@ -156,11 +156,7 @@ class HarnessRollout:
             self._intake = self.spawn(self._take_chunks(chunks))
         try:
             while True:
-                t0 = time.perf_counter()
-                try:
-                    turns = await self.queue.take(self.cfg.max_episodes)
-                finally:
-                    chunks.add_idle(time.perf_counter() - t0)
+                turns = await next_turns(self.queue, self.cfg.max_episodes, chunks)
                 t0 = time.perf_counter()
                 await serve_queue(self.generators, index, self.queue, turns, self.cfg, self.cfg.temperature)
                 share = (time.perf_counter() - t0) / len(turns)

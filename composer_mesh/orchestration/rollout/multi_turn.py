@@ -53,7 +53,13 @@ from composer_mesh.orchestration.rollout.episode import Episode, EpisodeLimits, 
 from composer_mesh.orchestration.rollout.hints import SelfTeacher, overlay
 from composer_mesh.orchestration.rollout.single_turn import group_results, spread
 from composer_mesh.orchestration.rollout.teacher_episodes import TeacherEpisodes, TeacherTurns
-from composer_mesh.orchestration.rollout.turns import TurnQueue, TurnRequest, TurnSampling, deliver
+from composer_mesh.orchestration.rollout.turns import (
+    TurnQueue,
+    TurnRequest,
+    TurnSampling,
+    deliver,
+    next_turns,
+)
 from composer_mesh.orchestration.schedule import Chunk, GroupResult, StepTimes, row_seed
 
 log = logging.getLogger("composer_mesh.rollout")
@@ -106,11 +112,7 @@ class MultiTurnRollout:
             self._intake = self.spawn(self._take_chunks(chunks))
         try:
             while True:
-                t0 = time.perf_counter()
-                try:
-                    turns = await self.queue.take(self.cfg.max_episodes)
-                finally:  # no turn to sample meanwhile: none admitted, or every episode on its environment
-                    chunks.add_idle(time.perf_counter() - t0)
+                turns = await next_turns(self.queue, self.cfg.max_episodes, chunks)
                 await self._sample(index, turns, chunks)
         except RestartsExhausted as e:
             self.stop(str(e))
