@@ -87,3 +87,13 @@ def test_a_hint_writing_teacher_is_a_member_with_channel_hint() -> None:
     path, _, message = refusal(text.replace("channels: [hint]", "channels: [replay]").replace("beta_replay: 0",
                                                                                               "beta_replay: 0.1"))
     assert path == "run.rollout.hints.teacher" and "members with it: none" in message
+
+
+def test_a_hint_rule_that_does_not_import_is_refused_before_launch() -> None:
+    from composer_mesh.app.preflight.setup import setup_problems
+
+    topo = parse_topology(topology(hints='{source: rule, rule: "no_such_module_xyz:hint"}'), "hints.yaml")
+    [problem] = setup_problems(topo)
+    assert problem.startswith("run.rollout.hints.rule: cannot import module 'no_such_module_xyz'")
+    good = topology(hints='{source: rule, rule: "composer_mesh.orchestration.rollout.hints:feedback_rule"}')
+    assert setup_problems(parse_topology(good, "hints.yaml")) == []
