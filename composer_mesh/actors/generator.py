@@ -90,9 +90,10 @@ class GeneratorService:
                 r.generator = self.name
         return groups
 
-    def distributions(self, request: SelfTeacherRequest) -> tuple[int, list[TokenDistribution]]:
+    def distributions(self, request: SelfTeacherRequest) -> tuple[int, list[TokenDistribution | None]]:
         """The policy as its own teacher: the active weights' distributions over each continuation (pulled weights
-        applied first), and that weight version. A backend without the `self_teacher` capability refuses."""
+        applied first; None for one that does not fit the model's context), and that weight version. A backend
+        without the `self_teacher` capability refuses."""
         score = getattr(self.backend, "distributions", None)
         if score is None:
             raise NotImplementedError(f"{type(self.backend).__name__} cannot score continuations (the self_teacher "
@@ -156,7 +157,7 @@ class GeneratorActor(RoleActor[GeneratorService]):
         return await asyncio.to_thread(self.service.generate, request)
 
     @concurrent_endpoint
-    async def distributions(self, request: SelfTeacherRequest) -> tuple[int, list[TokenDistribution]]:
+    async def distributions(self, request: SelfTeacherRequest) -> tuple[int, list[TokenDistribution | None]]:
         return await asyncio.to_thread(self.service.distributions, request)
 
     @concurrent_endpoint

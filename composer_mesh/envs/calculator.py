@@ -160,8 +160,9 @@ class CalculatorSession(ToolSession):
         return 1.0 if answer.strip() == str(self.answer) else 0.0
 
     def answer_feedback(self, answer: str, reward: float) -> str | None:
-        """A wrong product, named as wrong (not corrected: the hint's teacher must still work it out)."""
-        return None if reward > 0 else f"{answer.strip()[:40]!r} is not the product; compute it with the calculator tool"
+        """A wrong product, named as wrong (not corrected: the hint's teacher must still work it out). Short: with
+        a byte-level tokenizer every character of a hint is a token of the hinted episode."""
+        return None if reward > 0 else f"{answer.strip()[:12]!r} is wrong"
 
 
 def operands(prompt: EpisodePrompt) -> tuple[int, int]:

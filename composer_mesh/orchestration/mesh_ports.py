@@ -68,7 +68,8 @@ class MeshGenerators:
 
         return await self.recovery.attempt("generators", versioned)
 
-    async def distributions(self, index: int, request: SelfTeacherRequest) -> tuple[int, list[TokenDistribution]]:
+    async def distributions(self, index: int, request: SelfTeacherRequest) -> tuple[
+            int, list[TokenDistribution | None]]:
         return await self.recovery.attempt("generators", lambda: self.procs[index].distributions.call_one(request))
 
     async def update_weights(self, manifest: WeightManifest) -> None:

@@ -43,9 +43,11 @@ class Generators(Protocol):
         """Like `generate`, with the weight version generator `index` sampled with (pulled weights applied first)."""
         ...
 
-    async def distributions(self, index: int, request: SelfTeacherRequest) -> tuple[int, list[TokenDistribution]]:
-        """Generator `index`'s policy as a teacher: its distributions over each continuation and the weight version
-        that gave them (re-issued on a replacement, like `generate`)."""
+    async def distributions(self, index: int, request: SelfTeacherRequest) -> tuple[
+            int, list[TokenDistribution | None]]:
+        """Generator `index`'s policy as a teacher: its distributions over each continuation (None where one does
+        not fit the model's context) and the weight version that gave them (re-issued on a replacement, like
+        `generate`)."""
         ...
 
     async def update_weights(self, manifest: WeightManifest) -> None:

@@ -136,7 +136,8 @@ def test_hint_targets_are_the_hinted_policy_on_exactly_the_post_hint_policy_toke
     # the hint changes the targets: without it the same tokens are scored as the student scored them
     plain = forward_rows(gen, r.prompt_ids + r.completion_ids[:second.start], r.completion_ids[second.start:])
     assert (plain - expected).abs().max() > 1e-2
-    assert teacher.counters() == {"hints/episodes": 1.0, "hints/hinted": 1.0, "hints/tokens": float(teacher.tokens)}
+    assert teacher.counters() == {"hints/episodes": 1.0, "hints/hinted": 1.0, "hints/tokens": float(teacher.tokens),
+                                  "hints/too_long": 0.0}
 
 
 def test_a_hint_before_the_first_turn_follows_the_opening_and_top_k_follows_channel_2(gen, episode) -> None:
@@ -212,3 +213,16 @@ def test_a_teacher_writes_the_hint_from_the_transcript_and_feedback(gen, episode
     second = [t for t in ep.rollout.turns if t.policy][1]
     assert dist is not None and dist.offset == second.start and teacher.counters()["hints/hinted"] == 1.0
     assert asyncio.run(pool.signals(TeacherRequest(prompts=[prompt]))).traces == []  # not a replay teacher
+
+
+def long_rule(prompt: Prompt, steps: list[Any]) -> Hint:
+    """A hint too long for the tiny model's 320-token context once inserted."""
+    return Hint(1, "x" * 400)
+
+
+def test_a_hint_that_does_not_fit_the_context_is_left_out_and_counted(gen, episode) -> None:
+    prompt, ep = episode
+    teacher = SelfTeacher(HintsConfig(source="rule", rule="test_hints:long_rule"), OneGenerator(gen), top_k=0)
+    assert asyncio.run(teacher.distributions([prompt, prompt], [ep, ep])) == [None, None]
+    assert teacher.counters() == {"hints/episodes": 2.0, "hints/hinted": 0.0, "hints/tokens": 0.0,
+                                       "hints/too_long": 2.0}

@@ -147,3 +147,17 @@ def to_distribution(name: str, logits: torch.Tensor, top_k: int) -> TokenDistrib
     logp = torch.log_softmax(logits, dim=-1)
     vals, ids = logp.topk(min(top_k, logp.shape[-1]), dim=-1)
     return TokenDistribution(teacher=name, topk_ids=ids.to("cpu", torch.long), topk_logprobs=vals.cpu())
+
+
+def fitting_prompt_ids(prompts: list[Prompt], continuations: list[list[int]], tokenizer: PreTrainedTokenizerBase,
+                       vocab_size: int, who: str, context: int | None) -> list[list[int] | None]:
+    """Each prompt's ids (`prompt_ids`), None for one whose continuation would not fit the model's context with
+    it: a self-teacher request scores what fits and says which did not, instead of failing them all (a hint
+    makes an episode that fitted longer)."""
+    out: list[list[int] | None] = []
+    for p, c in zip(prompts, continuations):
+        try:
+            out.append(prompt_ids(p, tokenizer, vocab_size, who, len(c), context))
+        except PromptTooLongError:
+            out.append(None)
+    return out

@@ -167,7 +167,7 @@ class SelfTeacher:
             self.writer = HintWriter(config, teachers)
         assert self.rule is not None or self.writer is not None, "SelfTeacher needs a hint source"
         self._next = 0
-        self.episodes = self.hinted = self.tokens = 0
+        self.episodes = self.hinted = self.tokens = self.too_long = 0
 
     async def hint(self, prompt: Prompt, episode: Episode) -> Hint | None:
         """The rule's hint for a played episode (none for one whose environment failed: it trains with reward 0)."""
@@ -206,16 +206,20 @@ class SelfTeacher:
         if times is not None:
             times.teacher_s += time.perf_counter() - t0
         for (i, m), d in zip(made, dists, strict=True):
+            if d is None:  # the hint made the episode longer than the model's context
+                self.too_long += 1
+                continue
             out[i] = replace(d, teacher="self", offset=m.offset)
-        self.hinted += len(made)
-        self.tokens += sum(m.policy_tokens for _, m in made)
+            self.hinted += 1
+            self.tokens += m.policy_tokens
         return out
 
     def counters(self) -> dict[str, float]:
-        """Run-wide: episodes looked at, episodes given a hint, and the policy tokens distilled toward the hinted
-        policy (`hints/*` in each step's record); with a hint-writing teacher, the hints it did not write."""
+        """Run-wide: episodes looked at, episodes given a hint, the policy tokens distilled toward the hinted
+        policy, and hints left out because the hinted episode did not fit the model's context (`hints/*` in each
+        step's record); with a hint-writing teacher, the hints it did not write."""
         out = {"hints/episodes": float(self.episodes), "hints/hinted": float(self.hinted),
-               "hints/tokens": float(self.tokens)}
+               "hints/tokens": float(self.tokens), "hints/too_long": float(self.too_long)}
         return out | ({} if self.writer is None else {"hints/unwritten": float(self.writer.unwritten)})
 
 

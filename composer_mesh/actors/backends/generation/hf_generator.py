@@ -39,6 +39,7 @@ from composer_mesh.actors.backends.local_model import (
     check_generation_request,
     check_weights,
     context_of,
+    fitting_prompt_ids,
     prompt_ids,
     stop_ids_for,
     to_distribution,
@@ -165,21 +166,25 @@ class HFGenerator:
         return groups
 
     # -- the policy as its own teacher ---------------------------------------------------------------------
-    def distributions(self, request: SelfTeacherRequest) -> list[TokenDistribution]:
+    def distributions(self, request: SelfTeacherRequest) -> list[TokenDistribution | None]:
         """The active weights' distributions over each continuation given its prompt (teacher-forced, one
-        forward per `max_batch` rows), dense or top-k by `request.top_k` against this model's vocabulary."""
+        forward per `max_batch` rows), dense or top-k by `request.top_k` against this model's vocabulary; None
+        for one that does not fit the model's context."""
         from composer_mesh.models.sampling import teacher_forced_map
 
         model, tokenizer = self._require_started()
         k = resolve_top_k(request.top_k, self._vocab)
-        ids = [prompt_ids(p, tokenizer, self._vocab, "hf generator", len(c), self._context)
-               for p, c in zip(request.prompts, request.continuations)]
-        out: list[TokenDistribution] = []
+        ids = fitting_prompt_ids(request.prompts, request.continuations, tokenizer, self._vocab, "hf generator",
+                                 self._context)
+        rows = [i for i, p in enumerate(ids) if p is not None]
+        out: list[TokenDistribution | None] = [None] * len(ids)
         with self._lock:
-            for start in range(0, len(ids), self.settings.max_batch):
-                stop = start + self.settings.max_batch
-                out += teacher_forced_map(model, ids[start:stop], request.continuations[start:stop],
-                                          pad_id=self._pad_id, fn=lambda rows: to_distribution("self", rows, k))
+            for start in range(0, len(rows), self.settings.max_batch):
+                batch = rows[start : start + self.settings.max_batch]
+                got = teacher_forced_map(model, [ids[i] for i in batch], [request.continuations[i] for i in batch],
+                                         pad_id=self._pad_id, fn=lambda r: to_distribution("self", r, k))
+                for i, d in zip(batch, got):
+                    out[i] = d
         return out
 
     # -- weights -----------------------------------------------------------------------------------------

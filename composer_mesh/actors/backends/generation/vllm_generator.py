@@ -44,6 +44,7 @@ from composer_mesh.actors.backends.local_model import (
     check_generation_request,
     check_weights,
     context_of,
+    fitting_prompt_ids,
     prompt_ids,
     stop_ids_for,
 )
@@ -202,22 +203,26 @@ class VLLMGenerator:
             generator=self.settings.name,
         )
 
-    def distributions(self, request: SelfTeacherRequest) -> list[TokenDistribution]:
+    def distributions(self, request: SelfTeacherRequest) -> list[TokenDistribution | None]:
         """The active weights' distributions over each continuation given its prompt: vLLM's prompt log-probs of
-        prompt + continuation (the whole vocabulary when dense, else the top k), with the active adapter."""
+        prompt + continuation (the whole vocabulary when dense, else the top k), with the active adapter; None
+        for one that does not fit the model's context."""
         from vllm import SamplingParams
 
         engine = self._engine()
         k = resolve_top_k(request.top_k, self._vocab)
-        ids = [prompt_ids(p, engine.tokenizer, self._vocab, "vllm generator", len(c), self._context)
-               for p, c in zip(request.prompts, request.continuations)]
+        ids = fitting_prompt_ids(request.prompts, request.continuations, engine.tokenizer, self._vocab,
+                                 "vllm generator", self._context)
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=k if k > 0 else -1, detokenize=False)
-        todo = [i for i, c in enumerate(request.continuations) if c]
-        results = engine.generate([ids[i] + list(request.continuations[i]) for i in todo], params,
+        todo = [i for i, c in enumerate(request.continuations) if c and ids[i] is not None]
+        results = engine.generate([[*ids[i], *request.continuations[i]] for i in todo], params,  # type: ignore[misc]
                                   lora=self._lora) if todo else []
-        rows = {i: list(res.prompt_logprobs[len(ids[i]):]) for i, res in zip(todo, results)}
-        out = []
+        rows = {i: list(res.prompt_logprobs[len(ids[i]):]) for i, res in zip(todo, results)}  # type: ignore[arg-type]
+        out: list[TokenDistribution | None] = []
         for i, p in enumerate(request.prompts):
+            if ids[i] is None:
+                out.append(None)
+                continue
             got, what = rows.get(i, []), f"vllm generator, prompt {p.prompt_id!r}"
             if k > 0:
                 top_ids, lps = topk_from_logprob_dicts(got, k, what)
