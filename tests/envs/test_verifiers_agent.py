@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -171,3 +173,13 @@ def test_a_single_turn_completion_after_a_tool_opening_is_scored_on_the_whole_tr
     assert [n.message.role for n in trace.nodes] == ["user", "assistant", "tool", "user", "assistant"]
     assert [n.sampled for n in trace.nodes] == [False] * 4 + [True]
     assert score(p.text, "done", p.answer, p.extra) == 0.0  # no tool ran after the opening
+
+
+def test_the_docs_show_the_shipped_tool_taskset() -> None:
+    """docs/verifiers.md's block after `<!-- taskset: composer_mesh/envs/calculator_taskset.py -->` is that file."""
+    path = "composer_mesh/envs/calculator_taskset.py"
+    root = Path(__file__).resolve().parents[2]
+    match = re.search(rf"<!-- taskset: {path} -->\n<!-- illustration -->\n```python\n(.*?)```",
+                      (root / "docs" / "verifiers.md").read_text(), re.S)
+    assert match, "docs/verifiers.md lost its tool taskset block"
+    assert match.group(1) == (root / path).read_text(), f"docs/verifiers.md shows another taskset than {path}"
