@@ -35,10 +35,19 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from composer_mesh.envs.tool_session import format_error_message
-from composer_mesh.envs.tools import Tool, Toolbox, ToolCall, ToolDefinitionError, parse_tool_calls
+from composer_mesh.envs.session import EpisodePrompt, Observation, StepResult
+from composer_mesh.envs.tool_session import format_error_message, mistakes
+from composer_mesh.envs.tools import (
+    ParsedTurn,
+    Tool,
+    Toolbox,
+    ToolCall,
+    ToolDefinitionError,
+    parse_tool_calls,
+)
 from composer_mesh.envs.verifiers import (
     EXTRA_KEY,
+    VerifiersEnvironment,
     load,
     opening_messages,
     prompt_messages,
@@ -90,7 +99,7 @@ async def play(task: EpisodeTask) -> float:
     finally:
         await client.close()
         await close_toolsets([*own, *shared])
-    return await score(vtask, conversation)
+    return await score(vtask, conversation.messages)
 
 
 def task_toolsets(vtask: vf.Task, env_config: dict[str, Any]) -> tuple[list[vf.Toolset], list[vf.Toolset]]:
@@ -259,12 +268,82 @@ def _arguments(text: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-async def score(vtask: vf.Task, conversation: Conversation) -> float:
-    """The task's rubric (`Task.score`) on the conversation's trace, in a worker thread: a reward is the
-    taskset author's code and may block."""
-    trace = task_trace(vtask, conversation.messages)
+async def score(vtask: vf.Task, messages: list[tuple[Any, bool]]) -> float:
+    """The task's rubric (`Task.score`) on the trace of `messages` (each with whether the policy sampled it), in
+    a worker thread: a reward is the taskset author's code and may block."""
+    trace = task_trace(vtask, messages)
     await asyncio.to_thread(asyncio.run, vtask.score(trace))
     if not trace.rewards:
         raise ValueError(f"verifiers task {vtask.data.idx} ({type(vtask).__name__}) recorded no reward: its "
                          "rewards need a runtime (the sandbox an agent ran in)")
     return float(trace.reward)
+
+
+# ------------------------------------------------------------------------------------ multi_turn episodes
+class VerifiersSession:
+    """One episode of a verifiers task as an `EnvSession` (`run.rollout.kind: multi_turn`): the episode driver
+    plays it token in, token out and hands each policy turn's text here. The same loop as `play`: a turn's
+    Hermes tool calls run against the task's toolsets and their results are the observation, a malformed call is
+    told in a user message, a turn without calls ends the episode and the task's rubric scores the whole
+    conversation. An episode the driver cuts (`max_turns`, `max_context`) gets no reward (0)."""
+
+    def __init__(self, prompt: EpisodePrompt) -> None:
+        where = prompt.extra.get(EXTRA_KEY)
+        if not isinstance(where, dict):
+            raise ValueError(f"prompt {prompt.prompt_id!r} has no extra['verifiers']: not a verifiers task")
+        self.task = rebuild_task(where["env"], where["task"])
+        self.own, self.shared = task_toolsets(self.task, where["env"])
+        self.messages: list[tuple[Any, bool]] = opening_messages(self.task.data)
+        self.toolbox = Toolbox([])
+        self.turns = 0
+
+    async def reset(self) -> Observation:
+        self.toolbox = await open_toolbox(self.own, self.shared, self.task)
+        return Observation(messages=prompt_messages(self.task.data), tools=self.toolbox.schemas)
+
+    async def step(self, action: str) -> StepResult:
+        import verifiers.v1 as vf
+
+        turn = parse_tool_calls(action)
+        ids = [f"call_{self.turns}_{i}" for i in range(len(turn.calls))]
+        self.turns += 1
+        self.messages.append((sampled_message(action, turn, ids), True))
+        if turn.is_final:
+            reward = await score(self.task, self.messages)
+            return StepResult(reward=reward, done=True, info={"tool_calls": 0.0, "tool_errors": 0.0,
+                                                               "parse_errors": 0.0})
+        errors_before = self.toolbox.errors
+        out = [{**r, "tool_call_id": i} for i, r in zip(ids, await self.toolbox.call_all(turn.calls), strict=True)]
+        self.messages += [(vf.ToolMessage(tool_call_id=m["tool_call_id"], name=m["name"], content=m["content"]), False)
+                          for m in out]
+        if turn.errors:
+            out.append(format_error_message(turn.errors))
+            self.messages.append((vf.UserMessage(content=out[-1]["content"]), False))
+        info = {"tool_calls": float(len(turn.calls)), "tool_errors": float(self.toolbox.errors - errors_before),
+                "parse_errors": float(len(turn.errors))}
+        return StepResult(messages=out, info=info, feedback=mistakes(out))
+
+    async def close(self) -> None:
+        await close_toolsets([*self.own, *self.shared])
+        self.own, self.shared = [], []
+
+
+def sampled_message(text: str, turn: ParsedTurn, ids: list[str]) -> Any:
+    """A policy turn as the verifiers assistant message the endpoint would have served: its calls (ids `ids`)
+    and the text outside them, or, with a malformed call, all text."""
+    import verifiers.v1 as vf
+
+    if turn.errors or not turn.calls:
+        return vf.AssistantMessage(content=text if turn.errors else turn.content)
+    calls = [vf.ToolCall(id=i, name=c.name, arguments=json.dumps(c.arguments)) for i, c in zip(ids, turn.calls,
+                                                                                                 strict=True)]
+    return vf.AssistantMessage(content=turn.content, tool_calls=calls)
+
+
+class VerifiersEpisodes(VerifiersEnvironment):
+    """A verifiers environment whose tasks are also played as episodes (`EpisodeEnvironment`): what
+    `run.environment: {kind: verifiers}` loads; only `run.rollout.kind: multi_turn` asks it for sessions."""
+
+    def session(self, prompt: EpisodePrompt, seed: int) -> VerifiersSession:
+        """A new episode of `prompt`'s task (`seed` is unused: the loop draws nothing)."""
+        return VerifiersSession(prompt)

@@ -24,7 +24,13 @@ from composer_mesh.envs import load_environment
 from composer_mesh.envs.calculator import CALCULATOR
 from composer_mesh.envs.config import VerifiersConfig
 from composer_mesh.envs.verifiers import completion_trace, rebuild_task, score
-from composer_mesh.envs.verifiers_agent import UnplayableToolset, open_toolbox, play, task_toolsets
+from composer_mesh.envs.verifiers_agent import (
+    UnplayableToolset,
+    VerifiersEpisodes,
+    open_toolbox,
+    play,
+    task_toolsets,
+)
 from composer_mesh.orchestration.config import RunConfig
 from composer_mesh.orchestration.prompts import EnvironmentPrompts
 from composer_mesh.orchestration.rollout.base import RolloutServices
@@ -183,3 +189,43 @@ def test_the_docs_show_the_shipped_tool_taskset() -> None:
                       (root / "docs" / "verifiers.md").read_text(), re.S)
     assert match, "docs/verifiers.md lost its tool taskset block"
     assert match.group(1) == (root / path).read_text(), f"docs/verifiers.md shows another taskset than {path}"
+
+
+def session_of(taskset: str) -> tuple[VerifiersEpisodes, Prompt]:
+    env = load_environment(VerifiersConfig(kind="verifiers", taskset=taskset, eval_size=1), seed=0)
+    assert isinstance(env, VerifiersEpisodes)
+    return env, EnvironmentPrompts(env).take(1)[0]
+
+
+async def test_a_multi_turn_session_plays_the_same_loop_for_the_episode_driver() -> None:
+    env, p = session_of(PRODUCTS)
+    session = env.session(p, seed=0)
+    opening = await session.reset()
+    assert opening.messages == p.messages and opening.tools == [CALCULATOR.schema]
+    told = await session.step('<tool_call>{"name": "calculator"')  # never closed: told, and the episode goes on
+    assert not told.done and told.messages[0]["role"] == "user" and told.info["parse_errors"] == 1
+    ran = await session.step(call("calculator", expression=problem(p)))
+    assert ran.messages == [{"role": "tool", "name": "calculator", "content": p.answer, "tool_call_id": "call_1_0"}]
+    assert ran.info == {"tool_calls": 1.0, "tool_errors": 0.0, "parse_errors": 0.0}
+    answered = await session.step(f" {p.answer} ")
+    assert answered.done and answered.reward == 1.0  # the rubric on the whole conversation
+    await session.close()
+
+
+async def test_a_multi_turn_session_answers_a_raising_tool_with_an_error_and_the_rubric_reads_it() -> None:
+    env, p = session_of(TOY)
+    session = env.session(p, seed=0)
+    await session.reset()
+    failed = await session.step(call("toy_explode", reason="x") + call("toy_nothing"))
+    assert [m["content"] for m in failed.messages] == [
+        "error: toy_explode: RuntimeError: boom: x", "error: toy_nothing: no such tool; the tools are toy_echo, "
+        "toy_explode"]
+    assert failed.info["tool_errors"] == 2.0 and failed.feedback is not None
+    assert (await session.step("done")).reward == 1.0
+    await session.close()
+
+
+def test_a_verifiers_environment_may_be_played_as_multi_turn_episodes() -> None:
+    run = RunConfig.model_validate({"rollout": {"kind": "multi_turn"},
+                                    "environment": {"kind": "verifiers", "taskset": PRODUCTS}})
+    assert run.environment is not None and run.environment.plays_episodes

@@ -61,6 +61,6 @@ async def test_the_verifiers_tools_topology_trains_on_tool_episodes_scored_by_th
     assert sum(r["metrics"]["episode/policy_turns"] for r in steps) > len(trained)  # tool calls, then turns on
     assert sum(r["metrics"]["episode/env_tokens"] for r in steps) > 0  # tool results bridged in
     assert set(trained.values()) <= {0.0, 1.0}  # the task's `correct`: 0/1
-    assert math.isclose(sum(r["reward_mean"] * r["rollouts"] for r in steps), sum(trained.values()))
+    assert math.isclose(sum(r["reward"] * r["rollouts"] for r in steps), sum(trained.values()))
     assert [e["when"] for e in lines if e.get("event") == "eval"] == ["before", "after"]
     assert any(k.startswith("eval-") for k in here.PLAYED)  # held-out episodes were played by the agent too
