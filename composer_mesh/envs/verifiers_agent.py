@@ -1,5 +1,6 @@
 """A verifiers 0.4 task with tools and turns, played as a harness agent (`run.rollout.harness.agent:
-composer_mesh.envs.verifiers_agent:play`, docs/verifiers.md "Tasks with tools and turns").
+composer_mesh.envs.verifiers_agent:play`, docs/verifiers.md "Tasks with tools and turns"), or as the episode
+driver's session (`VerifiersSession`, `run.rollout.kind: multi_turn`): the same loop either way.
 
 What verifiers' own loop does, and what this keeps. A verifiers rollout (`vf.Env`, `verifiers.v1.rollout`) starts a
 runtime, serves each `vf.Toolset` as an MCP server in a process of its own, puts an interception server between
@@ -54,6 +55,7 @@ from composer_mesh.envs.verifiers import (
     rebuild_task,
     task_trace,
 )
+from composer_mesh.errors import UserInputError
 
 if TYPE_CHECKING:
     import openai
@@ -76,7 +78,7 @@ class EpisodeTask(Protocol):
     def headers(self) -> dict[str, str]: ...
 
 
-class UnplayableToolset(ValueError):
+class UnplayableToolset(UserInputError, ValueError):
     """A toolset `play` cannot run in this process (a container runtime, a remote url, a synced `State`)."""
 
 
