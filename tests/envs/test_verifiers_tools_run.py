@@ -5,7 +5,9 @@ taskset's toolset, and the hf trainer trains on the episodes without a rewarder 
 
 What must show: episodes of more than one policy turn with the tool results bridged in and never trained on
 (GRPO counts the policy's tokens only), every episode's reward the task's own (the agent's return, the
-step's rewards), no agent failure, and held-out episodes evaluated before and after."""
+step's rewards), no agent failure, and held-out episodes evaluated before and after. The same taskset then trains
+as the episode driver's multi_turn episodes (`VerifiersSession`). Both share the warm start of
+tests/orchestration/tiny_agentic.yaml (one cached build per test session: the e2e tier builds it once)."""
 
 from __future__ import annotations
 
@@ -64,3 +66,29 @@ async def test_the_verifiers_tools_topology_trains_on_tool_episodes_scored_by_th
     assert math.isclose(sum(r["reward"] * r["rollouts"] for r in steps), sum(trained.values()))
     assert [e["when"] for e in lines if e.get("event") == "eval"] == ["before", "after"]
     assert any(k.startswith("eval-") for k in here.PLAYED)  # held-out episodes were played by the agent too
+
+
+@pytest.mark.e2e
+async def test_the_same_taskset_trains_as_multi_turn_episodes_of_the_episode_driver(tmp_path: Path) -> None:
+    """`run.rollout.kind: multi_turn`: `VerifiersSession` answers the driver's turns with the toolset's results."""
+    from composer_mesh.app.launch import launch, run_config
+    from composer_mesh.orchestration.loop import RLLoop
+    from composer_mesh.topology import parse_topology
+
+    data = shortened(TOPOLOGY, tmp_path, steps=2)
+    data["run"].update(prompts_per_step=4, eval_prompts=2, rollout={"kind": "multi_turn", "max_turns": 3})
+    data["model"]["warmstart"].update(steps=300)
+    topo = parse_topology(yaml.safe_dump(data), str(TOPOLOGY))
+    async with launch(topo) as mesh:
+        summary = await RLLoop(mesh, run_config(topo), topo.loss).run()
+    assert summary.steps == 2
+    lines = [json.loads(line) for line in (topo.run.run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in lines if "event" not in r]
+    for r in steps:
+        m = r["metrics"]
+        assert math.isfinite(r["loss"]) and r["reward_failures"] == 0
+        assert m["grpo/tokens"] == m["episode/policy_tokens"] > 0
+        assert m["episode/status_error_environment"] == 0
+    assert sum(r["metrics"]["episode/tool_calls"] for r in steps) > 0  # calls that reached the toolset
+    assert sum(r["metrics"]["episode/env_tokens"] for r in steps) > 0
+    assert [e["when"] for e in lines if e.get("event") == "eval"] == ["before", "after"]
