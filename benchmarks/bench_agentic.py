@@ -88,6 +88,7 @@ from typing import Any, ClassVar
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+import agentic_ablation  # noqa: E402
 from machine import (  # noqa: E402
     child_env,
     cli_settings,
@@ -858,6 +859,27 @@ def report(args: argparse.Namespace, model: dict[str, Any], rows: list[dict[str,
     return payload
 
 
+def report_ablation(args: argparse.Namespace, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The ablation's table (held-out success with and without targeted feedback, same seeds) and results.json."""
+    versions = package_versions("torch", "transformers", "torchmonarch", "composer-mesh")
+    info = {"hardware": f"{cpu_model()}, {os.cpu_count()} logical CPUs, {total_memory_gib():.1f} GiB RAM",
+            "versions": f"python {platform.python_version()}, " + ", ".join(f"{k} {v}" for k, v in versions.items()),
+            "run": f"topologies/agentic.yaml without its teacher, {args.ablation_steps} steps x {args.prompts_per_step} "
+            f"prompts x 4 episodes, max_policy_lag 0, warm start {args.warmstart_steps} SFT steps; held-out greedy "
+            f"success on {args.eval_size} problems before and after; hints arm loss.alpha_sdpo {args.alpha:g}, "
+            f"hints.source environment; seeds {', '.join(map(str, args.seeds))}"}
+    print()
+    for key, text in info.items():
+        print(f"{key}: {text}")
+    print("\nheld-out success with and without targeted feedback")
+    print("\n".join(agentic_ablation.table(rows)))
+    means = {arm: agentic_ablation.mean_change(rows, arm) for arm in agentic_ablation.ARMS}
+    print("\nmean change: " + ", ".join(f"{arm} {m:+.3f}" if m is not None else f"{arm} -" for arm, m in means.items()))
+    payload = {**info, "settings": cli_settings(args, "trl_child"), "ablation": rows, "mean_change": means}
+    write_results(args.out, payload, args.json)
+    return payload
+
+
 # ---- command line ---------------------------------------------------------------------------------------------
 
 DEFAULTS: dict[str, dict[str, Any]] = {
@@ -893,8 +915,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="what runs: TRL, composer-mesh's built-in episode driver, and the same run with an "
                         "openai-client agent playing through the harness endpoint (run.rollout.kind: harness)")
     p.add_argument("--trl-child", help=argparse.SUPPRESS)
+    agentic_ablation.add_arguments(p)
     args = p.parse_args(argv)
-    for key, value in DEFAULTS["quick" if args.quick else "full"].items():
+    size = "quick" if args.quick else "full"
+    for key, value in {**DEFAULTS[size], **agentic_ablation.ABLATION_DEFAULTS[size]}.items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
     if min(args.steps, args.prompts, args.samples, args.tool_calls) < 1 or args.ours_steps < 2:
@@ -911,6 +935,9 @@ def main() -> None:
         print(json.dumps(trl_child(json.loads(args.trl_child))))
         return
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.ablation:
+        report_ablation(args, agentic_ablation.run(args, child_env(ROOT, args.threads)))
+        return
     model = build_model_dir(args.out / "model")
     rows = []
     if "trl" in args.sides:

@@ -261,3 +261,21 @@ def test_bench_agentic_quick_measures_an_openai_agent_through_the_endpoint_besid
         assert row["steady_episodes_per_s"] > 0, row
     goal = next(g for g in result["goals"] if g["goal"].startswith("endpoint"))
     assert goal["got"].startswith("min ") and goal["got"].endswith("x"), goal
+
+
+@pytest.mark.bench
+@pytest.mark.slow  # ~1 min: a 30-step warm start, then two composer-mesh runs of 2 steps
+def test_bench_agentic_ablation_quick_compares_grpo_with_and_without_targeted_feedback(tmp_path: Path) -> None:
+    """`--ablation`: the calculator task without its teacher, GRPO alone and GRPO + targeted feedback at the same
+    seed; held-out success before and after for each, hints given only in the hints arm, the table prints."""
+    stdout, result = run_quick("bench_agentic.py", tmp_path / "ablation.json", 900, "--out", str(tmp_path / "out"),
+                               "--ablation")
+    assert "held-out success with and without targeted feedback" in stdout and "mean change" in stdout
+    rows = {r["arm"]: r for r in result["ablation"]}
+    assert sorted(rows) == ["grpo", "grpo+hints"], result["ablation"]
+    for row in rows.values():
+        assert row["status"] == "ok" and row["steps"] == 2 and row["seed"] == 0, row
+        assert 0 <= row["held_out_before"] <= 1 and 0 <= row["held_out_after"] <= 1, row
+    assert rows["grpo"]["held_out_before"] == rows["grpo+hints"]["held_out_before"]  # same seed, same warm start
+    assert rows["grpo"]["hinted_fraction"] == 0 and rows["grpo+hints"]["hinted_fraction"] > 0
+    assert rows["grpo+hints"]["hint_tokens"] > 0

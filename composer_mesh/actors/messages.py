@@ -102,10 +102,18 @@ class Rollout:
     # environment's tokens carry log-prob 0.0 and are never trained on). None: one policy turn, a completion.
     turns: list[Turn] | None = None
     status: EpisodeStatus = "done"
+    # An episode whose conversation was rewritten (a summary replaced earlier turns, a tool result was cut) is
+    # several rollouts, one per prefix chain: `segment` k of the episode `episode_id` (unique within its group).
+    # They share the episode's reward and status, and GRPO counts the episode once (`loss.grpo.
+    # episode_advantages`). None: the rollout is its episode whole (or a single completion).
+    episode_id: str | None = None
+    segment: int = 0
 
     def __post_init__(self) -> None:
         if self.status not in EPISODE_STATUSES:
             raise ValueError(f"Rollout {self.prompt_id!r}: status {self.status!r} is not one of {EPISODE_STATUSES}")
+        if self.segment < 0 or (self.segment > 0 and self.episode_id is None):
+            raise ValueError(f"Rollout {self.prompt_id!r}: segment {self.segment} needs an episode_id and must be >= 0")
         if self.turns is not None:
             check_turns(self)
         if len(self.completion_ids) != len(self.logprobs):
@@ -125,7 +133,6 @@ class Rollout:
                     f"token_versions (min {min(self.token_versions)})"
                 )
 
-
     def loss_mask(self) -> list[int]:
         """1 on every policy token of `completion_ids`, 0 on the environment's (all 1 for a completion)."""
         return turn_mask(self.turns, len(self.completion_ids))
@@ -133,6 +140,11 @@ class Rollout:
     @property
     def policy_tokens(self) -> int:
         return sum(self.loss_mask())
+
+    @property
+    def opens_episode(self) -> bool:
+        """Whether this rollout is the first (or only) segment of its episode: what counts an episode once."""
+        return self.segment == 0
 
 
 def check_turns(r: Rollout) -> None:

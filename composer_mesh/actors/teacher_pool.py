@@ -28,7 +28,7 @@ from composer_mesh.actors.teacher_errors import TeacherFailed, TeacherUnavailabl
 log = logging.getLogger(__name__)
 
 WARN_EVERY = 10  # a skipped teacher is warned about on its 1st failure and every WARN_EVERY-th after
-CHANNEL_NAMES = {"distill": "channel-2 distributions", "replay": "channel-3 traces"}
+CHANNEL_NAMES = {"distill": "channel-2 distributions", "replay": "channel-3 traces", "hint": "targeted-feedback hints"}
 # The pool's own counters, per teacher (they replace a binding's counter of the same name in `usage`).
 COUNTERS = ("failures", "consecutive_failures", "skipped_rollouts", "skipped_prompts")
 
@@ -52,7 +52,8 @@ class TeacherPool:
         if len(set(names)) != len(names):
             raise ValueError(f"teacher names must be unique, got {names}")
         for m in self.members:
-            missing = m.channels - frozenset(getattr(m.backend, "capabilities", frozenset()))
+            needed = {"replay" if c == "hint" else c for c in m.channels}  # a hint is text, as a replay trace
+            missing = needed - frozenset(getattr(m.backend, "capabilities", frozenset()))
             if missing:
                 raise ValueError(f"teacher {m.name!r} is asked for channels {sorted(missing)} its binding cannot supply")
             if m.on_failure not in ("skip", "stop"):
@@ -91,7 +92,7 @@ class TeacherPool:
             for m, rows in distill
         ]
         calls += [
-            self._ask(m, "replay", len(prompts), functools.partial(
+            self._ask(m, "replay" if "replay" in m.channels else "hint", len(prompts), functools.partial(
                 m.backend.traces, prompts, request.max_new_tokens, seed=request.seed, **seeds))
             for m in replay
         ]
@@ -123,14 +124,17 @@ class TeacherPool:
 
     # -- internals ----------------------------------------------------------------------------------------
     def _replay_for(self, request: TeacherRequest) -> list[PoolMember]:
-        """The replay members that answer `request`'s prompts: all of them, or those `request.teachers` names
-        (a name this proc does not host is another proc's: the procs of a pool share each request)."""
+        """The members that answer `request`'s prompts: every replay member, or those `request.teachers` names
+        (a name this proc does not host is another proc's: the procs of a pool share each request). A `hint`
+        member writes text only when named (targeted feedback's hint writer), never a replay trace."""
         if not request.prompts:
             return []
         if request.seeds is not None and len(request.seeds) != len(request.prompts):
             raise ValueError(f"TeacherRequest.seeds has {len(request.seeds)} seeds for {len(request.prompts)} prompts")
-        names = None if request.teachers is None else set(request.teachers)
-        return [m for m in self.replay if names is None or m.name in names]
+        if request.teachers is None:
+            return self.replay
+        names = set(request.teachers)
+        return [m for m in self.members if m.name in names and {"replay", "hint"} & m.channels]
 
     def _assign(self, n: int) -> list[tuple[PoolMember, list[int]]]:
         """Rollout indices per distill teacher, round-robin."""

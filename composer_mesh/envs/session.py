@@ -41,7 +41,15 @@ class StepResult:
     `{"tool_calls": 2, "tool_errors": 1}`), numbers only. `feedback`: what went wrong with this turn, in words,
     when the environment saw a mistake (a tool error, a failing visible test, a wrong answer); None: nothing it
     could name. It is what a hint source may turn into targeted feedback (`orchestration/rollout/hints.py`); it
-    is never shown to the policy unless it is also in `messages`."""
+    is never shown to the policy unless it is also in `messages`.
+
+    `rewrite`: the conversation from the next turn on, replacing everything before it, the opening included (a
+    summary in place of earlier turns, a long tool result cut short); `messages` follow it. None: the conversation
+    goes on as it was. Why a field of its own: a rewritten conversation is no longer a prefix of the ids the policy
+    sampled, so the next turn cannot be bridged onto them; it is rendered fresh by the chat template (these
+    messages, with the opening's tools) and starts a new segment of the episode: one more training sample, a
+    prefix chain of its own with exact log-probs, sharing the episode's reward (docs/agentic.md, "Rewritten
+    conversations")."""
 
     messages: list[Message] = field(default_factory=list)
     reward: float | None = None
@@ -49,6 +57,7 @@ class StepResult:
     status: EpisodeStatus = "done"
     info: dict[str, float] = field(default_factory=dict)
     feedback: str | None = None
+    rewrite: list[Message] | None = None
 
 
 class EpisodePrompt(Protocol):

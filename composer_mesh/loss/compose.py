@@ -323,7 +323,8 @@ class LossAccumulator:
         terms = policy_terms(logprobs, batch.old_logprobs, adv_tok, mask, config, batch.ref_logprobs)
         count = self.totals.tokens if config.normalization == "token" else self.totals.sequences
         self._diag.policy.append(_flat_terms(terms, mask))
-        self._diag.advantages.append(adv.detach().reshape(-1))
+        # per sequence ([B]) or per trained token ([B, T]: padding and environment tokens would dilute the mean)
+        self._diag.advantages.append(adv.detach()[mask] if adv.dim() == 2 else adv.detach())
         return reduce_tokens(terms.per_token, mask, config.normalization, count)
 
     def _sdpo(self, batch: LossBatch) -> Tensor | None:

@@ -16,6 +16,7 @@ SdpoWrapper = Literal["none", "taid", "entropy_opd"]
 DpoVariant = Literal["dpo", "simpo"]
 EntropyGate = Literal["hard", "linear"]
 OffPolicyCorrection = Literal["none", "tis"]
+Credit = Literal["episode", "discounted_return", "turn_group"]
 
 _CHOICES: dict[str, tuple[str, ...]] = {
     "normalization": ("token", "sequence"),
@@ -23,6 +24,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "dpo_variant": ("dpo", "simpo"),
     "entropy_opd_gate": ("hard", "linear"),
     "off_policy_correction": ("none", "tis"),
+    "credit": ("episode", "discounted_return", "turn_group"),
 }
 
 # A chunked loss loop holds about this many float32 values per working buffer (see `loss/chunks.py`).
@@ -118,6 +120,25 @@ class LossConfig(BaseModel):
         2.0,
         description="TIS truncation C > 0 (off_policy_correction='tis'): the behaviour weight "
         "pi_prox/pi_sampler is capped at C, so a stale token's gradient is at most C*|A|*|grad log pi_theta|.",
+    )
+
+    # ---- channel 1: per-turn credit in multi-turn episodes (loss/credit.py) ------------------------
+    credit: Credit = Field(
+        "episode",
+        description="Which advantage each policy token of a multi-turn episode gets (docs/loss.md, 'Per-turn "
+        "credit'). The rewards r_k of the episode's policy turns are the environment's per-turn rewards "
+        "(Turn.reward, None = 0), with score - sum_k r_k added to the last turn, so they sum to the episode's "
+        "score; G_k = sum_{j>=k} credit_gamma^(j-k) r_j is the return from turn k. 'episode': every token gets "
+        "the group-normalised episode score (GRPO). 'discounted_return': A_k = (G_k - mean) / (std + "
+        "advantage_eps), mean and std those of the group's G_0 (one baseline per group). 'turn_group': G_k "
+        "normalised among the group's episodes that have a k-th policy turn (MT-GRPO / GiGPO-style step groups "
+        "by turn index); a turn index that only one episode reached gets 0. A rollout without turns is one turn "
+        "(r_0 = score): every choice gives it the episode advantage. scale_std and advantage_eps apply to all.",
+    )
+    credit_gamma: float = Field(
+        1.0,
+        description="Discount 0 < gamma <= 1 of later turns' rewards in G_k (credit 'discounted_return' and "
+        "'turn_group'). With 1 and a reward only at the end, 'discounted_return' equals 'episode'.",
     )
 
     # ---- channel 2: self-distillation (generalized JSD, TAID, entropy-aware OPD) ------------------
@@ -273,6 +294,21 @@ class LossConfig(BaseModel):
     def _taid_order(self) -> LossConfig:
         if self.taid_t_start > self.taid_t_end:
             raise ValueError(f"taid_t_start ({self.taid_t_start}) must be <= taid_t_end ({self.taid_t_end})")
+        return self
+
+    @field_validator("credit_gamma")
+    @classmethod
+    def _gamma(cls, value: float) -> float:
+        if not 0.0 < value <= 1.0:
+            raise ValueError(f"credit_gamma must be in (0, 1], got {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _gamma_used(self) -> LossConfig:
+        """A discount that nothing reads is a mistake the user should hear about, not a silent no-op."""
+        if self.credit == "episode" and self.credit_gamma != 1.0:
+            raise ValueError(f"credit_gamma={self.credit_gamma} has no effect with credit='episode'; set credit: "
+                             "discounted_return or turn_group, or leave credit_gamma out")
         return self
 
     def taid_has_schedule(self) -> bool:

@@ -1,7 +1,8 @@
 """Channel 1: GRPO policy gradient (DeepSeekMath arXiv:2402.03300) with the switches of its successors.
 
 - advantages: A_i = (R_i - mean_g R) / (std_g R + eps) per group g (TRL's unbiased std + 1e-4);
-  `scale_std=False` gives Dr. GRPO (arXiv:2503.20783), A_i = R_i - mean_g R.
+  `scale_std=False` gives Dr. GRPO (arXiv:2503.20783), A_i = R_i - mean_g R. The unit i is the episode: the
+  segments of one (`episode_advantages`) count once and share its advantage.
 - per token: r = exp(log pi_theta - log pi_old); loss_t = -min(r*A, clip(r, 1-eps_low, 1+eps_high)*A)
   (PPO clip; eps_high > eps_low is DAPO's clip-higher, arXiv:2503.14476).
 - optional DPPO mask (PRIME-RL default loss, arXiv:2602.04879): drop the policy term where A>0 and
@@ -42,21 +43,47 @@ from composer_mesh.loss.config import LossConfig
 def group_advantages(rewards: Tensor, group_ids: Tensor, scale_std: bool, eps: float = 1e-4) -> Tensor:
     """Group-normalised advantages [B] from rewards [B] and group ids [B] (any integer labels)."""
     rewards = rewards.detach().to(compute_dtype(rewards))
+    mean, std = group_stats(rewards, group_ids, scale_std)
+    centred = rewards - mean
+    if std is None:
+        return centred
+    return centred / (std + eps)
+
+
+def group_stats(values: Tensor, group_ids: Tensor, scale_std: bool) -> tuple[Tensor, Tensor | None]:
+    """Each row's group mean [B] and unbiased group std [B] (None without `scale_std`; 0 for a group of one)
+    of `values` [B], in their dtype: the baseline and scale of `group_advantages`, shared with `loss/credit.py`
+    so that its per-turn modes reduce to it exactly."""
     _, inverse = torch.unique(group_ids, return_inverse=True)
     n_groups = int(inverse.max()) + 1 if inverse.numel() else 0
-    counts = torch.zeros(n_groups, dtype=rewards.dtype, device=rewards.device).index_add_(
-        0, inverse, torch.ones_like(rewards)
+    counts = torch.zeros(n_groups, dtype=values.dtype, device=values.device).index_add_(
+        0, inverse, torch.ones_like(values)
     )
-    sums = torch.zeros(n_groups, dtype=rewards.dtype, device=rewards.device).index_add_(0, inverse, rewards)
-    mean = sums / counts
-    centred = rewards - mean[inverse]
+    sums = torch.zeros(n_groups, dtype=values.dtype, device=values.device).index_add_(0, inverse, values)
+    mean = (sums / counts)[inverse]
     if not scale_std:
-        return centred
-    sq = torch.zeros(n_groups, dtype=rewards.dtype, device=rewards.device).index_add_(0, inverse, centred**2)
+        return mean, None
+    sq = torch.zeros(n_groups, dtype=values.dtype, device=values.device).index_add_(0, inverse, (values - mean) ** 2)
     var = torch.where(
         counts > 1, sq / (counts - 1).clamp_min(1), torch.zeros_like(sq)
     )  # unbiased, like torch.std
-    return centred / (var.sqrt()[inverse] + eps)
+    return mean, var.sqrt()[inverse]
+
+
+def episode_advantages(rewards: Tensor, group_ids: Tensor, episode_ids: Tensor, scale_std: bool,
+                       eps: float = 1e-4) -> Tensor:
+    """`group_advantages` with the episode as the unit [B]: rows with the same episode id (the segments of an
+    episode whose conversation was rewritten, `Rollout.episode_id`; labels unique across the batch) count once in
+    their group's mean and std, and every one of them gets its episode's advantage. Why: a 3-segment episode is
+    one sample of the policy, and must not weigh 3x in the group's statistics."""
+    _, inverse = torch.unique(episode_ids, return_inverse=True)
+    n = int(inverse.max()) + 1 if inverse.numel() else 0
+    rows = torch.arange(inverse.numel(), device=inverse.device)
+    first = torch.full((n,), inverse.numel(), dtype=torch.long, device=inverse.device).scatter_reduce_(
+        0, inverse, rows, "amin")  # each episode's first row
+    if not torch.equal(rewards[first][inverse], rewards) or not torch.equal(group_ids[first][inverse], group_ids):
+        raise ValueError("episode_advantages: rows of one episode must share its reward and group")
+    return group_advantages(rewards[first], group_ids[first], scale_std, eps)[inverse]
 
 
 class _TokenLogprobs(torch.autograd.Function):

@@ -16,8 +16,8 @@ The contract is re-declared here (prime-rl is not pip-installable); field names,
 What maps: the clipped surrogate with eps_low/eps_high, the TIS off-policy correction
 (off_policy_correction/tis_cap, with `inference_logprobs` as the sampler), the DPPO mask, the k3 KL to
 `ref_logprobs` (kl_beta), PRIME-RL's squared-log-ratio mismatch term (mismatch_kl_tau, its `kl_tau`), `loss_weights`.
-Advantages come precomputed from PRIME-RL's orchestrator, so scale_std/advantage_eps do not apply.
-What does not: channel 2 needs full-vocabulary (or top-k) logits and channel 3 needs trace pairs; LossInputs
+Advantages come precomputed from PRIME-RL's orchestrator, so scale_std/advantage_eps do not apply and a
+per-turn `credit` is refused. What does not: channel 2 needs full-vocabulary (or top-k) logits and channel 3 needs trace pairs; LossInputs
 carries only sampled-token log-probs, so asking for them raises NotImplementedError. "sequence" normalisation
 cannot be written as a token sum either.
 """
@@ -99,6 +99,11 @@ def _parse_kwargs(frozen: str) -> PrimeRLLossKwargs:
         raise NotImplementedError(
             "beta_replay > 0: channel 3 (trace replay) needs chosen/rejected trace pairs, which PRIME-RL's "
             "LossInputs does not carry."
+        )
+    if cfg.credit != "episode":
+        raise NotImplementedError(
+            f"credit={cfg.credit!r}: per-turn advantages are computed from a TrainBatch's turns by a composer-mesh "
+            "trainer; inside PRIME-RL the advantages come precomputed (LossInputs.advantages). Leave credit out."
         )
     if cfg.normalization != "token":
         raise NotImplementedError(

@@ -68,10 +68,24 @@ class HintsConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    source: Literal["none", "environment", "rule"] = Field(
+    source: Literal["none", "environment", "rule", "teacher"] = Field(
         "none", description="Where hints come from. none: no targeted feedback. environment: the feedback the "
         "environment gave on the first turn it saw a mistake in (StepResult.feedback: a tool error, a failing "
-        "visible test, a wrong answer), through `template`. rule: the Python function `rule` names decides.")
+        "visible test, a wrong answer), through `template`. rule: the Python function `rule` names decides. "
+        "teacher: at that same turn, the teacher `teacher` (a member with channel hint: hf, vllm or openrouter) "
+        "reads the episode so far with the feedback and writes the hint.")
+    teacher: str | None = Field(
+        None, description="source teacher: the name of the teachers member (channels: [hint]) that writes hints.")
+    max_tokens: int = Field(64, ge=1, le=4096, description="source teacher: the longest hint it may write, in its "
+                            "own tokens.")
+    transcript_chars: int = Field(
+        6000, ge=100, description="source teacher: the transcript the hint writer reads is cut to its last this "
+        "many characters (the mistake and its feedback are at its end), so a long episode fits its context.")
+    instruction: str = Field(
+        "The conversation below is an attempt at a task that went wrong at its last assistant turn; the "
+        "environment's feedback follows it. Write one short hint (one or two sentences) that would have helped the "
+        "assistant avoid the mistake, without giving away the final answer.", min_length=1,
+        description="source teacher: the system message the hint writer is given before the transcript.")
     rule: str | None = Field(
         None, description="source rule: 'pkg.mod:fn', called as fn(prompt, steps) with the episode's prompt and its "
         "steps (one per policy turn: the messages before it, its text, the environment's reward, feedback and "
@@ -87,6 +101,9 @@ class HintsConfig(BaseModel):
         if (self.source == "rule") != (self.rule is not None):
             raise ValueError("run.rollout.hints.rule names the rule function exactly when source is rule "
                              f"(source {self.source!r}, rule {self.rule!r})")
+        if (self.source == "teacher") != (self.teacher is not None):
+            raise ValueError("run.rollout.hints.teacher names the hint-writing teacher exactly when source is teacher "
+                             f"(source {self.source!r}, teacher {self.teacher!r})")
         if self.rule is not None and (self.rule.count(":") != 1 or not all(self.rule.split(":"))):
             raise ValueError(f"run.rollout.hints.rule {self.rule!r} is not an import path 'pkg.mod:fn'")
         if "{feedback}" not in self.template:

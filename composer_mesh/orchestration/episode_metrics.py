@@ -18,9 +18,11 @@ from composer_mesh.tasks.episode import EPISODE_STATUSES
 
 
 def episode_metrics(groups: list[ScoredGroup]) -> dict[str, float]:
-    """`episode/*` means over the step's episodes (turns, the environment's counters) and the fraction ending with
-    each status ({} for no episode)."""
-    pairs = [(r, rw) for g in groups for r, rw in zip(g.group.rollouts, g.rewards) if r.turns is not None]
+    """`episode/*` means over the step's episodes (turns, the environment's counters, `segments`: training samples
+    per episode) and the fraction ending with each status ({} for no episode). An episode of several segments
+    (a rewritten conversation) is counted once: its segments share its status and reward."""
+    rows = [(r, rw) for g in groups for r, rw in zip(g.group.rollouts, g.rewards) if r.turns is not None]
+    pairs = [(r, rw) for r, rw in rows if r.opens_episode]
     if not pairs:
         return {}
     n = len(pairs)
@@ -30,6 +32,7 @@ def episode_metrics(groups: list[ScoredGroup]) -> dict[str, float]:
         counters.update(rw.components)
     out = {  # token sums are the trainer's (`episode/policy_tokens`, `episode/env_tokens`)
         **{f"episode/status_{s}": statuses[s] / n for s in EPISODE_STATUSES},
+        "episode/segments": len(rows) / n,
         **{f"episode/{k}": v / n for k, v in sorted(counters.items())},
         **error_rates(counters),
     }

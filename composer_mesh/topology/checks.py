@@ -32,6 +32,8 @@ GPU_CAPABILITY = "gpu"
 ADAPTERS_CAPABILITY = "adapters"
 # A trainer binding that trains one replica over several procs (FSDP2): `procs_per_replica > 1`.
 SHARDED_CAPABILITY = "sharded"
+# The binding capability each teacher channel needs (a hint is text: what a replay teacher writes).
+CHANNEL_CAPABILITY = {"distill": "distill", "replay": "replay", "hint": "replay"}
 # A generator binding that scores continuations given a prompt: the policy as its own teacher (run.rollout.hints).
 SELF_TEACHER_CAPABILITY = "self_teacher"
 # The sections owned by the components (validated on their own for the checks).
@@ -42,14 +44,14 @@ CROSS_CHECKS: tuple[str, ...] = (
     "a role that needs GPUs (its binding lists capability `gpu`, or its settings have `device: cuda...` or "
     "`gpus > 0`) is not on a mesh with `gpus_per_proc: 0`",
     "a teacher's channel `distill` / `replay` needs the binding capability of the same name "
-    "(e.g. `openrouter` gives no per-token distributions, so it cannot feed `distill`)",
+    "(e.g. `openrouter` gives no per-token distributions, so it cannot feed `distill`); `hint` needs `replay`",
     "`roles.rewarder` is given exactly when `run.rollout.kind` is `single_turn`: a single completion is scored by "
     "the rewarder, a `multi_turn` episode by its environment (a rewarder there would never be asked); a `harness` "
     "run may have one, for the episodes whose agent reports no reward",
     "`loss.alpha_sdpo > 0` needs a teacher with channel `distill` (or `run.rollout.hints`); `loss.beta_replay > 0` "
     "needs a teacher with channel `replay` (both default to 1.0, so set them to 0 to run without teachers)",
     "`run.rollout.hints` needs `loss.alpha_sdpo > 0` and a generator binding with capability `self_teacher` "
-    "(`hf`, `vllm`)",
+    "(`hf`, `vllm`); `hints.source: teacher` names a teachers member with channel `hint` (capability `replay`)",
     "`diloco` is given exactly when `roles.trainer.replicas > 1`, and `diloco.replicas` equals it",
     "the trainer mesh has exactly `roles.trainer.replicas` × `procs_per_replica` procs (hosts × procs_per_host)",
     "`procs_per_replica > 1` needs a trainer binding with capability `sharded` (`hf`: FSDP2)",
@@ -198,11 +200,12 @@ def check_teacher_channels(parts: Parts) -> Iterator[Problem]:
     for i, member in enumerate(teachers.members):
         caps = member.resolved.capabilities
         for j, channel in enumerate(member.channels):
-            if channel not in caps:
+            need = CHANNEL_CAPABILITY[channel]
+            if need not in caps:
                 yield (
                     ("roles", "teachers", "members", i, "channels", j),
                     f"teacher {member.name!r} (binding {member.binding!r}) cannot feed channel {channel!r}: "
-                    f"its capabilities are {sorted(caps) or 'none'}, and {channel!r} needs capability {channel!r}",
+                    f"its capabilities are {sorted(caps) or 'none'}, and {channel!r} needs capability {need!r}",
                 )
 
 
@@ -243,11 +246,25 @@ def check_hints(parts: Parts) -> Iterator[Problem]:
     if loss is not None and not (getattr(loss, "alpha_sdpo", 0) or 0) > 0:
         yield (("run", "rollout", "hints", "source"), "run.rollout.hints feeds channel 2, which loss.alpha_sdpo = 0 "
                "switches off: set loss.alpha_sdpo > 0 or hints.source: none")
+    yield from _hint_teacher(parts)
     if isinstance(generators, GeneratorsSpec) and SELF_TEACHER_CAPABILITY not in generators.resolved.capabilities:
         caps = generators.resolved.capabilities
         yield (("run", "rollout", "hints", "source"), f"run.rollout.hints needs generators that score "
                f"continuations (capability {SELF_TEACHER_CAPABILITY!r}), and binding {generators.binding!r} has "
                f"{sorted(caps) or 'none'}: use the hf or vllm generator")
+
+
+def _hint_teacher(parts: Parts) -> Iterator[Problem]:
+    """`hints.source: teacher` names a pool member with channel `hint`."""
+    run, teachers = parts.sections.get("run"), parts.roles.get("teachers")
+    name = getattr(getattr(getattr(run, "rollout", None), "hints", None), "teacher", None)
+    if name is None or "teachers" not in parts.roles:  # not the teacher source, or an invalid pool (reported)
+        return
+    members = {m.name: m for m in teachers.members} if isinstance(teachers, TeachersSpec) else {}
+    if "hint" not in getattr(members.get(name), "channels", []):
+        writers = sorted(n for n, m in members.items() if "hint" in m.channels) or "none"
+        yield (("run", "rollout", "hints", "teacher"), f"run.rollout.hints.teacher {name!r} is not a teachers member "
+               f"with channels [hint] (members with it: {writers})")
 
 
 def check_rewarder_role(parts: Parts) -> Iterator[Problem]:

@@ -57,7 +57,7 @@ def _plural(n: int, word: str, plural: str | None = None) -> str:
 # Adding a built-in binding = one line in `ROLE_TABLE` (or an import path in the file).
 # ---------------------------------------------------------------------------------------------------------
 
-Channel = Literal["distill", "replay"]
+Channel = Literal["distill", "replay", "hint"]
 # A role's settings once validated: an instance of its binding's `Settings` (dumped as that model, not as
 # the bare `BaseModel` of the annotation).
 Settings = SerializeAsAny[BaseModel]
@@ -185,7 +185,8 @@ class TeacherSpec(BoundSpec):
         min_length=1,
         description="Loss channels this teacher feeds: `distill` (channel 2: per-token distributions over the "
         "student's tokens; binding capability `distill`) and/or `replay` (channel 3: full traces; capability "
-        "`replay`).",
+        "`replay`), and/or `hint`: it writes targeted-feedback hints (`run.rollout.hints.source: teacher`; a "
+        "binding that writes text: capability `replay`).",
     )
     on_failure: OnFailure = Field(
         "skip",

@@ -16,6 +16,7 @@ from composer_mesh.loss.config import LossConfig, loss_config_table
         ("normalization", "seq", "'token', 'sequence'"),
         ("entropy_opd_gate", "soft", "'hard', 'linear'"),
         ("off_policy_correction", "is", "'none', 'tis'"),
+        ("credit", "turn", "'episode', 'discounted_return', 'turn_group'"),
     ],
 )
 def test_unknown_variant_lists_allowed_values(field: str, value: str, needle: str) -> None:
@@ -58,6 +59,10 @@ def test_negative_weights_rejected_naming_field(field: str) -> None:
         ({"tis_cap": 0.0}, "tis_cap"),
         ({"tis_cap": -1.0}, "tis_cap"),
         ({"tis_cap": float("inf")}, "tis_cap"),
+        ({"credit": "turn_group", "credit_gamma": 0.0}, "credit_gamma"),
+        ({"credit": "discounted_return", "credit_gamma": 1.5}, "credit_gamma"),
+        ({"credit": "turn_group", "credit_gamma": float("nan")}, "credit_gamma"),
+        ({"credit_gamma": 0.9}, "credit_gamma"),  # a discount nothing reads: credit is 'episode'
     ],
 )
 def test_out_of_range_rejected_naming_field(kwargs: dict, field: str) -> None:

@@ -7,7 +7,13 @@ import torch
 
 from composer_mesh.loss.compose import compose_loss
 from composer_mesh.loss.config import LossConfig
-from composer_mesh.loss.grpo import group_advantages, policy_metrics, policy_terms, reduce_tokens
+from composer_mesh.loss.grpo import (
+    episode_advantages,
+    group_advantages,
+    policy_metrics,
+    policy_terms,
+    reduce_tokens,
+)
 
 
 def test_identical_rewards_give_zero_advantage_and_groups_sum_to_zero() -> None:
@@ -33,6 +39,27 @@ def test_advantages_match_trl_group_scaling_and_dr_grpo() -> None:
 def test_singleton_group_has_zero_advantage_not_nan() -> None:
     adv = group_advantages(torch.tensor([3.0, 1.0, 2.0]), torch.tensor([0, 1, 1]), scale_std=True)
     assert adv[0] == 0 and torch.isfinite(adv).all()
+
+
+def test_an_episode_of_two_segments_counts_once_in_its_group() -> None:
+    """Group 0 holds episodes A (reward 1, two segments: rows 0 and 2), B (0) and C (0.5); group 1 holds D (1) and
+    E (0). By hand, over episodes: group 0 has mean 0.5 and unbiased std 0.5, so A = 0.5 / (0.5 + 1e-4), B = -A,
+    C = 0; group 1 has std sqrt(0.5), so D = 0.5 / (sqrt(0.5) + 1e-4), E = -D. Both of A's rows get A's."""
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.5, 1.0, 0.0])
+    groups = torch.tensor([0, 0, 0, 0, 1, 1])
+    episodes = torch.tensor([5, 2, 5, 8, 1, 3])  # any labels, unique across the batch
+    a, d = 0.5 / (0.5 + 1e-4), 0.5 / (0.5**0.5 + 1e-4)
+    adv = episode_advantages(rewards, groups, episodes, scale_std=True)
+    torch.testing.assert_close(adv, torch.tensor([a, -a, a, 0.0, d, -d]), rtol=0, atol=1e-6)
+    assert abs(float(adv[[0, 1, 3]].sum())) < 1e-6  # the group's mean is over its episodes: they sum to 0
+    assert abs(float(group_advantages(rewards, groups, True)[0]) - a) > 0.1  # rows as samples: A would weigh 2x
+    dr = episode_advantages(rewards, groups, episodes, scale_std=False)
+    torch.testing.assert_close(dr, torch.tensor([0.5, -0.5, 0.5, 0.0, 0.5, -0.5]), rtol=0, atol=1e-6)
+    singles = torch.arange(6)  # every row its own episode: plain group advantages
+    torch.testing.assert_close(episode_advantages(rewards, groups, singles, True), group_advantages(rewards, groups,
+                                                                                                    True))
+    with pytest.raises(ValueError, match="share its reward and group"):
+        episode_advantages(torch.tensor([1.0, 0.0, 0.5]), groups[:3], torch.tensor([0, 1, 0]), True)
 
 
 def _grad_wrt_logprob(ratio: float, adv: float, config: LossConfig) -> tuple[float, float]:

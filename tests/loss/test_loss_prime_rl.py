@@ -144,6 +144,7 @@ def test_duck_typed_prime_rl_dataclass_is_accepted() -> None:
         ({"alpha_sdpo": 1.0}, "alpha_sdpo"),
         ({"beta_replay": 0.5}, "beta_replay"),
         ({"normalization": "sequence"}, "sequence"),
+        ({"credit": "turn_group"}, "credit"),
     ],
 )
 def test_channels_needing_full_vocab_or_pairs_refuse(kwargs: dict, needle: str) -> None:

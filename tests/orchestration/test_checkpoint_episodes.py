@@ -32,3 +32,15 @@ def test_decoding_an_episode_checks_its_turns():
     tree["turns"][1]["end"] = 3
     with pytest.raises(ValueError, match="turns cover 3 of 2 completion tokens"):
         decode(json.loads(json.dumps(tree)), {})
+
+
+def test_segments_of_an_episode_round_trip_and_older_checkpoints_read_as_whole_episodes():
+    segment = Rollout("p0", [1], [3], [-0.1], 1, turns=[Turn(0, 1, True)], episode_id="p0/7", segment=1)
+    tree = encode(segment, {})
+    back = decode(json.loads(json.dumps(tree)), {})
+    assert back == segment and (back.episode_id, back.segment, back.opens_episode) == ("p0/7", 1, False)
+    older = {k: v for k, v in tree.items() if k not in ("episode_id", "segment")}  # written before segments
+    assert (decode(older, {}).episode_id, decode(older, {}).segment) == (None, 0)
+    tree["episode_id"] = None
+    with pytest.raises(ValueError, match="segment 1 needs an episode_id"):
+        decode(json.loads(json.dumps(tree)), {})

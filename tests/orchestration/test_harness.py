@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import torch
 from orchestration.fakes import FakeChunks, FakeTeachers
 from orchestration.test_multi_turn import TurnGenerators
 
@@ -226,13 +227,11 @@ async def test_bad_requests_get_one_line_errors_naming_the_field() -> None:
         assert message_has("n:", await refused(openai.BadRequestError, n=2, extra_headers=h))
         r = await client.chat.completions.create(**base, extra_headers=h)
         answer = r.choices[0].message.model_dump(exclude_none=True)
-        rewritten = {**answer, "tool_calls": [{**answer["tool_calls"][0], "function": {
-            "name": "calculator", "arguments": '{"expression": "1+1"}'}}]}
         tool = {"role": "tool", "tool_call_id": answer["tool_calls"][0]["id"], "content": "2"}
-        assert "not a prefix" in await refused(openai.BadRequestError, extra_headers=h,
-                                               messages=[*task["messages"], rewritten, tool])
-        assert "not a prefix" in await refused(openai.BadRequestError, extra_headers=h,
-                                               messages=[{"role": "user", "content": "1*1"}, answer, tool])
+        assert "adds none" in await refused(openai.BadRequestError, extra_headers=h,
+                                            messages=[*task["messages"], answer])  # nothing new to answer
+        assert message_has("tools:", await refused(openai.BadRequestError, extra_headers=h, tools=None,
+                                                   messages=[*task["messages"], answer, tool]))
         await client.chat.completions.create(**{**base, "messages": [*task["messages"], answer, tool]},
                                              extra_headers=h)  # the conversation as served goes on
     finally:
@@ -267,3 +266,53 @@ async def test_beyond_loopback_callers_need_the_token_and_it_is_never_logged(
         drive.cancel()
     assert len(served.turns) == 2
     assert secret not in caplog.text
+
+
+def summarising_policy(p: Prompt) -> str:
+    """`calculator_policy`, and after the agent's summary (a fresh conversation) the product it states."""
+    if p.messages and str(p.messages[-1]["content"]).startswith("The calculator said "):
+        return str(p.messages[-1]["content"]).removeprefix("The calculator said ")
+    return calculator_policy(p)
+
+
+def summarising_agent(served: Served) -> Any:
+    """Calls the tool, then replaces the whole conversation by a one-line summary of it (as agents that manage
+    their context do) and asks for the answer; rewards episode `-0` of each prompt 1 and the other 0."""
+    async def agent(task: HarnessTask) -> float:
+        client = openai.AsyncOpenAI(base_url=task.base_url, api_key=task.api_key, max_retries=0)
+        msg, ids, logprobs = await _ask(client, task, list(task.messages), False)
+        expression = json.loads(msg["tool_calls"][0]["function"]["arguments"])["expression"]
+        summary = [{"role": "user", "content": f"The calculator said {calculator(expression)}"}]
+        answer, ids2, logprobs2 = await _ask(client, task, summary, False)
+        served.turns[task.episode_id] = [(ids, logprobs), (ids2, logprobs2)]
+        assert answer["content"] == task.answer
+        return float(task.episode_id.endswith("-0"))
+
+    return agent
+
+
+async def test_an_agent_that_summarises_its_conversation_is_served_and_its_episode_trains_as_two_samples() -> None:
+    from composer_mesh.actors.backends.trainer.train_batch import TrainRows
+    from composer_mesh.actors.messages import TrainBatch
+    from composer_mesh.loss.config import LossConfig
+
+    served, gens = Served(), TurnGenerators(n=2, policy=summarising_policy)
+    d = driver(summarising_agent(served), gens)
+    chunks = FakeChunks([Chunk(1, 0, tasks(1))])
+    await run_chunks(d, chunks)
+    (result,) = chunks.finished[0]
+    rollouts = result.group.group.rollouts
+    assert [(r.episode_id, r.segment) for r in rollouts] == [("0-0", 0), ("0-0", 1), ("0-1", 0), ("0-1", 1)]
+    assert [rw.score for rw in result.group.rewards] == [1.0, 1.0, 0.0, 0.0]  # each segment: its episode's reward
+    summary = [{"role": "user", "content": f"The calculator said {tasks(1)[0].answer}"}]
+    asked = [p for _, req in gens.requests for p in req.prompts]
+    assert sum(p.messages == summary and p.bridge_messages is None for p in asked) == 2  # rendered fresh
+    for r in rollouts:
+        assert r.status == "done" and r.prompt_ids == [1, 2, 3]  # each segment opens with its own rendering
+        assert policy_spans(r) == [served.turns[r.episode_id][r.segment]]  # the served turn, token for token
+    assert len(result.distributions) == 4 and all(result.distributions)  # the teachers saw every segment
+    grpo = LossConfig(alpha_sdpo=0.0)
+    data = TrainRows.of(TrainBatch([result.group]), grpo)
+    assert data.episode_ids.tolist() == [0, 0, 1, 1]
+    adv = data.advantages(grpo)  # two episodes, rewards 1 and 0: +-1/sqrt(2) (not four rows' +-0.87)
+    assert torch.allclose(adv, torch.tensor([1, 1, -1, -1]) * 0.5 / (0.5**0.5 + 1e-4))

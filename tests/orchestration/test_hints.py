@@ -171,3 +171,44 @@ def test_episodes_without_a_mistake_keep_the_teachers_targets_and_bad_hints_are_
         hinted(prompt, ep, Hint(5, "x"), "user")
     with pytest.raises(BadHint, match="no text"):
         hinted(prompt, ep, Hint(1, " "), "user")
+
+
+class PoolPort:
+    """`ports.Teachers` over one in-process `TeacherPool` (the teacher-pool actor is a thin wrapper of it)."""
+
+    def __init__(self, pool: Any) -> None:
+        self.pool, self.requests = pool, []
+
+    async def signals(self, request: Any) -> list[Any]:
+        self.requests.append(request)
+        return [await self.pool.signals(request)]
+
+
+def test_a_teacher_writes_the_hint_from_the_transcript_and_feedback(gen, episode, tmp_path) -> None:
+    """`hints.source: teacher`: a real hf teacher (member with channel hint) reads the episode through its first
+    turn with feedback, and what it writes is the hint the self-teacher conditions on; a replay request (no
+    teacher named) never reaches a hint-only member."""
+    from composer_mesh.actors.backends.teachers.hf_teacher import HFTeacher, HFTeacherSettings
+    from composer_mesh.actors.messages import TeacherRequest
+    from composer_mesh.actors.teacher_pool import PoolMember, TeacherPool
+
+    prompt, ep = episode
+    long_byte = BYTE.model_copy(update={"max_position_embeddings": 1024})  # the transcript is long in bytes
+    writer = HFTeacher(HFTeacherSettings(model=long_byte, cache_dir=str(tmp_path), trace_temperature=0.0))
+    pool = TeacherPool([PoolMember("writer", frozenset({"hint"}), writer, "stop")])
+    pool.start(BYTE)
+    teachers, generators = PoolPort(pool), OneGenerator(gen)
+    config = HintsConfig(source="teacher", teacher="writer", max_tokens=12, instruction="Write a hint.")
+    teacher = SelfTeacher(config, generators, top_k=0, teachers=teachers)
+    [dist] = asyncio.run(teacher.distributions([prompt], [ep], seed=3))
+    [asked] = teachers.requests
+    assert asked.teachers == ["writer"] and asked.max_new_tokens == 12 and asked.seed == 3
+    system, user = asked.prompts[0].messages
+    assert system["content"] == config.instruction
+    assert user["content"].endswith("feedback: error: calculator: bad") and "assistant: " in user["content"]
+    written = asyncio.run(pool.signals(asked)).traces[0].text.strip()  # greedy: the same text again
+    [scored] = generators.requests
+    assert scored.prompts[0].bridge_messages[-1] == {"role": "user", "content": written}
+    second = [t for t in ep.rollout.turns if t.policy][1]
+    assert dist is not None and dist.offset == second.start and teacher.counters()["hints/hinted"] == 1.0
+    assert asyncio.run(pool.signals(TeacherRequest(prompts=[prompt]))).traces == []  # not a replay teacher

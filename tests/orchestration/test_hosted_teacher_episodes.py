@@ -34,7 +34,7 @@ from composer_mesh.models.tokenizer import build_byte_tokenizer
 from composer_mesh.orchestration.config import RunConfig
 from composer_mesh.orchestration.episode_metrics import teacher_episode_metrics
 from composer_mesh.orchestration.schedule import Chunk
-from tests.actors.backends.teachers.openrouter.fake_openrouter import FakeOpenRouter
+from tests.actors.backends.teachers.openrouter.fake_openrouter import FakeOpenRouter, serving
 
 KEY = "sk-or-v1-TEST-driver-42"
 ENV = "COMPOSER_MESH_TEST_OR_DRIVER_KEY"
@@ -72,10 +72,8 @@ class PoolTeachers:
 
 @pytest.fixture(scope="module")
 def fake() -> Any:
-    server = FakeOpenRouter(api_key=KEY)
-    server.start()
-    yield server
-    server.stop()
+    with serving(KEY) as server:
+        yield server
 
 
 def calculator_prompts(env: CalculatorEnvironment, n: int) -> list[Prompt]:

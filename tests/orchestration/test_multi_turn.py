@@ -385,3 +385,52 @@ def test_an_episode_run_needs_an_environment_that_plays_and_grades_its_episodes(
     with pytest.raises(ValidationError, match=error):
         RunConfig(**fields)
     assert RunConfig(rollout={"kind": "multi_turn"}, environment={"kind": "calculator"}).rollout.max_turns == 8
+
+
+class Summarising(Counting):
+    """`Counting`, but after turn 1 the conversation is replaced by a summary (`rewrite`), the tool result after it."""
+
+    async def step(self, action: str) -> StepResult:
+        result = await super().step(action)
+        if len(self.steps) == 1:
+            result.rewrite = [{"role": "user", "content": "summary"}]
+        return result
+
+
+class SummarisingEnv(Env):
+    def session(self, prompt: Any, seed: int) -> Counting:
+        s = Summarising(**self.kw)
+        self.sessions.append(s)
+        return s
+
+
+async def test_an_episode_whose_conversation_is_rewritten_is_two_rollouts_counted_once_in_the_metrics() -> None:
+    from composer_mesh.orchestration.episode_metrics import episode_metrics
+
+    gens = TurnGenerators()
+    source = await run_chunks(gens, SummarisingEnv(calls=2), [Chunk(1, 0, prompts(0, 1))])
+    (result,) = source.finished[0]
+    rollouts = result.group.group.rollouts
+    assert [(r.segment, r.status) for r in rollouts] == [(0, "done"), (1, "done")] * 2
+    assert rollouts[0].episode_id == rollouts[1].episode_id != rollouts[2].episode_id == rollouts[3].episode_id
+    first, second = rollouts[:2]
+    assert len([t for t in first.turns or [] if t.policy]) == 1 and len([t for t in second.turns or [] if t.policy]) == 2
+    assert second.prompt_ids == [1, 2, 3]  # the fake's fresh rendering: the rewritten conversation as an opening
+    fresh = [p for _, req in gens.requests for p in req.prompts if p.bridge_messages is None and p.messages]
+    assert [p.messages for p in fresh].count([{"role": "user", "content": "summary"}, {"role": "tool",
+                                                                                          "content": "x"}]) == 2
+    assert all(p.tools == [{"type": "function"}] for p in fresh)  # the opening's tools, declared again
+    assert [rw.score for rw in result.group.rewards] == [1.0] * 4 and len(result.distributions) == 4
+    m = episode_metrics([result.group])
+    assert m["episode/segments"] == 2.0 and m["episode/status_done"] == 1.0 and m["episode/turns"] == 3.0
+    seeds = [s for _, req in gens.requests for s in req.seeds or []]
+    assert len(seeds) == len(set(seeds)) == 6  # turn k keeps seed + k * stride across segments
+
+
+async def test_an_empty_rewrite_fails_the_episode_as_the_environments_error() -> None:
+    class Empty(Counting):
+        async def step(self, action: str) -> StepResult:
+            return StepResult(rewrite=[])
+
+    ep = await play(Empty(), TurnGenerators())
+    assert ep.rollout.status == "error_environment" and "StepResult.rewrite is empty" in (ep.error or "")

@@ -64,3 +64,36 @@ def test_hint_fields_are_refused_on_their_line() -> None:
     with pytest.raises(TopologyError) as info:
         parse_topology(topology(run=single), "hints.yaml")
     assert any("it needs run.rollout.kind multi_turn" in e.message for e in info.value.errors)
+
+
+POOL = """\
+  teachers:
+    mesh: cpu
+    members:
+      - {name: writer, binding: openrouter, channels: [hint], settings: {models: ["openai/gpt-4o-mini"]}}
+"""
+
+
+def test_a_hint_writing_teacher_is_a_member_with_channel_hint() -> None:
+    hints = "{source: teacher, teacher: writer}"
+    text = HEAD.replace("GENERATOR", "hf") + POOL + "loss: {alpha_sdpo: 0.5, beta_replay: 0}\n" + \
+        EPISODES.replace("HINTS", hints)
+    topo = parse_topology(text, "hints.yaml")
+    assert topo.run.rollout.hints.teacher == "writer" and topo.roles.teachers.members[0].channels == ["hint"]
+    path, _, message = refusal(text.replace("teacher: writer}", "teacher: critic}"))
+    assert path == "run.rollout.hints.teacher"
+    assert message == ("run.rollout.hints.teacher 'critic' is not a teachers member with channels [hint] (members "
+                       "with it: ['writer'])")
+    path, _, message = refusal(text.replace("channels: [hint]", "channels: [replay]").replace("beta_replay: 0",
+                                                                                              "beta_replay: 0.1"))
+    assert path == "run.rollout.hints.teacher" and "members with it: none" in message
+
+
+def test_a_hint_rule_that_does_not_import_is_refused_before_launch() -> None:
+    from composer_mesh.app.preflight.setup import setup_problems
+
+    topo = parse_topology(topology(hints='{source: rule, rule: "no_such_module_xyz:hint"}'), "hints.yaml")
+    [problem] = setup_problems(topo)
+    assert problem.startswith("run.rollout.hints.rule: cannot import module 'no_such_module_xyz'")
+    good = topology(hints='{source: rule, rule: "composer_mesh.orchestration.rollout.hints:feedback_rule"}')
+    assert setup_problems(parse_topology(good, "hints.yaml")) == []

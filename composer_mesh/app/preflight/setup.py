@@ -22,7 +22,7 @@ from composer_mesh.topology.schema import Topology
 # `package.module:Name`: how every field that names your own code spells it, and the keys of such fields (other
 # strings may look alike: a Slurm `gres: gpu:h100`).
 _IMPORT_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
-_CODE_KEYS = frozenset({"path", "binding"})
+_CODE_KEYS = frozenset({"path", "binding", "agent", "rule"})  # + a harness agent, a hint rule
 
 
 def setup_problems(topology: Topology) -> list[str]:

@@ -7,6 +7,11 @@ bridging to the next assistant turn and appends. The returned `prompt_ids` must 
 episode whose tokens drifted raises `TokenDrift` rather than training on ids the policy never saw. The episode
 is one `Rollout`: `prompt_ids` = the opening conversation, `completion_ids` = every later token, with `turns`
 marking the policy's spans (trained on) and the environment's (log-prob 0.0, never trained on).
+
+An environment that rewrites the conversation (`StepResult.rewrite`: a summary in place of earlier turns, a tool
+result cut short) breaks the prefix: the next turn is rendered fresh from the new messages, like the opening, and
+starts a new segment. The episode is then one `Rollout` per segment, each a prefix chain with exact log-probs,
+marked with the episode's id (`Rollout.episode_id`, `segment`) and sharing its reward and status.
 """
 
 from __future__ import annotations
@@ -69,56 +74,44 @@ class EpisodeStep:
 @dataclass
 class Episode:
     """A played episode: its rollout, the sum of its turns' rewards, the environment's counters and its steps
-    (one per policy turn the environment answered)."""
+    (one per policy turn the environment answered). An episode whose environment rewrote the conversation is
+    several segments (`StepResult.rewrite`): `rollout` is the last, `earlier` the ones before it, in order."""
 
     rollout: Rollout
     reward: float
     info: dict[str, float] = field(default_factory=dict)
     error: str | None = None
     steps: list[EpisodeStep] = field(default_factory=list)
+    earlier: list[Rollout] = field(default_factory=list)
+
+    @property
+    def segments(self) -> list[Rollout]:
+        """Every training sample of the episode, in order (one unless the conversation was rewritten)."""
+        return [*self.earlier, self.rollout]
 
     def reward_result(self) -> RewardResult:
         """The episode's score as the trainer takes it. An environment that failed gave no reward: the episode is
         a failed score (`ok` false, reward 0), counted in the step's reward failures."""
-        components = {**self.info, "turns": float(sum(t.policy for t in self.rollout.turns or []))}
+        turns = sum(t.policy for r in self.segments for t in r.turns or [])
+        components = {**self.info, "turns": float(turns)}
         if self.rollout.status == "error_environment":
             return RewardResult(0.0, ok=False, error=self.error or "the environment failed", components=components)
         return RewardResult(self.reward, components=components)
 
 
-class EpisodeTokens:
-    """An episode's token ids as they grow, with the spans that say whose each token is."""
+@dataclass
+class Segment:
+    """One prefix chain of an episode: the ids its first turn was sampled from (`prompt_ids`) and every later
+    token, with the spans that say whose each token is."""
 
-    def __init__(self) -> None:
-        self.prompt_ids: list[int] | None = None
-        self.completion: list[int] = []
-        self.logprobs: list[float] = []
-        self.turns: list[Turn] = []
-        self.generators: list[str] = []
+    prompt_ids: list[int]
+    completion: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    turns: list[Turn] = field(default_factory=list)
+    generators: list[str] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
 
-    def conversation(self) -> list[int]:
-        return [*(self.prompt_ids or []), *self.completion]
-
-    def prompt_lengths(self) -> list[int]:
-        """The length of each policy turn's prompt so far (the conversation before the turn's tokens)."""
-        return [len(self.prompt_ids or []) + t.start for t in self.policy_turns()]
-
-    def add(self, sampled: Rollout) -> Turn:
-        """A sampled turn: the environment's bridge (what the generator appended to the conversation), then the
-        policy's tokens."""
-        if self.prompt_ids is None:
-            self.prompt_ids = list(sampled.prompt_ids)
-        else:
-            sent = self.conversation()
-            if sampled.prompt_ids[: len(sent)] != sent:
-                raise TokenDrift(f"episode {sampled.prompt_id!r}: the generator's prompt for turn "
-                                 f"{len(self.policy_turns())} does not start with the conversation's exact ids")
-            self._span(sampled.prompt_ids[len(sent):], [0.0] * (len(sampled.prompt_ids) - len(sent)), None)
-        turn = self._span(sampled.completion_ids, sampled.logprobs, sampled.weight_version)
-        self.generators.append(sampled.generator)
-        return turn
-
-    def _span(self, ids: list[int], logprobs: list[float], version: int | None) -> Turn:
+    def span(self, ids: list[int], logprobs: list[float], version: int | None) -> Turn:
         turn = Turn(len(self.completion), len(self.completion) + len(ids), policy=version is not None,
                     weight_version=version)
         self.completion += ids
@@ -126,15 +119,72 @@ class EpisodeTokens:
         self.turns.append(turn)
         return turn
 
-    def policy_turns(self) -> list[Turn]:
-        return [t for t in self.turns if t.policy]
-
-    def rollout(self, prompt: Prompt, status: EpisodeStatus, text: str) -> Rollout:
-        versions = [t.weight_version for t in self.policy_turns() if t.weight_version is not None]
-        return Rollout(prompt_id=prompt.prompt_id, prompt_ids=list(self.prompt_ids or []),
+    def rollout(self, prompt: Prompt, status: EpisodeStatus, text: str, episode_id: str | None,
+                index: int) -> Rollout:
+        versions = [t.weight_version for t in self.turns if t.policy and t.weight_version is not None]
+        return Rollout(prompt_id=prompt.prompt_id, prompt_ids=list(self.prompt_ids),
                        completion_ids=list(self.completion), logprobs=list(self.logprobs),
                        weight_version=min(versions, default=0), text=text, finish_reason="stop",
-                       generator=",".join(dict.fromkeys(self.generators)), turns=list(self.turns), status=status)
+                       generator=",".join(dict.fromkeys(self.generators)), turns=list(self.turns), status=status,
+                       episode_id=episode_id, segment=index)
+
+
+class EpisodeTokens:
+    """An episode's token ids as they grow, with the spans that say whose each token is: one `Segment` per
+    prefix chain (a rewritten conversation, `rewrite`, starts the next)."""
+
+    def __init__(self) -> None:
+        self.segments: list[Segment] = []
+        self._fresh = True  # the next turn opens a segment (the first turn, or one after a rewrite)
+
+    def conversation(self) -> list[int]:
+        """The current segment's ids so far (what the next bridged turn continues)."""
+        if not self.segments:
+            return []
+        current = self.segments[-1]
+        return [*current.prompt_ids, *current.completion]
+
+    def prompt_lengths(self) -> list[int]:
+        """The length of each policy turn's prompt in the current segment (the conversation before its tokens)."""
+        if not self.segments:
+            return []
+        current = self.segments[-1]
+        return [len(current.prompt_ids) + t.start for t in current.turns if t.policy]
+
+    def rewrite(self) -> None:
+        """The conversation was rewritten: the next turn starts a new segment from the ids it was sampled from."""
+        self._fresh = True
+
+    def add(self, sampled: Rollout) -> Turn:
+        """A sampled turn: the environment's bridge (what the generator appended to the conversation), then the
+        policy's tokens; or, opening a segment, the ids the turn was sampled from as the segment's prompt."""
+        if self._fresh:
+            self.segments.append(Segment(list(sampled.prompt_ids)))
+            self._fresh = False
+        else:
+            sent = self.conversation()
+            if sampled.prompt_ids[: len(sent)] != sent:
+                raise TokenDrift(f"episode {sampled.prompt_id!r}: the generator's prompt for turn "
+                                 f"{len(self.policy_turns())} does not start with the conversation's exact ids")
+            self.segments[-1].span(sampled.prompt_ids[len(sent):], [0.0] * (len(sampled.prompt_ids) - len(sent)),
+                                   None)
+        current = self.segments[-1]
+        current.generators.append(sampled.generator)
+        current.texts.append(sampled.text)
+        return current.span(sampled.completion_ids, sampled.logprobs, sampled.weight_version)
+
+    def policy_turns(self) -> list[Turn]:
+        """Every segment's policy turns, in order (turn k of the episode samples with its seed + k * stride)."""
+        return [t for s in self.segments for t in s.turns if t.policy]
+
+    def rollouts(self, prompt: Prompt, status: EpisodeStatus, episode_id: str,
+                 text: Callable[[list[str]], str] = "".join) -> list[Rollout]:
+        """One rollout per segment, each with `status` and its turns' texts through `text`; segments of an
+        episode of several are marked `episode_id`. An episode that played no turn is one empty rollout."""
+        if not self.segments:
+            return [Segment([]).rollout(prompt, status, "", None, 0)]
+        shared = episode_id if len(self.segments) > 1 else None
+        return [s.rollout(prompt, status, text(s.texts), shared, k) for k, s in enumerate(self.segments)]
 
 
 def bridge_bound(messages: list[Message]) -> int:
@@ -153,17 +203,27 @@ class _Play:
     deadline: float | None
     tokens: EpisodeTokens = field(default_factory=EpisodeTokens)
     info: Counter[str] = field(default_factory=Counter)
-    texts: list[str] = field(default_factory=list)
     reward: float = 0.0
     steps: list[EpisodeStep] = field(default_factory=list)
+    tools: list[dict[str, Any]] | None = None  # the opening's, declared again when a rewrite is rendered fresh
 
     def remaining(self, cap: float | None = None) -> float | None:
         left = None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
         return cap if left is None else (left if cap is None else min(cap, left))
 
-    def fits(self, pending: list[Message]) -> bool:
-        need = len(self.tokens.conversation()) + bridge_bound(pending) + self.limits.max_new_tokens
+    def fits(self, pending: list[Message], fresh: bool) -> bool:
+        so_far = 0 if fresh else len(self.tokens.conversation())
+        need = so_far + bridge_bound(pending) + self.limits.max_new_tokens
         return self.limits.max_context is None or need <= self.limits.max_context
+
+    def turn_prompt(self, pending: list[Message], fresh: bool) -> Prompt:
+        """The next turn's prompt: `pending` rendered fresh with the tools (the opening, or a rewritten
+        conversation: a new segment), or bridged onto the exact ids of the conversation so far."""
+        p = self.prompt
+        if fresh:
+            return Prompt(p.prompt_id, p.text, answer=p.answer, messages=pending, extra=p.extra, tools=self.tools)
+        return Prompt(p.prompt_id, "", token_ids=self.tokens.conversation(), bridge_messages=pending,
+                      answer=p.answer, extra=p.extra, prefix_lengths=self.tokens.prompt_lengths())
 
 
 async def play_episode(session: EnvSession, prompt: Prompt, seed: int, limits: EpisodeLimits,
@@ -183,26 +243,22 @@ async def play_episode(session: EnvSession, prompt: Prompt, seed: int, limits: E
     except Exception as e:  # the environment's failure ends this episode, never the run
         status, error = "error_environment", f"{type(e).__name__}: {e}"
         log.warning("episode %s: the environment failed: %s", prompt.prompt_id, error)
-    rollout = play.tokens.rollout(prompt, status, "".join(play.texts))
-    return Episode(rollout, play.reward, dict(play.info), error, play.steps)
+    *earlier, last = play.tokens.rollouts(prompt, status, f"{prompt.prompt_id}/{seed}")
+    return Episode(last, play.reward, dict(play.info), error, play.steps, earlier)
 
 
 async def _turns(session: EnvSession, play: _Play, sample: TurnSampler) -> EpisodeStatus:
     first = await asyncio.wait_for(session.reset(), play.remaining(play.limits.step_timeout_s))
-    turn_prompt = Prompt(play.prompt.prompt_id, play.prompt.text, answer=play.prompt.answer,
-                         messages=first.messages, extra=play.prompt.extra, tools=first.tools or None)
+    play.tools = first.tools or None
     pending: list[Message] = first.messages
+    fresh = True  # the next turn opens a segment: the opening, or a rewritten conversation
     for k in range(play.limits.max_turns):
-        if k > 0:
-            if not play.fits(pending):
-                return "truncated_context"
-            turn_prompt = Prompt(play.prompt.prompt_id, "", token_ids=play.tokens.conversation(),
-                                 bridge_messages=pending, answer=play.prompt.answer, extra=play.prompt.extra,
-                                 prefix_lengths=play.tokens.prompt_lengths())
-        sampled = await asyncio.wait_for(sample(turn_prompt, play.seed + k * TURN_SEED_STRIDE), play.remaining())
+        if k > 0 and not play.fits(pending, fresh):
+            return "truncated_context"
+        sampled = await asyncio.wait_for(sample(play.turn_prompt(pending, fresh), play.seed + k * TURN_SEED_STRIDE),
+                                         play.remaining())
         turn = play.tokens.add(sampled)
-        play.texts.append(sampled.text)
-        step = EpisodeStep(pending, sampled.text, tools=(first.tools or None) if k == 0 else None)
+        step = EpisodeStep(pending, sampled.text, tools=play.tools if fresh else None)
         result: StepResult = await asyncio.wait_for(session.step(sampled.text),
                                                     play.remaining(play.limits.step_timeout_s))
         step.reward, step.feedback, step.info = result.reward, result.feedback, dict(result.info)
@@ -212,5 +268,19 @@ async def _turns(session: EnvSession, play: _Play, sample: TurnSampler) -> Episo
         play.info.update(result.info)
         if result.done:
             return result.status
-        pending = result.messages
+        pending, fresh = next_messages(result), result.rewrite is not None
+        if fresh:
+            play.tokens.rewrite()
     return "truncated_turns"
+
+
+def next_messages(result: StepResult) -> list[Message]:
+    """What the next turn is sampled after: the environment's new messages, after its rewritten conversation
+    when it gave one (which must leave something to render)."""
+    if result.rewrite is None:
+        return result.messages
+    messages = [*result.rewrite, *result.messages]
+    if not messages:
+        raise ValueError("StepResult.rewrite is empty and no messages follow it: nothing to sample the next turn "
+                         "after")
+    return messages

@@ -47,7 +47,7 @@ from composer_mesh.orchestration.rollout.harness_episodes import (
     TurnLimits,
 )
 from composer_mesh.orchestration.rollout.single_turn import group_results, spread
-from composer_mesh.orchestration.rollout.turns import TurnQueue, TurnRequest, deliver
+from composer_mesh.orchestration.rollout.turns import TurnQueue, TurnRequest, deliver, next_turns
 from composer_mesh.orchestration.schedule import Chunk, row_seed
 
 if TYPE_CHECKING:  # the web framework is imported only when a harness run starts its endpoint
@@ -156,11 +156,7 @@ class HarnessRollout:
             self._intake = self.spawn(self._take_chunks(chunks))
         try:
             while True:
-                t0 = time.perf_counter()
-                try:
-                    turns = await self.queue.take(self.cfg.max_episodes)
-                finally:
-                    chunks.add_idle(time.perf_counter() - t0)
+                turns = await next_turns(self.queue, self.cfg.max_episodes, chunks)
                 t0 = time.perf_counter()
                 await serve_queue(self.generators, index, self.queue, turns, self.cfg, self.cfg.temperature)
                 share = (time.perf_counter() - t0) / len(turns)
@@ -187,17 +183,21 @@ class HarnessRollout:
 
     async def _play_group(self, prompt: Prompt, index: int, step: int, queue: TurnQueue, seeds: list[int] | None = None,
                           tag: str = "") -> ScoredGroup:
-        """The prompt's episodes, each handed to an agent; rewards as reported, or the rewarder's where none was."""
+        """The prompt's episodes, each handed to an agent; rewards as reported, or the rewarder's where none was
+        (it scores an episode's last segment, which holds its final answer). Every segment of an episode whose
+        agent rewrote the conversation is a rollout with the episode's reward."""
         first = row_seed(self.cfg.seed, index, self.cfg.samples_per_prompt)
         seeds = seeds or [first + j for j in range(self.cfg.samples_per_prompt)]
         played = await asyncio.gather(*(self._play(prompt, s, step, f"{tag}{index}-{j}", queue)
                                         for j, s in enumerate(seeds)))
-        group = RolloutGroup(prompt, [e.rollout() for e in played])
-        rewards = [e.ended.result() for e in played]
-        if any(r is None for r in rewards):
-            scored = (await self.scoring.score([group]))[0].rewards
-            rewards = [r if r is not None else s for r, s in zip(rewards, scored, strict=True)]
-        return ScoredGroup(group, [_counted(r, e) for r, e in zip(rewards, played, strict=True) if r is not None])
+        segments = [e.rollouts() for e in played]
+        reported = [e.ended.result() for e in played]
+        if any(r is None for r in reported):
+            scored = (await self.scoring.score([RolloutGroup(prompt, [s[-1] for s in segments])]))[0].rewards
+            reported = [r if r is not None else s for r, s in zip(reported, scored, strict=True)]
+        rewards = [_counted(r, e) for r, e in zip(reported, played, strict=True) if r is not None]
+        return ScoredGroup(RolloutGroup(prompt, [r for s in segments for r in s]),
+                           [rw for rw, s in zip(rewards, segments, strict=True) for _ in s])
 
     async def _play(self, prompt: Prompt, seed: int, step: int, episode_id: str, queue: TurnQueue) -> HarnessEpisode:
         """One episode, from handing its task out to its reported end (or `episode_timeout_s`)."""
@@ -258,7 +258,14 @@ class HarnessRollout:
                 for i, p in enumerate(prompts)))
         finally:
             server.cancel()
-        return min(versions, default=0), list(groups)
+        return min(versions, default=0), [episodes_once(g) for g in groups]
+
+
+def episodes_once(group: ScoredGroup) -> ScoredGroup:
+    """`group` with one rollout per episode (its first segment, which carries the episode's reward): held-out
+    scores count episodes, not training samples."""
+    kept = [(r, rw) for r, rw in zip(group.group.rollouts, group.rewards, strict=True) if r.opens_episode]
+    return ScoredGroup(RolloutGroup(group.group.prompt, [r for r, _ in kept]), [rw for _, rw in kept])
 
 
 def _counted(reward: RewardResult, episode: HarnessEpisode) -> RewardResult:

@@ -6,8 +6,11 @@ template (`Prompt.messages`, `tools`), and every later request must be the conve
 agent's messages, then each assistant message exactly as the endpoint answered it) plus new tool or user
 messages; only those new messages are rendered, as the bridge onto the previous turn's exact ids
 (`Prompt(token_ids=..., bridge_messages=...)`), and each served turn is added to the episode's `EpisodeTokens`.
-A request that rewrote the conversation is refused ("not a prefix"); turning it into several training samples is
-the seam `HarnessEpisode.extend` leaves for the bullet "episodes that are not one prefix" of issue 28.
+A request that rewrote the conversation (an agent that summarises its history, cuts a long tool result, or drops
+turns) is not an extension: it starts a new segment of the same episode, its messages rendered fresh by the chat
+template like an opening, so the episode trains as several samples, each a prefix chain with the exact ids and
+log-probs served (docs/agentic.md, "Rewritten conversations"). What cannot be a segment is still refused: an
+unknown or ended episode, other tools than the episode's, a request that adds nothing to what was served.
 
 Limits end an episode as the episode driver's do (`run.rollout.max_turns`, `max_context`): the request past one
 is refused and the episode keeps its status; the agent still reports its end.
@@ -83,7 +86,6 @@ class HarnessEpisode:
         self.tools: list[dict[str, Any]] | None = None
         self.call_names: dict[str, str] = {}
         self.status: EpisodeStatus = "done"
-        self.last_text = ""
         self.lock = asyncio.Lock()
         self.ended: asyncio.Future[RewardResult | None] = asyncio.get_running_loop().create_future()
 
@@ -100,52 +102,54 @@ class HarnessEpisode:
             message = served_message(sampled.text, f"call_{self.id}_{turn}")
             self.history = [*request.messages, message]
             self.call_names.update({c["id"]: c["name"] for c in message.get("tool_calls", [])})
-            self.last_text = sampled.text
             return ServedTurn(message, list(sampled.completion_ids), list(sampled.logprobs),
                               len(sampled.prompt_ids), truncated=len(sampled.completion_ids) >= cap,
                               prompt_ids=list(sampled.prompt_ids))
 
     def extend(self, request: ChatRequest) -> Prompt:
-        """The next turn's prompt: the opening rendered by the template, or the exact ids so far bridged by the
-        request's new messages. Refuses a request that does not extend what was served, or that a limit ends."""
+        """The next turn's prompt: the exact ids so far bridged by the request's new messages, or the request's
+        messages rendered fresh by the template (the opening, or a rewritten conversation: a new segment).
+        Refuses a request that cannot be a turn of this episode, or that a limit ends."""
         if not self.history:
             self.tools = request.tools
-            messages = template_messages(request.messages, {})
-            return Prompt(self.prompt.prompt_id, "", messages=messages, tools=request.tools,
-                          answer=self.prompt.answer, extra=self.prompt.extra)
+            return self._fresh(request.messages)
+        if request.tools != self.tools:
+            raise WireError(f"tools: episode {self.id} was served with other tools; keep them for the episode",
+                            "tools")
         new = self._new_messages(request)
-        self._check_limits(new)
+        self._check_limits(request.messages if new is None else new, fresh=new is None)
+        if new is None:
+            self.tokens.rewrite()
+            return self._fresh(request.messages)
         bridge = template_messages(new, self.call_names)
         return Prompt(self.prompt.prompt_id, "", token_ids=self.tokens.conversation(), bridge_messages=bridge,
                       answer=self.prompt.answer, extra=self.prompt.extra,
                       prefix_lengths=self.tokens.prompt_lengths())
 
-    def _new_messages(self, request: ChatRequest) -> list[Message]:
-        if request.tools != self.tools:
-            raise WireError(f"tools: episode {self.id} was served with other tools; keep them for the episode",
-                            "tools")
+    def _fresh(self, messages: list[Message]) -> Prompt:
+        return Prompt(self.prompt.prompt_id, "", messages=template_messages(messages, self.call_names),
+                      tools=self.tools, answer=self.prompt.answer, extra=self.prompt.extra)
+
+    def _new_messages(self, request: ChatRequest) -> list[Message] | None:
+        """What the request adds to the conversation as served (tool, user and system messages after it); None:
+        it is not an extension (it rewrote, dropped or added to earlier messages, or added an assistant message
+        the endpoint did not serve), and starts a new segment."""
         served = len(self.history)
-        for i, (sent, had) in enumerate(zip(request.messages, self.history, strict=False)):
-            if sent != had:
-                raise WireError(f"messages: not a prefix: messages[{i}] differs from what episode {self.id} was "
-                                "served (send the conversation so far, assistant answers as served, then new "
-                                "messages)", "messages")
+        if request.messages == self.history:
+            raise WireError(f"messages: episode {self.id}'s conversation has {served} messages and the request adds "
+                            "none after them", "messages")
         new = request.messages[served:]
-        if len(request.messages) < served or not new:
-            raise WireError(f"messages: not a prefix: episode {self.id}'s conversation has {served} messages and "
-                            "the request adds none after them", "messages")
-        for i, m in enumerate(new, start=served):
-            if m["role"] == "assistant":
-                raise WireError(f"messages[{i}]: an assistant message the endpoint did not serve (only tool, user "
-                                "and system messages may follow a served answer)", "messages")
+        if request.messages[:served] != self.history or any(m["role"] == "assistant" for m in new):
+            return None
         return new
 
-    def _check_limits(self, new: list[Message]) -> None:
+    def _check_limits(self, new: list[Message], fresh: bool) -> None:
         if len(self.tokens.policy_turns()) >= self.limits.max_turns:
             self.status = "truncated_turns"
             raise WireError(f"episode {self.id} played run.rollout.max_turns ({self.limits.max_turns}) turns; "
                             "report its end", "messages")
-        need = len(self.tokens.conversation()) + bridge_bound(new) + self.limits.max_new_tokens
+        so_far = 0 if fresh else len(self.tokens.conversation())
+        need = so_far + bridge_bound(new) + self.limits.max_new_tokens
         if self.limits.max_context is not None and need > self.limits.max_context:
             self.status = "truncated_context"
             raise WireError(f"episode {self.id}: the next turn would not fit run.rollout.max_context "
@@ -158,10 +162,11 @@ class HarnessEpisode:
         if not self.ended.done():
             self.ended.set_result(result)
 
-    def rollout(self) -> Rollout:
-        """What the trainer takes: the served turns and the bridges between them, text = the last answer."""
-        status = self.status if self.tokens.turns else "error_environment"
-        return self.tokens.rollout(self.prompt, status, self.last_text)
+    def rollouts(self) -> list[Rollout]:
+        """What the trainer takes: per segment, the served turns and the bridges between them, text = the
+        segment's last answer (an episode never rewritten is one)."""
+        status = self.status if self.tokens.segments else "error_environment"
+        return self.tokens.rollouts(self.prompt, status, self.id, text=lambda texts: texts[-1])
 
 
 def reward_of(body: Any, needs_reward: bool) -> RewardResult | None:

@@ -25,14 +25,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from composer_mesh.actors.messages import Prompt, SelfTeacherRequest, TokenDistribution
+from composer_mesh.actors.messages import Prompt, SelfTeacherRequest, TeacherRequest, TokenDistribution
 from composer_mesh.actors.teacher_topk import TopK
 from composer_mesh.bindings import import_object
 from composer_mesh.errors import UserInputError
 from composer_mesh.orchestration.config import HintsConfig
-from composer_mesh.orchestration.ports import Generators
+from composer_mesh.orchestration.ports import Generators, Teachers
 from composer_mesh.orchestration.rollout.episode import Episode, EpisodeStep
 from composer_mesh.orchestration.schedule import StepTimes
+from composer_mesh.orchestration.scoring import merge_signals
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,7 @@ def feedback_rule(template: str) -> HintRule:
 
 
 def rule_of(config: HintsConfig) -> HintRule | None:
-    """The hint rule `config` names (None: no targeted feedback)."""
+    """The hint rule `config` names (None: no targeted feedback, or a teacher writes the hints)."""
     if config.source == "environment":
         return feedback_rule(config.template)
     if config.source == "rule":
@@ -110,21 +111,67 @@ def hinted(prompt: Prompt, episode: Episode, hint: Hint, role: str) -> Hinted:
     return Hinted(conditioned, r.completion_ids[turn.start:], turn.start, sum(r.loss_mask()[turn.start:]))
 
 
+def transcript(steps: list[EpisodeStep], upto: int, limit: int) -> str:
+    """The episode's conversation through policy turn `upto`, as plain text, then the environment's feedback on
+    it: what a hint-writing teacher reads (its last `limit` characters: the mistake is at the end)."""
+    lines = []
+    for step in steps[: upto + 1]:
+        lines += [f"{m.get('role', '?')}: {m.get('content', '')}" for m in step.before]
+        lines.append(f"assistant: {step.text}")
+    lines.append(f"feedback: {steps[upto].feedback}")
+    return "\n".join(lines)[-limit:]
+
+
+class HintWriter:
+    """`hints.source: teacher`: the named teacher reads each episode through its first turn with feedback and
+    writes the hint for that turn (one teacher request per chunk; a teacher that is unavailable with `on_failure:
+    skip` writes none, and those episodes get no hint)."""
+
+    def __init__(self, config: HintsConfig, teachers: Teachers) -> None:
+        assert config.teacher is not None
+        self.config, self.teachers = config, teachers
+        self.find = feedback_rule("{feedback}")
+        self.unwritten = 0
+
+    async def hints(self, prompts: list[Prompt], steps: list[list[EpisodeStep]], seed: int) -> list[Hint | None]:
+        found = [self.find(p, s) if s else None for p, s in zip(prompts, steps)]
+        asks = [(i, h.turn) for i, h in enumerate(found) if h is not None]
+        out: list[Hint | None] = [None] * len(prompts)
+        if not asks:
+            return out
+        cfg = self.config
+        request = TeacherRequest(prompts=[Prompt(
+            f"{prompts[i].prompt_id}#hint{i}", "", messages=[{"role": "system", "content": cfg.instruction},
+                                                             {"role": "user", "content": transcript(steps[i], k, cfg.transcript_chars)}])
+            for i, k in asks], max_new_tokens=cfg.max_tokens, seed=seed, teachers=[cfg.teacher])
+        written = {t.prompt_id: t.text.strip() for t in merge_signals(await self.teachers.signals(request), 0).traces}
+        for (i, k), p in zip(asks, request.prompts):
+            text = written.get(p.prompt_id, "")
+            out[i] = Hint(k, text) if text else None
+            self.unwritten += not text
+        return out
+
+
 class SelfTeacher:
     """Hints for finished episodes and the current policy's distributions under them, asked of the generators
     in turn (one request per chunk)."""
 
-    def __init__(self, config: HintsConfig, generators: Generators, top_k: TopK) -> None:
+    def __init__(self, config: HintsConfig, generators: Generators, top_k: TopK,
+                 teachers: Teachers | None = None) -> None:
         self.config, self.generators, self.top_k = config, generators, top_k
-        rule = rule_of(config)
-        assert rule is not None, "SelfTeacher needs run.rollout.hints.source other than none"
-        self.rule: HintRule = rule
+        self.rule = rule_of(config)
+        self.writer = None
+        if config.source == "teacher":
+            if teachers is None:
+                raise BadHint(f"run.rollout.hints.teacher {config.teacher!r} writes hints, but the run has no teachers")
+            self.writer = HintWriter(config, teachers)
+        assert self.rule is not None or self.writer is not None, "SelfTeacher needs a hint source"
         self._next = 0
         self.episodes = self.hinted = self.tokens = 0
 
     async def hint(self, prompt: Prompt, episode: Episode) -> Hint | None:
         """The rule's hint for a played episode (none for one whose environment failed: it trains with reward 0)."""
-        if episode.rollout.turns is None or episode.rollout.status == "error_environment" or not episode.steps:
+        if not playable(episode) or self.rule is None:
             return None
         out = self.rule(prompt, list(episode.steps))
         if inspect.isawaitable(out):
@@ -134,13 +181,18 @@ class SelfTeacher:
                           "composer_mesh.orchestration.rollout.hints.Hint(turn, text) or None")
         return out
 
+    async def hints(self, prompts: list[Prompt], episodes: list[Episode], seed: int) -> list[Hint | None]:
+        """One hint or None per episode, from the rule or the hint-writing teacher."""
+        if self.writer is not None:
+            return await self.writer.hints(prompts, [e.steps if playable(e) else [] for e in episodes], seed)
+        return [await self.hint(p, e) for p, e in zip(prompts, episodes)]
+
     async def distributions(self, prompts: list[Prompt], episodes: list[Episode],
-                            times: StepTimes | None = None) -> list[TokenDistribution | None]:
+                            times: StepTimes | None = None, seed: int = 0) -> list[TokenDistribution | None]:
         """One entry per episode: the hint-conditioned policy's rows over its tokens from the hinted turn on
-        (`offset` set), None for an episode without a hint."""
+        (`offset` set), None for an episode without a hint. `seed`: the hint writer's sampling seed."""
         made: list[tuple[int, Hinted]] = []
-        for i, (p, e) in enumerate(zip(prompts, episodes)):
-            h = await self.hint(p, e)
+        for i, (p, e, h) in enumerate(zip(prompts, episodes, await self.hints(prompts, episodes, seed))):
             if h is not None:
                 made.append((i, hinted(p, e, h, self.config.role)))
         self.episodes += len(episodes)
@@ -161,9 +213,17 @@ class SelfTeacher:
 
     def counters(self) -> dict[str, float]:
         """Run-wide: episodes looked at, episodes given a hint, and the policy tokens distilled toward the hinted
-        policy (`hints/*` in each step's record)."""
-        return {"hints/episodes": float(self.episodes), "hints/hinted": float(self.hinted),
-                "hints/tokens": float(self.tokens)}
+        policy (`hints/*` in each step's record); with a hint-writing teacher, the hints it did not write."""
+        out = {"hints/episodes": float(self.episodes), "hints/hinted": float(self.hinted),
+               "hints/tokens": float(self.tokens)}
+        return out | ({} if self.writer is None else {"hints/unwritten": float(self.writer.unwritten)})
+
+
+def playable(episode: Episode) -> bool:
+    """Whether an episode can take a hint: it has turns and steps, its environment did not fail, and its
+    conversation was never rewritten (an episode of several segments is no one prefix chain to insert it into)."""
+    return (episode.rollout.turns is not None and episode.rollout.status != "error_environment"
+            and bool(episode.steps) and not episode.earlier)
 
 
 def overlay(base: list[TokenDistribution | None], hints: list[TokenDistribution | None]) -> list[

@@ -53,7 +53,13 @@ from composer_mesh.orchestration.rollout.episode import Episode, EpisodeLimits, 
 from composer_mesh.orchestration.rollout.hints import SelfTeacher, overlay
 from composer_mesh.orchestration.rollout.single_turn import group_results, spread
 from composer_mesh.orchestration.rollout.teacher_episodes import TeacherEpisodes, TeacherTurns
-from composer_mesh.orchestration.rollout.turns import TurnQueue, TurnRequest, TurnSampling, deliver
+from composer_mesh.orchestration.rollout.turns import (
+    TurnQueue,
+    TurnRequest,
+    TurnSampling,
+    deliver,
+    next_turns,
+)
 from composer_mesh.orchestration.schedule import Chunk, GroupResult, StepTimes, row_seed
 
 log = logging.getLogger("composer_mesh.rollout")
@@ -94,8 +100,8 @@ class MultiTurnRollout:
         self.spawn, self.stop = services.spawn, services.stop
         self.queue = TurnQueue(cfg.turn_linger_s, takers=len(services.generators))
         self.replay = self._teacher_episodes(services)
-        self.self_teacher = None if cfg.hints.source == "none" else SelfTeacher(cfg.hints, services.generators,
-                                                                                 cfg.teacher_top_k)
+        self.self_teacher = None if cfg.hints.source == "none" else SelfTeacher(
+            cfg.hints, services.generators, cfg.teacher_top_k, services.scoring.teachers)
         self._intake: asyncio.Task[None] | None = None
         self._slots: asyncio.Semaphore | None = None
 
@@ -106,11 +112,7 @@ class MultiTurnRollout:
             self._intake = self.spawn(self._take_chunks(chunks))
         try:
             while True:
-                t0 = time.perf_counter()
-                try:
-                    turns = await self.queue.take(self.cfg.max_episodes)
-                finally:  # no turn to sample meanwhile: none admitted, or every episode on its environment
-                    chunks.add_idle(time.perf_counter() - t0)
+                turns = await next_turns(self.queue, self.cfg.max_episodes, chunks)
                 await self._sample(index, turns, chunks)
         except RestartsExhausted as e:
             self.stop(str(e))
@@ -139,13 +141,11 @@ class MultiTurnRollout:
 
     async def _play_group(self, prompt: Prompt, index: int, step: int) -> tuple[ScoredGroup, list[Episode]]:
         """The prompt's `samples_per_prompt` episodes, scored by their environment (and the episodes, whose steps
-        targeted feedback reads)."""
+        targeted feedback reads); an episode of several segments is that many rollouts."""
         first = row_seed(self.cfg.seed, index, self.cfg.samples_per_prompt)
         episodes = await asyncio.gather(*(self._play(prompt, first + j, step)
                                           for j in range(self.cfg.samples_per_prompt)))
-        scored = ScoredGroup(RolloutGroup(prompt, [e.rollout for e in episodes]),
-                             [e.reward_result() for e in episodes])
-        return scored, list(episodes)
+        return scored_episodes(prompt, list(episodes)), list(episodes)
 
     async def _play(self, prompt: Prompt, seed: int, step: int) -> Episode:
         """One episode (played again from its start, same seed, while its environment fails and retries last)."""
@@ -173,13 +173,13 @@ class MultiTurnRollout:
                  if not self.cfg.dynamic_sampling or len({r.score for r in g.rewards}) > 1]
         signals, traces, hints = await asyncio.gather(
             self.scoring.signals([scored[i].group for i in asked], chunk.first, times, traces=False),
-            self._replay(chunk, scored, asked, times), self._hints(played, asked, times))
+            self._replay(chunk, scored, asked, times), self._hints(chunk, played, asked, times))
         distributions = spread(scored, asked, signals)
         if hints is not None:
             distributions = overlay(distributions, hints)
         return group_results(chunk, TrainBatch(scored, distributions, traces))
 
-    async def _hints(self, played: list[tuple[ScoredGroup, list[Episode]]], asked: list[int],
+    async def _hints(self, chunk: Chunk, played: list[tuple[ScoredGroup, list[Episode]]], asked: list[int],
                      times: StepTimes) -> list[TokenDistribution | None] | None:
         """Targeted feedback's channel-2 targets, one entry per rollout of the chunk (None: targeted feedback
         off)."""
@@ -190,9 +190,11 @@ class MultiTurnRollout:
             group, eps = played[i]
             prompts += [group.group.prompt] * len(eps)
             episodes += eps
-        found = iter(await self.self_teacher.distributions(prompts, episodes, times))
+        seed = row_seed(self.cfg.seed, chunk.first, 1)  # a hint writer's sampling: the chunk's, as its traces'
+        found = iter(await self.self_teacher.distributions(prompts, episodes, times, seed))
         keep = set(asked)
-        return [next(found) if i in keep else None for i, (_, eps) in enumerate(played) for _ in eps]
+        return [d for i, (_, eps) in enumerate(played) for e in eps  # a hint belongs to an episode's last segment
+                for d in [*[None] * len(e.earlier), next(found) if i in keep else None]]
 
     def _teacher_episodes(self, services: RolloutServices) -> TeacherEpisodes | None:
         """Channel 3's players when the loss weights it (`loss.beta_replay > 0`) and the run has teachers."""
@@ -235,6 +237,12 @@ class MultiTurnRollout:
         return min(versions, default=0), list(groups)
 
 
+def scored_episodes(prompt: Prompt, episodes: list[Episode]) -> ScoredGroup:
+    """A prompt's episodes as a group to train on: every segment of each is a rollout with the episode's reward."""
+    return ScoredGroup(RolloutGroup(prompt, [r for e in episodes for r in e.segments]),
+                       [e.reward_result() for e in episodes for _ in e.segments])
+
+
 async def play_in_session(environment: EpisodeEnvironment, prompt: Prompt, seed: int, limits: EpisodeLimits,
                           sample: TurnSampler) -> Episode:
     """One episode in a fresh session of `environment`, closed whatever happens."""
@@ -254,7 +262,7 @@ async def _episodes(environment: EpisodeEnvironment, prompt: Prompt, seeds: list
         async with queue.playing():
             return await play_in_session(environment, prompt, seed, limits, lambda p, s: queue.sample(p, s, 0))
 
-    episodes = await asyncio.gather(*(play(s) for s in seeds))
+    episodes = await asyncio.gather(*(play(s) for s in seeds))  # held out: each counts once, as its last segment
     return ScoredGroup(RolloutGroup(prompt, [e.rollout for e in episodes]), [e.reward_result() for e in episodes])
 
 

@@ -21,7 +21,8 @@ gets as the text a policy writes (`message_turns.action_text`); the environment'
 messages answering the calls' ids. The binding renders each turn in the student's tokens with its chat template
 (`prompt_ids`: the conversation, `completion_ids`: the turn), so the episode is a trace like any other; turns that
 do not extend the conversation's ids as a prefix chain drop the episode, counted (`misaligned/<teacher>`), never
-trained on misaligned ids.
+trained on misaligned ids; so does an environment that rewrites the conversation (`StepResult.rewrite`): a trace
+is one prefix chain.
 
 Which teachers play. The driver does not know the pool's members: the first teacher turn is asked of every replay
 teacher (`teachers: None`), and the answers name them. A teacher whose trace has `prompt_ids` continues the
@@ -321,6 +322,9 @@ class TeacherEpisodes:
                                 sampler.teacher, attempt + 1, self.retries)
         if episode.rollout.status == "error_environment" or sampler.teacher is None:
             self.failed += 1
+            return None
+        if episode.earlier:  # the environment rewrote the conversation: no one prefix chain to replay
+            self._misaligned(prompt, sampler)
             return None
         self.played += 1
         r = episode.rollout

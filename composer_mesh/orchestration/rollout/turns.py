@@ -19,10 +19,12 @@ it all while the others idle. With instant tools the wait is a millisecond; with
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from composer_mesh.actors.messages import GenerationRequest, Prompt, Rollout, RolloutGroup
 
@@ -166,3 +168,17 @@ def fail(turns: list[TurnRequest], error: BaseException) -> None:
                 t.result.cancel()
             else:
                 t.result.set_exception(error)
+
+
+class IdleClock(Protocol):
+    def add_idle(self, seconds: float) -> None: ...
+
+
+async def next_turns(queue: TurnQueue, limit: int, idle: IdleClock) -> list[TurnRequest]:
+    """A generator's next waiting turns (at most `limit`); the wait counts as its idle time: no turn to sample
+    meanwhile (none admitted, or every episode on its environment or agent)."""
+    t0 = time.perf_counter()
+    try:
+        return await queue.take(limit)
+    finally:
+        idle.add_idle(time.perf_counter() - t0)

@@ -43,7 +43,6 @@ from composer_mesh.actors.backends.trainer.train_batch import (
 from composer_mesh.actors.messages import TrainBatch, TrainMetrics
 from composer_mesh.loss.compose import LossAccumulator, LossResult, new_loss_state
 from composer_mesh.loss.config import LossConfig
-from composer_mesh.loss.grpo import group_advantages
 
 if TYPE_CHECKING:
     from composer_mesh.actors.backends.trainer.sharding import ShardGroup, TorchRanks
@@ -208,7 +207,7 @@ class HFTrainer:
         data = TrainRows.of(batch, self.loss)
         run = StudentPass(self.model, self.loss, self.temperature, self.reference, s.lm_head, s.packing,
                           self.reference_scope)
-        advantages = group_advantages(data.rewards, data.group_ids, self.loss.scale_std, self.loss.advantage_eps)
+        advantages = data.advantages(self.loss)  # [N] or [N, T] per token (per-turn credit); each episode once
         accumulator = LossAccumulator(self.loss, data.totals(), step=self.step, state=self.loss_state)
         pieces: list[Piece | None] = list(data.micro_batches(s.micro_batch_tokens, s.packing))
         if self.shard is not None:  # this rank's share, padded to the busiest rank's count
@@ -248,7 +247,7 @@ class HFTrainer:
             metrics["diloco/outer_step"] = float(self.diloco.outer_step)
             metrics["diloco/round"] = float(self.diloco.round_id)
         self.step += 1
-        metrics["reward_mean"] = float(data.rewards.mean())
+        metrics["reward_mean"] = float(data.episode_rewards().mean())
         metrics["reward_failures"] = float(sum(not rw.ok for g in batch.groups for rw in g.rewards))
         # weight_version=0: the trainer service publishes these weights and stamps the version it published.
         return TrainMetrics(

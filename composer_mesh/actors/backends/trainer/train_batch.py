@@ -31,9 +31,11 @@ from typing import Any, Literal
 
 import torch
 
-from composer_mesh.actors.messages import Rollout, TeacherTrace, TokenDistribution, TrainBatch
+from composer_mesh.actors.messages import Rollout, TeacherTrace, TokenDistribution, TrainBatch, Turn
 from composer_mesh.loss.compose import BatchTotals, HiddenStates, LossBatch, ReplayPairs, student_logprobs
 from composer_mesh.loss.config import LossConfig
+from composer_mesh.loss.credit import episode_turn_rewards, padded_turns, token_advantages, turn_advantages
+from composer_mesh.loss.grpo import episode_advantages
 
 Head = Literal["chunked", "full"]
 
@@ -252,8 +254,11 @@ class TrainRows:
     rollouts: list[Rollout]
     rewards: torch.Tensor  # [N] float32
     group_ids: torch.Tensor  # [N] long
+    episode_ids: torch.Tensor  # [N] long: rows with one label are segments of one episode (`Rollout.episode_id`)
     distributions: list[TokenDistribution | None]  # [N]
     pairs: list[tuple[TeacherTrace, int]]  # (chosen trace, rejected row) per replay pair
+    turn_rewards: torch.Tensor  # [N, K] float32: r_k per policy turn (`loss/credit.py`), K = the most turns
+    turn_mask: torch.Tensor  # [N, K] bool: row n has a k-th policy turn
     traces_not_better: int = 0  # scored traces left unpaired: reward <= the rejected rollout's
 
     @classmethod
@@ -274,14 +279,40 @@ class TrainRows:
         not_better = 0
         if loss.beta_replay > 0 and batch.traces:
             pairs, not_better = _replay_pairs_of(batch)
+        scores = [rw.score for g in batch.groups for rw in g.rewards]
+        labels = episode_labels(batch)
+        turn_rewards, turn_mask = padded_turns(_turn_rewards(rollouts, scores, labels))
         return cls(
             rollouts=rollouts,
-            rewards=torch.tensor([rw.score for g in batch.groups for rw in g.rewards], dtype=torch.float32),
+            rewards=torch.tensor(scores, dtype=torch.float32),
             group_ids=torch.tensor([i for i, g in enumerate(batch.groups) for _ in g.group.rollouts]),
+            episode_ids=torch.tensor(labels, dtype=torch.long),
             distributions=dists,
             pairs=pairs,
+            turn_rewards=turn_rewards,
+            turn_mask=turn_mask,
             traces_not_better=not_better,
         )
+
+    def advantages(self, loss: LossConfig) -> torch.Tensor:
+        """The whole batch's advantages under `loss.credit`: [N] group-normalised scores ("episode", GRPO), or
+        [N, T] per completion token (the per-turn modes; 0 on environment tokens and padding), T as `pad` gives
+        the batch's completions. Computed once per batch: a micro-batch may split a group. The unit is the
+        episode: the segments of one (a rewritten conversation) count once in their group and take its
+        advantages, per-turn ones from its turns over all its segments."""
+        if loss.credit == "episode":
+            return episode_advantages(self.rewards, self.group_ids, self.episode_ids, loss.scale_std,
+                                      loss.advantage_eps)
+        rows = episode_rows(self.episode_ids)
+        rewards, mask = padded_turns([torch.cat([self.turn_rewards[n][self.turn_mask[n]] for n in e]).tolist()
+                                      for e in rows])
+        per_turn = turn_advantages(rewards, mask, self.group_ids[[e[0] for e in rows]], loss.credit,
+                                   loss.credit_gamma, loss.scale_std, loss.advantage_eps)
+        return token_advantages(_segment_turns(per_turn, rows, self.turn_mask), _token_turns(self.rollouts))
+
+    def episode_rewards(self) -> torch.Tensor:
+        """[episodes] the reward of each episode once (the rows that open one), for the step's reward mean."""
+        return self.rewards[[i for i, r in enumerate(self.rollouts) if r.opens_episode]]
 
     def totals(self) -> BatchTotals:
         """The whole batch's denominators (what `BatchTotals.of` gives for the whole batch as one piece)."""
@@ -317,6 +348,68 @@ class TrainRows:
             current.append(row)
         pieces.append(Piece(current, [p for r in current for p in traces_of.get(r, [])]))
         return pieces
+
+
+def episode_labels(batch: TrainBatch) -> list[int]:
+    """One label per flat row: the segments of an episode (same group, same `episode_id`) share one, every other
+    row has its own."""
+    labels: list[int] = []
+    seen: dict[tuple[int, str | int], int] = {}
+    for g, group in enumerate(batch.groups):
+        for r in group.group.rollouts:
+            key = (g, len(labels) if r.episode_id is None else r.episode_id)
+            labels.append(seen.setdefault(key, len(seen)))
+    return labels
+
+
+def episode_rows(episode_ids: torch.Tensor) -> list[list[int]]:
+    """The rows of each episode, in row order (its segments in order), episodes in order of their first row."""
+    rows: dict[int, list[int]] = {}
+    for n, e in enumerate(episode_ids.tolist()):
+        rows.setdefault(e, []).append(n)
+    return list(rows.values())
+
+
+def _turn_rewards(rollouts: list[Rollout], scores: list[float], labels: list[int]) -> list[list[float]]:
+    """r_k of each row's policy turns: an episode's over all its segments' turns in order, summing to its score
+    (`episode_turn_rewards`: the remainder on its last turn), cut back into its segments. A completion, or an
+    episode without a policy turn, is one turn holding its score."""
+    own = [[None] if r.turns is None else [t.reward for t in r.turns if t.policy] for r in rollouts]
+    whole: dict[int, list[float | None]] = {}
+    for turns, label in zip(own, labels):
+        whole.setdefault(label, []).extend(turns)
+    score = dict(zip(labels, scores))
+    episode = {label: episode_turn_rewards(turns, score[label]) for label, turns in whole.items()}
+    out, at = [], dict.fromkeys(whole, 0)
+    for turns, label in zip(own, labels):
+        n = len(turns) or len(episode[label])
+        out.append(episode[label][at[label] : at[label] + n])
+        at[label] += n
+    return out
+
+
+def _segment_turns(per_turn: torch.Tensor, rows: list[list[int]], turn_mask: torch.Tensor) -> torch.Tensor:
+    """[N, K] each row's turns' advantages, cut from its episode's [E, K_e] ones (`rows`: each episode's rows)."""
+    out = torch.zeros(turn_mask.shape, dtype=per_turn.dtype)
+    for e, members in enumerate(rows):
+        at = 0
+        for n in members:
+            k = int(turn_mask[n].sum())
+            out[n, :k] = per_turn[e, at : at + k]
+            at += k
+    return out
+
+
+def _token_turns(rollouts: list[Rollout]) -> torch.Tensor:
+    """[N, T] (T as `pad` gives the completions): each completion token's policy turn index (0, 1, ...), -1 on
+    the environment's tokens and padding. Filled a turn span at a time (a batch has N x K spans, N x T tokens)."""
+    width = max(max((len(r.completion_ids) for r in rollouts), default=0), 1)
+    out = torch.full((len(rollouts), width), -1, dtype=torch.long)
+    for n, r in enumerate(rollouts):
+        policy = [t for t in r.turns if t.policy] if r.turns is not None else [Turn(0, len(r.completion_ids), True)]
+        for k, t in enumerate(policy):
+            out[n, t.start : t.end] = k
+    return out
 
 
 def episode_metrics(rollouts: list[Rollout]) -> dict[str, float]:
@@ -507,7 +600,8 @@ def build_piece(
 ) -> LossBatch:
     """The `LossBatch` of one piece under `run.model` (with grad). Each channel's inputs are computed only when
     `run.loss` weights it: reference log-probs for `kl_beta > 0`, teacher inputs for `alpha_sdpo > 0`, replay
-    pairs for `beta_replay > 0`. `advantages` [N] are the WHOLE batch's (a piece may split a group).
+    pairs for `beta_replay > 0`. `advantages` are the WHOLE batch's (a piece may split a group): [N], or [N, T]
+    per token (`TrainRows.advantages` under a per-turn `loss.credit`), cut to the piece's rows and width.
 
     One student forward holds the piece's rows and its replay traces, and at most one reference forward (no
     grad) holds them too: the model runs the same forwards for every piece of a batch. `uniform` runs the
@@ -536,8 +630,17 @@ def build_piece(
         rewards=data.rewards[rows].to(dev), group_ids=data.group_ids[rows].to(dev),
         ref_logprobs=reference[:n, :width] if reference is not None and run.loss.kl_beta > 0 else None,
         replay=_replay_pairs(inputs, run, everything, all_masks, token_ids, reference) if inputs.traces else None,
-        advantages=None if advantages is None else advantages[rows].to(dev), **teacher,
+        advantages=_piece_advantages(advantages, rows, width, dev), **teacher,
     )
+
+
+def _piece_advantages(advantages: torch.Tensor | None, rows: torch.Tensor, width: int,
+                      device: torch.device) -> torch.Tensor | None:
+    """The piece's rows of the whole batch's advantages ([N] or [N, T]), per-token ones cut to its `width`."""
+    if advantages is None:
+        return None
+    picked = advantages[rows]
+    return (picked[:, :width] if picked.dim() == 2 else picked).to(device)
 
 
 def _replay_pairs(
@@ -579,7 +682,8 @@ def build_loss_batch(
     packed: bool = False,
     reference_scope: Callable[[], AbstractContextManager[Any]] = nullcontext,
 ) -> LossBatch:
-    """The whole batch as one `LossBatch` (one piece, group advantages from its own rewards)."""
+    """The whole batch as one `LossBatch` (one piece; the advantages of `TrainRows.advantages`: "episode" credit,
+    group advantages from its own rewards, each episode once; a per-turn `loss.credit`: per token)."""
     data = TrainRows.of(batch, loss)
     run = StudentPass(model, loss, temperature, reference, head, packed, reference_scope)
-    return build_piece(data, data.micro_batches(None)[0], run)
+    return build_piece(data, data.micro_batches(None)[0], run, data.advantages(loss))

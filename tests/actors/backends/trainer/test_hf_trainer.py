@@ -115,7 +115,7 @@ def test_bad_teacher_shapes_name_the_problem():
     batch = make_batch(trainer)
     d = batch.distributions[0]
     batch.distributions[0] = TokenDistribution(teacher="bad", logits=d.logits[:-1])
-    with pytest.raises(ValueError, match="teacher 'bad' gave 1 token distributions for a 2-token completion"):
+    with pytest.raises(ValueError, match="teacher 'bad' gave 1 token distributions from token 0 for a 2-token completion"):
         trainer.train_step(batch)
 
 

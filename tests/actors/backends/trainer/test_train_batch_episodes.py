@@ -4,6 +4,7 @@ completions, with `LossBatch.mask` = real tokens AND `Rollout.loss_mask()`. Real
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -362,3 +363,66 @@ def test_a_teacher_episode_without_turns_of_its_own_makes_no_replay_pair(model):
     batch.traces[1].turns = [Turn(0, len(batch.traces[1].completion_ids), False)]
     data = TrainRows.of(batch, LossConfig(beta_replay=1.0))
     assert [t.teacher for t, _ in data.pairs] == ["t0"] and data.totals().replay_pairs == 1
+
+
+# ---- (c) an episode of several segments (a rewritten conversation) ----------------------------------------------
+
+
+def segmented_batch(vocab: int) -> TrainBatch:
+    """One group: episode `p0/7` in two segments (reward 1; the second opens with a fresh prompt), and a plain
+    episode (reward 0)."""
+    g = torch.Generator().manual_seed(4)
+    first = replace(episode("p0", [1, 2, 3], [(3, True), (2, False), (4, True)], vocab, g), episode_id="p0/7")
+    second = replace(episode("p0", [5, 6], [(2, True), (3, False), (3, True)], vocab, g), episode_id="p0/7",
+                     segment=1)
+    other = episode("p0", [1, 2, 3], [(4, True), (2, False), (2, True)], vocab, g)
+    return TrainBatch([ScoredGroup(RolloutGroup(Prompt("p0", "q"), [first, second, other]),
+                                   [RewardResult(1.0), RewardResult(1.0), RewardResult(0.0)])])
+
+
+def test_segments_share_their_episodes_advantage_and_all_their_policy_tokens_count(model):
+    loss = LossConfig(alpha_sdpo=0.0, beta_replay=0.0)
+    batch = segmented_batch(model.config.vocab_size)
+    data = TrainRows.of(batch, loss)
+    assert data.episode_ids.tolist() == [0, 0, 1]
+    a = 0.5 / (0.5**0.5 + 1e-4)  # two episodes, rewards 1 and 0 (three rows would give 0.58, 0.58, -1.15)
+    want = torch.tensor([a, a, -a])
+    torch.testing.assert_close(data.advantages(loss), want, rtol=0, atol=1e-6)
+    assert data.totals().tokens == 7 + 5 + 6  # token normalisation: every segment's policy tokens
+    assert data.episode_rewards().tolist() == [1.0, 0.0]
+    lb = build_loss_batch(batch, model, loss, temperature=TEMPERATURE)
+    assert lb.advantages is not None
+    torch.testing.assert_close(lb.advantages.float(), want, rtol=0, atol=1e-6)
+
+
+def test_the_hf_trainer_weighs_an_episode_once_however_many_segments_it_has():
+    from composer_mesh.actors.backends.trainer.hf_trainer import HFTrainer, HFTrainerSettings
+
+    trainer = HFTrainer(HFTrainerSettings(lr=1e-2))
+    trainer.start(ModelConfig(source="tiny", seed=3), LossConfig(alpha_sdpo=0.0, beta_replay=0.0))
+    m = trainer.train_step(segmented_batch(trainer.model.config.vocab_size))
+    a = 0.5 / (0.5**0.5 + 1e-4)
+    assert m.metrics["reward_mean"] == 0.5  # over episodes, not rows (2/3)
+    # over the 18 policy tokens: 12 (both segments) at a, 6 at -a; rows as samples would give 0
+    assert m.metrics["grpo/advantage_mean"] == pytest.approx(a / 3, abs=1e-6)
+
+
+def test_per_turn_credit_runs_over_an_episodes_turns_across_its_segments(model):
+    """Episode A (score 1) has policy turns with rewards 0.25, None in segment 0 and None, None in segment 1:
+    r = 0.25, 0, 0, 0.75 (the remainder on the episode's last turn, not on each segment's), G = 1, 0.75, 0.75, 0.75
+    (gamma 1). Episode B (score 0): r = G = 0, 0. The group's G_0 are 1 and 0 (mean 0.5, std sqrt(0.5)): A gets
+    (1 - 0.5) / s on its first turn and 0.25 / s on the others, B -0.5 / s on both."""
+    batch = segmented_batch(model.config.vocab_size)
+    first, second, other = batch.rollouts()
+    first.turns[0].reward = 0.25
+    data = TrainRows.of(batch, LossConfig(alpha_sdpo=0.0, beta_replay=0.0, credit="discounted_return"))
+    assert data.turn_rewards.tolist() == [[0.25, 0.0], [0.0, 0.75], [0.0, 0.0]]
+    adv = data.advantages(LossConfig(credit="discounted_return"))
+    s = 0.5**0.5 + 1e-4
+    for row, r, want in [(0, first, [0.5, 0.25]), (1, second, [0.25, 0.25]), (2, other, [-0.5, -0.5])]:
+        policy = [t for t in r.turns if t.policy]
+        for t, a in zip(policy, want, strict=True):
+            torch.testing.assert_close(adv[row, t.start:t.end].float(), torch.full((t.end - t.start,), a / s),
+                                       rtol=0, atol=1e-6)
+        env = [i for t in r.turns if not t.policy for i in range(t.start, t.end)]
+        assert not adv[row, env].any()

@@ -14,7 +14,8 @@ import json
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -274,3 +275,14 @@ class FakeOpenRouter:
         h.end_headers()
         h.wfile.write(data)
         h.wfile.flush()
+
+
+@contextmanager
+def serving(api_key: str) -> Iterator[FakeOpenRouter]:
+    """A started fake, stopped when the block ends (a module fixture's body)."""
+    server = FakeOpenRouter(api_key=api_key)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -17,7 +17,15 @@ from email.utils import formatdate
 from typing import Any
 
 import pytest
-from fake_openrouter import FakeOpenRouter, Reply, addition_answer, completion_body, error_body, teacher_text
+from fake_openrouter import (
+    FakeOpenRouter,
+    Reply,
+    addition_answer,
+    completion_body,
+    error_body,
+    serving,
+    teacher_text,
+)
 from pydantic import ValidationError
 
 from composer_mesh.actors.backends.teachers.openrouter import (
@@ -68,10 +76,8 @@ class RecordingSleep:
 
 @pytest.fixture(scope="module")
 def fake() -> Any:
-    server = FakeOpenRouter(api_key=KEY)
-    server.start()
-    yield server
-    server.stop()
+    with serving(KEY) as server:
+        yield server
 
 
 @pytest.fixture(autouse=True)

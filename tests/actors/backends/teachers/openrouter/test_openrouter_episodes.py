@@ -11,7 +11,7 @@ import random
 from typing import Any
 
 import pytest
-from fake_openrouter import FakeOpenRouter
+from fake_openrouter import FakeOpenRouter, serving
 
 from composer_mesh.actors.backends.teachers.openrouter import OpenRouterTeacher
 from composer_mesh.actors.backends.teachers.openrouter_client import OpenRouterSettings
@@ -28,10 +28,8 @@ OPENING = [{"role": "user", "content": "47*83"}]
 
 @pytest.fixture(scope="module")
 def fake() -> Any:
-    server = FakeOpenRouter(api_key=KEY)
-    server.start()
-    yield server
-    server.stop()
+    with serving(KEY) as server:
+        yield server
 
 
 @pytest.fixture(autouse=True)
