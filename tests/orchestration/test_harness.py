@@ -145,6 +145,15 @@ async def test_an_openai_agent_plays_tool_episodes_and_the_trainer_gets_the_serv
     assert len(served.turns) == 8
 
 
+async def test_held_out_episodes_are_played_before_the_first_step_starts_the_endpoint() -> None:
+    """The run evaluates before its first step (`eval before`): the endpoint must serve then too."""
+    served = Served()
+    d = driver(calculator_agent(served))
+    version, groups = await asyncio.wait_for(d.evaluate(tasks(2), 2, 0.0, seed=7), 20)
+    assert [[r.score for r in g.rewards] for g in groups] == [[1.0, 1.0], [1.0, 1.0]]
+    assert version == 1 and len(served.turns) == 4
+
+
 def policy_spans(r: Rollout) -> list[tuple[list[int], list[float]]]:
     return [(r.completion_ids[t.start:t.end], r.logprobs[t.start:t.end]) for t in r.turns or [] if t.policy]
 

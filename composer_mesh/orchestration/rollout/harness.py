@@ -136,6 +136,7 @@ class HarnessRollout:
         self.token = cfg.token()
         self.server = self._server()
         self._intake: asyncio.Task[None] | None = None
+        self._serving: asyncio.Task[None] | None = None
         self._slots = asyncio.Semaphore(cfg.max_episodes)
 
     def _server(self) -> ChatServer:
@@ -148,11 +149,17 @@ class HarnessRollout:
     def base_url(self) -> str:
         return self.server.base_url
 
+    def _serve(self) -> None:
+        """Start the endpoint once, on whichever comes first: a generator's `drive`, or `evaluate` (the run
+        evaluates before its first step)."""
+        if self._serving is None:
+            self._serving = self.spawn(self.server.serve())
+
     async def drive(self, index: int, chunks: ChunkSource) -> None:
         """Generator `index` samples waiting turns until the run cancels it (the first call starts the endpoint
         and the intake)."""
+        self._serve()
         if self._intake is None:
-            self.spawn(self.server.serve())
             self._intake = self.spawn(self._take_chunks(chunks))
         try:
             while True:
@@ -244,6 +251,7 @@ class HarnessRollout:
                        seed: int) -> tuple[int, list[ScoredGroup]]:
         """`samples` episodes of each held-out prompt, played by the agent, sampled on generator 0 at
         `temperature`; the oldest weight version used."""
+        self._serve()
         queue, versions = TurnQueue(self.cfg.turn_linger_s), []
 
         async def serve() -> None:
