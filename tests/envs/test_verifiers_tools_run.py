@@ -26,11 +26,12 @@ pytest.importorskip("verifiers", reason="verifiers 0.4 needs Python >= 3.11 (the
 
 ROOT = Path(__file__).resolve().parents[2]
 TOPOLOGY = ROOT / "topologies" / "verifiers_tools.yaml"
-PLAYED: dict[str, float] = {}  # episode id -> the reward `play` returned
+PLAYED: list[tuple[str, float]] = []  # (episode id, the reward `play` returned) of every episode it finished
 
 
 async def recorded_play(task: Any) -> float:
-    PLAYED[task.episode_id] = reward = await play(task)
+    reward = await play(task)
+    PLAYED.append((task.episode_id, reward))
     return reward
 
 
@@ -53,7 +54,7 @@ async def test_the_verifiers_tools_topology_trains_on_tool_episodes_scored_by_th
     assert summary.steps == 2
     lines = [json.loads(line) for line in (topo.run.run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in lines if "event" not in r]
-    trained = {k: v for k, v in here.PLAYED.items() if not k.startswith("eval-")}
+    trained = {k: v for k, v in here.PLAYED if not k.startswith("eval-")}
     assert len(trained) == 2 * 4 * 2  # 2 steps x 4 prompts x 2 episodes, each played by the agent
     for r in steps:
         m = r["metrics"]
@@ -65,7 +66,8 @@ async def test_the_verifiers_tools_topology_trains_on_tool_episodes_scored_by_th
     assert set(trained.values()) <= {0.0, 1.0}  # the task's `correct`: 0/1
     assert math.isclose(sum(r["reward"] * r["rollouts"] for r in steps), sum(trained.values()))
     assert [e["when"] for e in lines if e.get("event") == "eval"] == ["before", "after"]
-    assert any(k.startswith("eval-") for k in here.PLAYED)  # held-out episodes were played by the agent too
+    held_out = [k for k, _ in here.PLAYED if k.startswith("eval-")]  # played by the agent too, before and after
+    assert held_out and len(held_out) == 2 * len(set(held_out))
 
 
 @pytest.mark.e2e
