@@ -34,9 +34,9 @@ def load_environment(cfg: EnvironmentConfig, seed: int) -> Environment:
 
         return OpenEnvEnvironment(cfg, cfg.seed if cfg.seed is not None else seed)
     if cfg.kind == "verifiers":
-        from composer_mesh.envs.verifiers import VerifiersEnvironment
+        from composer_mesh.envs.verifiers_agent import VerifiersEpisodes
 
-        return VerifiersEnvironment(cfg, cfg.seed if cfg.seed is not None else seed)
+        return VerifiersEpisodes(cfg, cfg.seed if cfg.seed is not None else seed)
     if cfg.kind == "calculator":
         from composer_mesh.envs.calculator import CalculatorEnvironment
 

@@ -179,7 +179,7 @@ class VerifiersConfig(BaseModel):
     its tasks' own rewards (`composer_mesh.envs.verifiers:score`)."""
 
     model_config = ConfigDict(extra="forbid")
-    plays_episodes: ClassVar[bool] = False  # scored completions only (run.rollout.kind: single_turn)
+    plays_episodes: ClassVar[bool] = True  # completions (single_turn), or episodes with its tools (multi_turn)
 
     kind: Literal["verifiers"] = Field(description="Which environment library: 'verifiers'.")
     taskset: str = Field(min_length=1, description="The taskset id: an installed taskset package (a top-level module "

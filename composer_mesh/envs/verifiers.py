@@ -86,26 +86,51 @@ def load(config: dict[str, Any]) -> vf.Env:
         raise ValueError(f"verifiers cannot load the environment {config}: {type(e).__name__}: {e}") from e
 
 
-def prompt_messages(data: Any) -> list[dict[str, str]]:
-    """A task's chat prompt: its system prompt, then its prompt (a text, or verifiers messages of text)."""
+def prompt_messages(data: Any) -> list[dict[str, Any]]:
+    """A task's chat prompt: its system prompt, then its prompt (a text, or verifiers messages), in the form chat
+    templates take (transformers': an assistant's `tool_calls` with their arguments as a dict, a tool result with
+    the called tool's `name` and `tool_call_id`). Refused, naming the task: non-text parts, a call whose
+    arguments are not a JSON object, a tool result answering no earlier call."""
     from verifiers.v1.types import content_text
 
-    out = [{"role": "system", "content": data.system_prompt}] if data.system_prompt else []
+    out: list[dict[str, Any]] = [{"role": "system", "content": data.system_prompt}] if data.system_prompt else []
     if data.prompt is None:
-        raise ValueError(f"verifiers task {data.idx} has no prompt (the user opens the conversation): not a "
-                         "single-turn task")
+        raise ValueError(f"verifiers task {data.idx} has no prompt (the user opens the conversation): a run "
+                         "needs the task's opening")
     if isinstance(data.prompt, str):
         return [*out, {"role": "user", "content": data.prompt}]
+    names: dict[str, str] = {}  # tool call id -> the called tool
     for message in data.prompt:
         content = message.content
-        if message.role not in ("system", "user", "assistant") or getattr(message, "tool_calls", None):
-            raise ValueError(f"verifiers task {data.idx}: a {message.role!r} message with tool calls or results; "
-                             "only text conversations can be prompts")
         if not (content is None or isinstance(content, str)) and any(p.type != "text" for p in content):
             raise ValueError(f"verifiers task {data.idx}: a {message.role} message with non-text parts "
                              f"({', '.join(sorted({p.type for p in content}))}); only text prompts are supported")
-        out.append({"role": message.role, "content": content_text(content)})
+        out.append(_template_message(message, content_text(content), names, data.idx))
     return out
+
+
+def _template_message(message: Any, text: str, names: dict[str, str], idx: int | None) -> dict[str, Any]:
+    """One verifiers message as a chat template takes it; `names` collects the calls made so far."""
+    if message.role == "tool":
+        if message.tool_call_id not in names:
+            raise ValueError(f"verifiers task {idx}: a tool message answers call {message.tool_call_id!r}, which no "
+                             "earlier assistant message made")
+        return {"role": "tool", "name": names[message.tool_call_id], "content": text,
+                "tool_call_id": message.tool_call_id}
+    if message.role != "assistant" or not message.tool_calls:
+        return {"role": message.role, "content": text}
+    calls = []
+    for call in message.tool_calls:
+        try:
+            arguments = json.loads(call.arguments or "{}")
+        except json.JSONDecodeError:
+            arguments = None
+        if not isinstance(arguments, dict):
+            raise ValueError(f"verifiers task {idx}: tool call {call.id!r} ({call.name}) has arguments that are not "
+                             f"a JSON object: {call.arguments[:60]!r}")
+        names[call.id] = call.name
+        calls.append({"type": "function", "id": call.id, "function": {"name": call.name, "arguments": arguments}})
+    return {"role": "assistant", "content": text, "tool_calls": calls}
 
 
 def task_row(task: Any, config: dict[str, Any], chat: bool = True) -> DataRow:
@@ -237,10 +262,27 @@ def completion_trace(task: vf.Task, completion: str) -> vf.Trace:
     """A trace of one turn: the task's prompt messages, then the completion as the model's (sampled) answer."""
     import verifiers.v1 as vf
 
-    kinds = {"system": vf.SystemMessage, "user": vf.UserMessage, "assistant": vf.AssistantMessage}
-    messages = [kinds[m["role"]](content=m["content"]) for m in prompt_messages(task.data)]
-    nodes = [vf.MessageNode(parent=i - 1 if i else None, message=m) for i, m in enumerate(messages)]
-    nodes.append(vf.MessageNode(parent=len(nodes) - 1, message=vf.AssistantMessage(content=completion), sampled=True))
+    return task_trace(task, [*opening_messages(task.data), (vf.AssistantMessage(content=completion), True)])
+
+
+def opening_messages(data: Any) -> list[tuple[vf.Message, bool]]:
+    """The task's opening conversation as verifiers messages (none sampled): its system prompt, then its prompt.
+    Checked as `prompt_messages` checks it."""
+    import verifiers.v1 as vf
+
+    prompt_messages(data)
+    system = [vf.SystemMessage(content=data.system_prompt)] if data.system_prompt else []
+    prompt = [vf.UserMessage(content=data.prompt)] if isinstance(data.prompt, str) else list(data.prompt)
+    return [(m, False) for m in [*system, *prompt]]
+
+
+def task_trace(task: vf.Task, messages: list[tuple[vf.Message, bool]]) -> vf.Trace:
+    """A finished trace of one conversation: each message with whether the policy sampled it, in order (one
+    branch), as verifiers records a rollout for `Task.score`."""
+    import verifiers.v1 as vf
+
+    nodes = [vf.MessageNode(parent=i - 1 if i else None, message=m, sampled=sampled)
+             for i, (m, sampled) in enumerate(messages)]
     return vf.Trace(task=vf.TraceTask(type=type(task).__name__, data=task.data, key=task.key, hash=task.hash),
                     agent=vf.AgentInfo(config=vf.AgentConfig()), nodes=nodes, is_completed=True, ok=True)
 

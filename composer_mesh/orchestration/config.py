@@ -326,7 +326,7 @@ class RunConfig(BaseModel):
             what = f"run.environment kind {self.environment.kind!r}" if self.environment is not None else "no " \
                 "run.environment"
             raise ValueError(f"run.rollout.kind multi_turn plays episodes against an environment, and {what} plays "
-                             "none: use kind calculator, coding, or openenv with episodes: true (docs/agentic.md)")
+                             "none: use kind calculator, coding, verifiers, or openenv with episodes: true (docs/agentic.md)")
         if self.rollout.hints.source != "none" and self.rollout.kind != "multi_turn":
             raise ValueError("run.rollout.hints gives feedback inside episodes: it needs run.rollout.kind multi_turn")
         own = getattr(self.environment, "max_turns", None)

@@ -145,6 +145,23 @@ async def test_an_openai_agent_plays_tool_episodes_and_the_trainer_gets_the_serv
     assert len(served.turns) == 8
 
 
+async def test_held_out_episodes_are_served_before_the_first_step_and_after_the_runs_tasks_ended() -> None:
+    """The run evaluates before its first step (nothing serves yet) and after its last, once its tasks (the
+    endpoint's among them) are cancelled: an evaluation brings the endpoint up for itself."""
+    served = Served()
+    d = driver(calculator_agent(served))
+    before = await asyncio.wait_for(d.evaluate(tasks(2), 2, 0.0, seed=7), 20)
+    await run_chunks(d, FakeChunks([Chunk(1, 0, tasks(2))]))  # a step, on an endpoint of the run's
+    for task in SPAWNED:  # the run ends: its tasks are cancelled
+        task.cancel()
+    await asyncio.gather(*SPAWNED, return_exceptions=True)
+    after = await asyncio.wait_for(d.evaluate(tasks(2), 2, 0.0, seed=7), 20)
+    for version, groups in (before, after):
+        assert [[r.score for r in g.rewards] for g in groups] == [[1.0, 1.0], [1.0, 1.0]]  # every turn served
+        assert version == 1
+    assert sum(len(t) for t in served.turns.values()) == 2 * 12  # two turns of 4 held-out episodes, twice, and 4 of the step
+
+
 def policy_spans(r: Rollout) -> list[tuple[list[int], list[float]]]:
     return [(r.completion_ids[t.start:t.end], r.logprobs[t.start:t.end]) for t in r.turns or [] if t.policy]
 

@@ -23,9 +23,9 @@ import logging
 import os
 import time
 from collections import Counter, defaultdict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from composer_mesh.actors.messages import (
     GenerationRequest,
@@ -136,6 +136,7 @@ class HarnessRollout:
         self.token = cfg.token()
         self.server = self._server()
         self._intake: asyncio.Task[None] | None = None
+        self._serving: asyncio.Task[None] | None = None
         self._slots = asyncio.Semaphore(cfg.max_episodes)
 
     def _server(self) -> ChatServer:
@@ -148,11 +149,21 @@ class HarnessRollout:
     def base_url(self) -> str:
         return self.server.base_url
 
+    def _serve(self, spawn: Callable[[Coroutine[Any, Any, None]], asyncio.Task[None]]) -> asyncio.Task[None]:
+        """The task serving the endpoint, started with `spawn` unless one is serving. An endpoint whose task
+        ended (cancelled with the run's tasks, or after an evaluation) closed its socket: a new one replaces it
+        (a new port if port 0; tasks handed out from then on carry its base_url)."""
+        if self._serving is not None and self._serving.done():
+            self.server, self._serving = self._server(), None
+        if self._serving is None:
+            self._serving = spawn(self.server.serve())
+        return self._serving
+
     async def drive(self, index: int, chunks: ChunkSource) -> None:
         """Generator `index` samples waiting turns until the run cancels it (the first call starts the endpoint
         and the intake)."""
+        self._serve(self.spawn)
         if self._intake is None:
-            self.spawn(self.server.serve())
             self._intake = self.spawn(self._take_chunks(chunks))
         try:
             while True:
@@ -243,7 +254,9 @@ class HarnessRollout:
     async def evaluate(self, prompts: list[Prompt], samples: int, temperature: float,
                        seed: int) -> tuple[int, list[ScoredGroup]]:
         """`samples` episodes of each held-out prompt, played by the agent, sampled on generator 0 at
-        `temperature`; the oldest weight version used."""
+        `temperature`; the oldest weight version used. The endpoint is up meanwhile: the run's, or one of the
+        evaluation's own, stopped after it (the run evaluates before its first step and after its tasks ended)."""
+        own = None if self._serving is not None and not self._serving.done() else self._serve(asyncio.ensure_future)
         queue, versions = TurnQueue(self.cfg.turn_linger_s), []
 
         async def serve() -> None:
@@ -258,6 +271,9 @@ class HarnessRollout:
                 for i, p in enumerate(prompts)))
         finally:
             server.cancel()
+            if own is not None:
+                own.cancel()
+                await asyncio.gather(own, return_exceptions=True)
         return min(versions, default=0), [episodes_once(g) for g in groups]
 
 
