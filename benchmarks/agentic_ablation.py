@@ -5,9 +5,12 @@ Both arms are `topologies/agentic.yaml` without its teacher (Composer's setting:
 - `grpo`: channel 1 only (`loss.alpha_sdpo: 0`);
 - `grpo+hints`: the same plus `run.rollout.hints: {source: environment}`, channel 2 fed by the policy conditioned
   on a hint before each episode's first mistaken turn (`loss.alpha_sdpo: --alpha`).
-At `max_policy_lag: 0` (a seed gives the same run whatever the machine's load), `--steps` steps, the held-out set
-(`eval_size` problems the train stream never draws: `tests/envs/test_calculator.py` proves it) scored greedily
-before the first step and after the last, both arms from the same warm start (built once into the model cache).
+At `max_policy_lag: 0` (a seed gives the same run whatever the machine's load), `--ablation-steps` steps, the
+held-out set (`eval_size` problems the train stream never draws: `tests/envs/test_calculator.py` proves it) scored
+greedily before the first step and after the last, both arms from the same warm start (built once into the model
+cache). The warm start (`--warmstart-task`) is by default `HintedCalculatorTask`: agentic.yaml's perfect episodes,
+half of them with the environment's hint before the right answer, so that the policy has seen a hint at all;
+`CalculatorTask` is agentic.yaml's own (docs/benchmarks.md has both).
 
     .venv/bin/python benchmarks/bench_agentic.py --ablation              # 3 seeds x 2 arms x 60 steps
     .venv/bin/python benchmarks/bench_agentic.py --ablation --quick      # CI-sized: 1 seed, 2 steps, short warm start
@@ -32,7 +35,7 @@ def arm_topology(arm: str, seed: int, cfg: dict[str, Any], run_dir: Path) -> dic
     """`topologies/agentic.yaml` as the arm's run: no teacher, channel 2 only from hints (arm `grpo+hints`)."""
     data = yaml.safe_load((ROOT / "topologies" / "agentic.yaml").read_text())
     del data["roles"]["teachers"], data["meshes"]["teachers"]
-    data["model"]["warmstart"]["steps"] = cfg["warmstart_steps"]
+    data["model"]["warmstart"].update(steps=cfg["warmstart_steps"], task=cfg["warmstart_task"])
     data["roles"]["trainer"]["settings"].update(lr_decay_steps=cfg["steps"], lr_warmup_steps=min(10, cfg["steps"] // 5))
     hints = arm == "grpo+hints"
     data["loss"] = {"alpha_sdpo": cfg["alpha"] if hints else 0.0, "sdpo_jsd_beta": 0.0, "beta_replay": 0.0}
@@ -98,7 +101,8 @@ def mean_change(rows: list[dict[str, Any]], arm: str) -> float | None:
 
 def run(args: argparse.Namespace, env: dict[str, str]) -> list[dict[str, Any]]:
     cfg = {"steps": args.ablation_steps, "alpha": args.alpha, "eval": args.eval_size, "prompts": args.prompts_per_step,
-           "warmstart_steps": args.warmstart_steps, "out": str(args.out / "ablation"), "timeout": args.timeout}
+           "warmstart_steps": args.warmstart_steps, "warmstart_task": args.warmstart_task,
+           "out": str(args.out / "ablation"), "timeout": args.timeout}
     rows = []
     for seed in args.seeds:
         for arm in ARMS:
@@ -117,6 +121,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts-per-step", type=int, help="ablation: prompts per step (default 8; quick 2)")
     p.add_argument("--warmstart-steps", type=int, help="ablation: SFT steps of the policy's warm start (default "
                    "1200, agentic.yaml's; quick 30)")
+    p.add_argument("--warmstart-task", default="composer_mesh.envs.calculator:HintedCalculatorTask",
+                   help="ablation: the warm start's task, for both arms. Default: perfect episodes, half with a hint "
+                   "before the answer (a policy that never saw a hint reads one as noise); "
+                   "composer_mesh.envs.calculator:CalculatorTask is agentic.yaml's")
 
 
 ABLATION_DEFAULTS: dict[str, dict[str, Any]] = {

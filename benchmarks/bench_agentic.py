@@ -865,7 +865,8 @@ def report_ablation(args: argparse.Namespace, rows: list[dict[str, Any]]) -> dic
     info = {"hardware": f"{cpu_model()}, {os.cpu_count()} logical CPUs, {total_memory_gib():.1f} GiB RAM",
             "versions": f"python {platform.python_version()}, " + ", ".join(f"{k} {v}" for k, v in versions.items()),
             "run": f"topologies/agentic.yaml without its teacher, {args.ablation_steps} steps x {args.prompts_per_step} "
-            f"prompts x 4 episodes, max_policy_lag 0, warm start {args.warmstart_steps} SFT steps; held-out greedy "
+            f"prompts x 4 episodes, max_policy_lag 0, warm start {args.warmstart_steps} SFT steps of "
+            f"{args.warmstart_task}; held-out greedy "
             f"success on {args.eval_size} problems before and after; hints arm loss.alpha_sdpo {args.alpha:g}, "
             f"hints.source environment; seeds {', '.join(map(str, args.seeds))}"}
     print()

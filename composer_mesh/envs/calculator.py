@@ -306,3 +306,23 @@ class CalculatorTask:
         text, _ = self.sample(rng)
         a, b = (int(x) for x in text.split("*"))
         return solved([{"role": "user", "content": text}], a, b), [CALCULATOR.schema]
+
+
+class HintedCalculatorTask(CalculatorTask):
+    """The calculator warm start for targeted feedback (`model.warmstart.task:
+    composer_mesh.envs.calculator:HintedCalculatorTask`): `CalculatorTask`'s perfect episodes, half of them with a
+    hint in the environment's words before the answer (`Hint: '<a wrong product>' is wrong`, what
+    `run.rollout.hints: {source: environment}` inserts after a wrong answer), the right answer after it.
+
+    Why: a hint is a teacher only for a policy that reads it. A tiny model warm-started on perfect episodes alone has
+    never seen a message between the tool's result and its answer, and conditioned on one it predicts noise
+    (benchmarks/agentic_ablation.py measured it: channel 2 then pulls the policy toward that noise). Same train
+    problems, same held-out rule as `CalculatorTask`."""
+
+    def chat_demonstration(self, rng: random.Random) -> tuple[list[Message], list[dict[str, Any]]]:
+        messages, tools = super().chat_demonstration(rng)
+        if rng.random() < 0.5:
+            right = messages[-1]["content"]
+            wrong = str(int(right) + rng.choice([-1, 1]) * 10 ** rng.randrange(len(right)))
+            messages.insert(len(messages) - 1, {"role": "user", "content": f"Hint: {wrong!r} is wrong"})
+        return messages, tools

@@ -334,3 +334,21 @@ def test_tool_latency_waits_on_the_event_loop_so_concurrent_episodes_overlap() -
     checkpoint = source(seed=5)
     checkpoint.take(3)
     slow.restore(checkpoint.state())  # the latency changes no problem: the same stream resumes
+
+
+def test_the_hinted_warm_start_reads_a_hint_before_half_its_answers() -> None:
+    """`HintedCalculatorTask`: the same train problems, half the demonstrations with the environment's hint
+    (a wrong product named wrong) before the right answer."""
+    from composer_mesh.envs.calculator import HintedCalculatorTask
+
+    rng, hinted = random.Random(1), 0
+    for _ in range(200):
+        messages, tools = HintedCalculatorTask().chat_demonstration(rng)
+        a, b = (int(x) for x in messages[0]["content"].split("*"))
+        assert not held_out(a, b) and tools == [CALCULATOR.schema] and messages[-1]["content"] == str(a * b)
+        if len(messages) == 5:
+            hint = messages[3]
+            assert hint["role"] == "user" and hint["content"].startswith("Hint: '") and hint["content"].endswith(
+                "' is wrong") and hint["content"] != f"Hint: '{a * b}' is wrong"
+            hinted += 1
+    assert 70 < hinted < 130
