@@ -38,7 +38,7 @@ def arm_topology(arm: str, seed: int, cfg: dict[str, Any], run_dir: Path) -> dic
     data["model"]["warmstart"].update(steps=cfg["warmstart_steps"], task=cfg["warmstart_task"])
     data["roles"]["trainer"]["settings"].update(lr_decay_steps=cfg["steps"], lr_warmup_steps=min(10, cfg["steps"] // 5))
     hints = arm == "grpo+hints"
-    data["loss"] = {"alpha_sdpo": cfg["alpha"] if hints else 0.0, "sdpo_jsd_beta": 0.0, "beta_replay": 0.0}
+    data["loss"] = {"alpha_sdpo": cfg["alpha"] if hints else 0.0, "sdpo_jsd_beta": cfg["jsd_beta"], "beta_replay": 0.0}
     run = data["run"]
     run.update(steps=cfg["steps"], seed=seed, max_policy_lag=0, eval_every=cfg["steps"], eval_prompts=cfg["eval"],
                run_dir=str(run_dir), checkpoint_every=0, prompts_per_step=cfg["prompts"])
@@ -100,12 +100,12 @@ def mean_change(rows: list[dict[str, Any]], arm: str) -> float | None:
 
 
 def run(args: argparse.Namespace, env: dict[str, str]) -> list[dict[str, Any]]:
-    cfg = {"steps": args.ablation_steps, "alpha": args.alpha, "eval": args.eval_size, "prompts": args.prompts_per_step,
+    cfg = {"steps": args.ablation_steps, "alpha": args.alpha, "jsd_beta": args.jsd_beta, "eval": args.eval_size, "prompts": args.prompts_per_step,
            "warmstart_steps": args.warmstart_steps, "warmstart_task": args.warmstart_task,
            "out": str(args.out / "ablation"), "timeout": args.timeout}
     rows = []
     for seed in args.seeds:
-        for arm in ARMS:
+        for arm in args.arms:
             print(f"  ablation: seed {seed}, {arm} ...", file=sys.stderr, flush=True)
             rows.append(run_arm(arm, seed, cfg, env))
     return rows
@@ -117,6 +117,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seeds", type=int, nargs="+", help="ablation: run seeds (default 0 1 2; quick 0)")
     p.add_argument("--ablation-steps", type=int, help="ablation: steps per arm (default 60; quick 2)")
     p.add_argument("--alpha", type=float, default=0.5, help="ablation: loss.alpha_sdpo of the hints arm")
+    p.add_argument("--jsd-beta", type=float, default=0.0, help="ablation: loss.sdpo_jsd_beta of the hints arm (0: "
+                   "forward KL(teacher||student), agentic.yaml's; 1: reverse KL, on-policy distillation's)")
+    p.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS), help="ablation: which arms run")
     p.add_argument("--eval-size", type=int, help="ablation: held-out problems (default 32; quick 4)")
     p.add_argument("--prompts-per-step", type=int, help="ablation: prompts per step (default 8; quick 2)")
     p.add_argument("--warmstart-steps", type=int, help="ablation: SFT steps of the policy's warm start (default "

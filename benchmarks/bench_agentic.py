@@ -868,6 +868,7 @@ def report_ablation(args: argparse.Namespace, rows: list[dict[str, Any]]) -> dic
             f"prompts x 4 episodes, max_policy_lag 0, warm start {args.warmstart_steps} SFT steps of "
             f"{args.warmstart_task}; held-out greedy "
             f"success on {args.eval_size} problems before and after; hints arm loss.alpha_sdpo {args.alpha:g}, "
+            f"sdpo_jsd_beta {args.jsd_beta:g}, "
             f"hints.source environment; seeds {', '.join(map(str, args.seeds))}"}
     print()
     for key, text in info.items():
