@@ -133,17 +133,22 @@ class HintWriter:
         self.find = feedback_rule("{feedback}")
         self.unwritten = 0
 
+    def ask(self, prompt_id: str, steps: list[EpisodeStep], turn: int) -> Prompt:
+        """The writer's prompt for a hint at `turn`: the instruction, then the transcript (a unique id per episode,
+        so each written hint finds its episode)."""
+        transcript_text = transcript(steps, turn, self.config.transcript_chars)
+        return Prompt(prompt_id, "", messages=[{"role": "system", "content": self.config.instruction},
+                                               {"role": "user", "content": transcript_text}])
+
     async def hints(self, prompts: list[Prompt], steps: list[list[EpisodeStep]], seed: int) -> list[Hint | None]:
+        """One hint or None per episode (`steps` empty: an episode that takes none)."""
         found = [self.find(p, s) if s else None for p, s in zip(prompts, steps)]
         asks = [(i, h.turn) for i, h in enumerate(found) if h is not None]
         out: list[Hint | None] = [None] * len(prompts)
         if not asks:
             return out
-        cfg = self.config
-        request = TeacherRequest(prompts=[Prompt(
-            f"{prompts[i].prompt_id}#hint{i}", "", messages=[{"role": "system", "content": cfg.instruction},
-                                                             {"role": "user", "content": transcript(steps[i], k, cfg.transcript_chars)}])
-            for i, k in asks], max_new_tokens=cfg.max_tokens, seed=seed, teachers=[cfg.teacher])
+        request = TeacherRequest(prompts=[self.ask(f"{prompts[i].prompt_id}#hint{i}", steps[i], k) for i, k in asks],
+                                 max_new_tokens=self.config.max_tokens, seed=seed, teachers=[self.config.teacher])
         written = {t.prompt_id: t.text.strip() for t in merge_signals(await self.teachers.signals(request), 0).traces}
         for (i, k), p in zip(asks, request.prompts):
             text = written.get(p.prompt_id, "")
@@ -192,6 +197,7 @@ class SelfTeacher:
         """One entry per episode: the hint-conditioned policy's rows over its tokens from the hinted turn on
         (`offset` set), None for an episode without a hint. `seed`: the hint writer's sampling seed."""
         made: list[tuple[int, Hinted]] = []
+        t0 = time.perf_counter()  # a hint-writing teacher's seconds count as teacher time too
         for i, (p, e, h) in enumerate(zip(prompts, episodes, await self.hints(prompts, episodes, seed))):
             if h is not None:
                 made.append((i, hinted(p, e, h, self.config.role)))
@@ -199,7 +205,6 @@ class SelfTeacher:
         out: list[TokenDistribution | None] = [None] * len(episodes)
         if not made:
             return out
-        t0 = time.perf_counter()
         request = SelfTeacherRequest([m.prompt for _, m in made], [m.continuation for _, m in made], self.top_k)
         index, self._next = self._next % len(self.generators), self._next + 1
         _, dists = await self.generators.distributions(index, request)
