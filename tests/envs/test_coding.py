@@ -328,7 +328,8 @@ def test_every_environment_config_says_whether_it_plays_episodes() -> None:
     from composer_mesh.envs.config import CalculatorConfig, OpenEnvConfig, ReasoningGymConfig, VerifiersConfig
 
     assert CalculatorConfig.plays_episodes and CodingConfig.plays_episodes
-    assert not ReasoningGymConfig.plays_episodes and not VerifiersConfig.plays_episodes
+    assert VerifiersConfig.plays_episodes  # a taskset's tools and turns (envs/verifiers_agent.py)
+    assert not ReasoningGymConfig.plays_episodes
     openenv = {"kind": "openenv", "url": "http://127.0.0.1:8765"}  # built unchecked: openenv need not be installed
     assert OpenEnvConfig.model_construct(**openenv, episodes=True).plays_episodes
     assert not OpenEnvConfig.model_construct(**openenv).plays_episodes
