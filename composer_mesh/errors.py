@@ -10,6 +10,10 @@ one line (no traceback, no "it is a bug"), without knowing every layer's excepti
 A `UserInputError` survives pickling whatever its subclass's `__init__` takes (Monarch pickles an endpoint's
 exception to send it to the caller; an exception whose `__init__` needs more than its message would otherwise
 fail to unpickle and arrive as another error).
+
+`FieldError` is the `ValueError` a config's validator raises about one of its fields when the check spans
+several (a model validator): pydantic locates it at the model, and the topology's error rendering takes it down
+to the field it names, so the message lands on that field's own line of the file.
 """
 
 from __future__ import annotations
@@ -30,3 +34,15 @@ def _rebuild(cls: type[UserInputError], args: tuple[Any, ...], state: dict[str, 
     error.args = args
     error.__dict__.update(state)
     return error
+
+
+class FieldError(ValueError):
+    """A config validator's error about the field at `loc` (relative to the model that raises it), e.g.
+    `FieldError("min_digits", "min_digits 5 > max_digits 3")`: reported on that field's line of a topology."""
+
+    def __init__(self, loc: str | tuple[str | int, ...], message: str) -> None:
+        super().__init__(message)
+        self.loc: tuple[str | int, ...] = (loc,) if isinstance(loc, str) else tuple(loc)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return FieldError, (self.loc, str(self))
