@@ -37,8 +37,10 @@ def _rebuild(cls: type[UserInputError], args: tuple[Any, ...], state: dict[str, 
 
 
 class FieldError(ValueError):
-    """A config validator's error about the field at `loc` (relative to the model that raises it), e.g.
-    `FieldError("min_digits", "min_digits 5 > max_digits 3")`: reported on that field's line of a topology."""
+    """A config validator's error about the field at `loc`, e.g. `FieldError("max_digits", "min_digits 5 >
+    max_digits 3")` from a model validator: reported on that field's line of a topology. `loc` is relative to
+    where pydantic puts the validator's error: the model for a model validator, the field for a field
+    validator (a key inside a dict field, say)."""
 
     def __init__(self, loc: str | tuple[str | int, ...], message: str) -> None:
         super().__init__(message)

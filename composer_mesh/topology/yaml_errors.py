@@ -311,6 +311,8 @@ class _Step:
 
 def _child_type(tp: Any, raw: Any, el: str | int) -> Any:
     """The annotation of the value at `el` under a value of type `tp` (data `raw`), or None."""
+    if _plain_union(tp):
+        tp = _member_for(tp, raw) or tp
     model = model_of(_resolve(tp, raw))
     if model is not None:
         return _field_of(model, str(el), raw) if el in model.model_fields else None
@@ -335,8 +337,9 @@ def _tag_member(tp: Any, raw: Any, el: str | int) -> Any:
     return _member_for(tp, raw) or bare(tp)
 
 
-def walk(root: type[BaseModel], loc: Loc, data: Any) -> list[_Step]:
-    """`loc` element by element, with what validates each value and which elements are union tags.
+def walk(root: type[BaseModel], loc: Loc, data: Any, *, tagged: bool = True) -> list[_Step]:
+    """`loc` element by element, with what validates each value and which elements are union tags (only in a
+    location as pydantic gives it, `tagged`; a path of the file's own keys has none).
 
     The one walk behind every lookup below: errors under an optional discriminated union, a plain union, a
     list item, a dict value or a binding's settings all find their type and their key in the file the same way."""
@@ -347,7 +350,7 @@ def walk(root: type[BaseModel], loc: Loc, data: Any) -> list[_Step]:
         if el == "[key]":
             steps.append(_Step(el, "", tp, raw))
             continue
-        tag = _tag_kind(tp, raw, el) if tp is not None else ""
+        tag = _tag_kind(tp, raw, el) if tagged and tp is not None else ""
         if tag:
             tp = _tag_member(tp, raw, el)
         else:
@@ -359,14 +362,14 @@ def walk(root: type[BaseModel], loc: Loc, data: Any) -> list[_Step]:
 
 def _model_at(root: type[BaseModel], loc: Loc, data: Any) -> type[BaseModel] | None:
     """The model that validates the mapping at `loc` (a tag-free path: to list its allowed keys), if known."""
-    steps = walk(root, loc, data)
+    steps = walk(root, loc, data, tagged=False)
     tp, raw = (steps[-1].tp, steps[-1].raw) if steps else (root, data)
     return model_of(_resolve(tp, raw)) if tp is not None else None
 
 
 def _type_at(root: type[BaseModel], loc: Loc, data: Any) -> Any:
     """The annotation that validates the value at `loc` (a tag-free path), or None."""
-    steps = walk(root, loc, data)
+    steps = walk(root, loc, data, tagged=False)
     return steps[-1].tp if steps else root
 
 
