@@ -13,7 +13,9 @@ fail to unpickle and arrive as another error).
 
 `FieldError` is the `ValueError` a config's validator raises about one of its fields when the check spans
 several (a model validator): pydantic locates it at the model, and the topology's error rendering takes it down
-to the field it names, so the message lands on that field's own line of the file.
+to the field it names, so the message lands on that field's own line of the file. (A plain `ValueError`
+subclass, so that this module stays free of pydantic; `mesh/spec.py` raises a nested `ValidationError` instead
+where pydantic's own error location must name the field.)
 """
 
 from __future__ import annotations

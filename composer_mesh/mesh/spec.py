@@ -24,12 +24,11 @@ from pydantic import (
     ConfigDict,
     Field,
     TypeAdapter,
+    ValidationError,
     ValidationInfo,
     field_validator,
     model_validator,
 )
-
-from composer_mesh.errors import FieldError
 
 
 def _matches(pattern: str, what: str) -> Any:
@@ -180,6 +179,15 @@ class HostGpus:
     pinned_by: str | None = None  # the field that pinned them (where an overlap is reported)
 
 
+def _field_error(model: str, field: str, value: Any, message: str) -> ValidationError:
+    """A validation error located at `field` (raised from a validator of the model or of a parent field)."""
+    return ValidationError.from_exception_data(
+        model,
+        [{"type": "value_error", "loc": (field,), "input": value, "ctx": {"error": ValueError(message)}}],
+        hide_input=True,
+    )
+
+
 class MeshSpecBase(StrictModel):
     """What every mesh has, whatever runs it: `hosts` × `procs_per_host` procs, their GPUs, env and spare."""
 
@@ -216,14 +224,14 @@ class MeshSpecBase(StrictModel):
         """A key of another backend's member says whose it is, instead of pydantic's "extra inputs"."""
         if not isinstance(data, dict):
             return data
-        for key in data:
+        for key, value in data.items():
             owners = [backend_of(m) for m in MESH_SPECS if key in m.model_fields]
             if not owners or key in cls.model_fields:
                 continue
             note = cls.foreign_notes.get(str(key))
             here = repr(backend_of(cls)) + (f": {note}" if note else "")
             which = " or ".join(repr(owner) for owner in owners)
-            raise FieldError(str(key), f"{key} is only for backend {which} (this mesh is {here})")
+            raise _field_error(cls.__name__, str(key), value, f"{key} is only for backend {which} (this mesh is {here})")
         return data
 
     @field_validator("spare")
@@ -391,8 +399,9 @@ class SlurmMeshSpec(MeshSpecBase):
     def _enough_gpus_per_node(cls, v: SlurmOptions, info: ValidationInfo) -> SlurmOptions:
         needed = info.data.get("procs_per_host", 1) * info.data.get("gpus_per_proc", 0)
         if v.gpus_per_node is not None and v.gpus_per_node < needed:
-            raise FieldError("gpus_per_node", f"gpus_per_node={v.gpus_per_node} is less than procs_per_host × "
-                             f"gpus_per_proc = {needed}")
+            # Raised as a nested ValidationError so the error's path ends at slurm.gpus_per_node.
+            msg = f"gpus_per_node={v.gpus_per_node} is less than procs_per_host × gpus_per_proc = {needed}"
+            raise _field_error("SlurmOptions", "gpus_per_node", v.gpus_per_node, msg)
         return v
 
     @property
