@@ -243,7 +243,7 @@ class LossConfig(BaseModel):
             raise ValueError(f"{info.field_name} must be a finite number >= 0, got {value!r}")
         return value
 
-    @field_validator("sdpo_jsd_beta", "taid_t_start", "taid_t_end", "taid_momentum")
+    @field_validator("sdpo_jsd_beta", "taid_t_start", "taid_t_end", "taid_momentum", "dppo_mask_low", "dppo_mask_high")
     @classmethod
     def _unit_interval(cls, value: float, info: ValidationInfo) -> float:
         if not 0.0 <= value <= 1.0:

@@ -165,6 +165,7 @@ CASES: list[tuple[str, tuple[str | int, ...], Any, str]] = [
     ("single_turn", ("loss", "eps_low"), 1.5, "eps_low must be < 1"),
     ("single_turn", ("loss", "sdpo_wrapper"), "taid", "needs a schedule"),
     ("single_turn", ("loss", "alpha"), UNKNOWN, "unknown key 'alpha'"),
+    ("single_turn", ("loss", "dppo_mask_high"), Added(1.5), "must be in [0, 1], got 1.5"),
     ("single_turn", ("weights", "bucket_mb"), 0, "greater than or equal to 1"),
     ("single_turn", ("weights", "transport"), "pigeon", "got 'pigeon'"),
     # run: RunConfig, a plain union (int >= 0 or 'auto'), a list item, TrackersConfig, ProgressConfig
