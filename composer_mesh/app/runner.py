@@ -241,6 +241,8 @@ def summary_table(summary: RunSummary) -> Table:
     table.add_row("rollouts trained", f"{summary.rollouts_trained:,}")
     table.add_row("throughput", f"{_rate(summary.samples_per_s)} rollouts/s (startup excluded)")
     table.add_row("dropped stale batches", f"{summary.dropped_batches} ({summary.dropped_rollouts} rollouts)")
+    if summary.weight_transports:
+        table.add_row("weight transport", "; ".join(summary.weight_transports))
     table.add_row("run dir", f"{summary.run_dir} (metrics.jsonl, plot.png, checkpoint/)")
     table.add_row("full checkpoint", f"{summary.checkpoint} (for --resume)" if summary.checkpoint else "-")
     return table
