@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import torch
 from pydantic import BaseModel
 
+from composer_mesh.actors.backends.trainer.base import NonFiniteError, OnNonFinite
 from composer_mesh.actors.backends.trainer.config import (
     HF_TRAINER_CAPABILITIES,
     HFTrainerSettings,
@@ -49,6 +51,7 @@ if TYPE_CHECKING:
     from composer_mesh.actors.backends.trainer.trainer_state import TrainerSnapshot
 
 WeightKind = Literal["full", "adapter"]
+log = logging.getLogger(__name__)
 
 
 class HFTrainer:
@@ -71,7 +74,7 @@ class HFTrainer:
     # ---- setup -----------------------------------------------------------------------------------
     def start(
         self, model_config: Any, loss: LossConfig, temperature: float = 1.0,
-        diloco: Any = None, replica_id: int = 0, shard: ShardGroup | None = None,
+        diloco: Any = None, replica_id: int = 0, shard: ShardGroup | None = None, on_nonfinite: OnNonFinite = "stop",
     ) -> None:
         """Build model (with LoRA adapters if set), reference, AdamW and the loss state; with `diloco` (a
         `DiLoCoConfig`), wrap the optimizer in DiLoCo so every `sync_every` inner steps this replica syncs
@@ -83,7 +86,11 @@ class HFTrainer:
             raise ValueError("trainer.settings.lora and diloco (roles.trainer.replicas > 1) cannot be combined: "
                              "DiLoCo would synchronise and checkpoint the whole frozen model, not the adapters; "
                              "drop one of them")
+        if on_nonfinite == "skip" and diloco is not None:
+            raise ValueError("run.on_nonfinite: skip cannot be combined with diloco: a replica that skips a step "
+                             "would leave its rounds' cadence")
         self.shard = shard
+        self.on_nonfinite = on_nonfinite
         torch.set_num_threads(self.settings.torch_threads)
         self.model, self.tokenizer = load_pretrained(model_config, device=self.settings.device)
         # Training keeps its own dtype (float32 master weights unless precision is 'bf16'); generators load
@@ -226,8 +233,9 @@ class HFTrainer:
             del loss_batch
         # one host sync for the whole step, not one per micro-batch; sharded: merged over the replica's ranks
         result: LossResult = accumulator.finish(self._ranks, sorted({t.teacher for t, _ in data.pairs}))
-        if not torch.isfinite(result.total):  # before the optimizer: the weights stay as they were
-            raise FloatingPointError(f"non-finite loss at step {self.step}: {float(result.total)}")
+        grad_norm = self._grad_norm()  # clipped to grad_clip when it is set
+        if not (torch.isfinite(result.total) and torch.isfinite(torch.tensor(grad_norm))):
+            return self._nonfinite_step(float(result.total), grad_norm, batch, data)
         metrics = dict(result.metrics)
         metrics["micro_batches"] = float(len(pieces))
         metrics.update(episode_metrics(data.rollouts))
@@ -235,9 +243,9 @@ class HFTrainer:
             metrics.setdefault("replay/pairs", float(len(data.pairs)))
             metrics["replay/traces_not_better"] = float(data.traces_not_better)
         if s.grad_clip is not None:
-            params = [p for group in self.optimizer.param_groups for p in group["params"]]
-            norm = torch.nn.utils.clip_grad_norm_(params, s.grad_clip)
-            metrics["grad_norm"] = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+            metrics["grad_norm"] = grad_norm
+        if self.on_nonfinite == "skip":
+            metrics["faults/nonfinite_skipped"] = 0.0
         if s.lr_decay_steps is not None or s.lr_warmup_steps:
             metrics["lr"] = scheduled_lr(s, self.step)
             for group in self.optimizer.param_groups:
@@ -254,6 +262,32 @@ class HFTrainer:
             step=self.step, weight_version=0, loss=float(result.total),
             channels={k: float(v) for k, v in result.parts.items()}, metrics=metrics,
         )
+
+    def _grad_norm(self) -> float:
+        """The gradient's total norm (after clipping it to `grad_clip`, when set): a collective on a sharded
+        replica, so every rank sees the same value and takes the same decision on it."""
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        clip = self.settings.grad_clip
+        norm = (torch.nn.utils.clip_grad_norm_(params, clip) if clip is not None
+                else torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]))
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+    def _nonfinite_step(self, loss: float, grad_norm: float, batch: TrainBatch, data: TrainRows) -> TrainMetrics:
+        """A step whose loss or gradient is not finite, before the optimizer: the weights stay as they were.
+        `stop`: NonFiniteError naming the step and the quantity; `skip`: no optimizer step, the gradient dropped,
+        the step counted (the LR schedule moves on) and reported as `faults/nonfinite_skipped`."""
+        what = f"loss ({loss})" if not torch.isfinite(torch.tensor(loss)) else f"gradient (total norm {grad_norm})"
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.on_nonfinite != "skip":
+            raise NonFiniteError(f"trainer step {self.step + 1}: non-finite {what}; the update was not applied (a "
+                                 "learning rate too high, a bad row, reward or loss setting?); run.on_nonfinite: "
+                                 "skip skips such steps instead")
+        log.warning("trainer step %d: non-finite %s: skipped, the weights are unchanged (run.on_nonfinite: skip)",
+                    self.step + 1, what)
+        self.step += 1
+        metrics = {"faults/nonfinite_skipped": 1.0, "reward_mean": float(data.episode_rewards().mean()),
+                   "reward_failures": float(sum(not rw.ok for g in batch.groups for rw in g.rewards))}
+        return TrainMetrics(step=self.step, weight_version=0, loss=loss, metrics=metrics)
 
     def close(self) -> None:
         """Finish DiLoCo's pending store writes (no-op without DiLoCo)."""
