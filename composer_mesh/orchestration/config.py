@@ -261,6 +261,13 @@ class RunConfig(BaseModel):
         "rollout's reward failed in this many consecutive steps: a reward that fails everywhere trains on nothing "
         "but `failure_score`. 0: never stop for it."
     )
+    on_nonfinite: Literal["stop", "skip"] = Field(
+        "stop", description="A step whose loss or gradient is not finite (NaN, inf) never updates the weights. "
+        "stop: the run stops with one line naming the step and the quantity (exit 3) and the newest checkpoint, "
+        "which is from before it, to `--resume` from. skip: the step's update is skipped (no optimizer step, the "
+        "weights unchanged bitwise), counted in the metric `faults/nonfinite_skipped`, and the run goes on; not "
+        "with `diloco` (a replica that skips a step would leave its rounds' cadence)."
+    )
     eval_prompts: int = Field(
         64, ge=0, description="Held-out prompts (the prompt source's eval set, never trained on) evaluated before "
         "and after training and every `eval_every` steps (0: no evaluation). A task that lists its eval split "

@@ -431,6 +431,7 @@ class Topology(StrictModel):
             temperature=self.run.temperature,
             seed=self.run.seed,
             diloco=self.diloco,
+            on_nonfinite=self.run.on_nonfinite,
         )
 
     def _teachers_config(self, spec: TeachersSpec) -> TeachersConfig:
