@@ -44,8 +44,8 @@ def rdma_backend() -> str:
 def tcp_fallback_reason(mine: str, publisher: str) -> str | None:
     """Why reads between a subscriber with backend `mine` and a publisher with `publisher` go over TCP, or
     None when both have ibverbs. A publisher that did not say (''): only this side decides."""
-    missing = [who for who, backend in (("this host", mine), ("the publisher's host", publisher))
-               if backend not in ("ibverbs", "")]
+    missing = [who for who, rdma in (("this host", mine), ("the publisher's host", publisher))
+               if rdma not in ("ibverbs", "")]
     if not missing:
         return None
     return f"RDMA over Monarch's TCP fallback: no ibverbs device on {' or '.join(missing)}"
