@@ -580,7 +580,7 @@ def run_ours(latency_s: float, cfg: dict[str, Any], endpoint: bool = False) -> d
     with (run_dir / "log.txt").open("w") as log:
         try:
             env = {**child_env(ROOT, cfg["threads"]), ENDPOINT_LATENCY_ENV: str(latency_s),
-                   ENDPOINT_CALLS_ENV: str(cfg["tool_calls"])}
+                   ENDPOINT_CALLS_ENV: str(cfg["tool_calls"]), ENDPOINT_HTTP_ENV: cfg["agent_http"]}
             proc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=cfg["timeout"],
                                   env=env, check=False)
         except subprocess.TimeoutExpired as e:
@@ -630,7 +630,7 @@ def summarise_ours(lines: list[dict[str, Any]]) -> dict[str, Any]:
 def run_ours_all(args: argparse.Namespace, model_dir: str) -> list[dict[str, Any]]:
     cfg = dict(model_dir=model_dir, seed=args.seed, steps=args.ours_steps, prompts=args.prompts, samples=args.samples,
                tool_calls=args.tool_calls, threads=args.threads, out=str(args.out / "ours"), timeout=args.timeout,
-               lag=args.lag)
+               lag=args.lag, agent_http=args.agent_http)
     rows = []
     sides = [(side, side == "endpoint") for side in ("ours", "endpoint") if side in args.sides]
     for latency in args.latencies:
@@ -644,6 +644,7 @@ def run_ours_all(args: argparse.Namespace, model_dir: str) -> list[dict[str, Any
 
 ENDPOINT_LATENCY_ENV = "BENCH_AGENTIC_TOOL_LATENCY_S"  # what `endpoint_agent` sleeps per tool call
 ENDPOINT_CALLS_ENV = "BENCH_AGENTIC_TOOL_CALLS"
+ENDPOINT_HTTP_ENV = "BENCH_AGENTIC_AGENT_HTTP"  # the agent's openai HTTP backend: aiohttp | httpx
 
 
 async def endpoint_agent(task: Any) -> float:
@@ -671,13 +672,28 @@ async def endpoint_agent(task: Any) -> float:
 
 
 _CLIENTS: dict[str, Any] = {}
+_CLOSERS: list[asyncio.Future[None]] = []  # the tasks that close each client at exit (kept: a task needs a reference)
 
 
 def _openai_client(openai: Any, task: Any) -> Any:
-    """One client (one connection pool) per endpoint, as an agent process would keep."""
+    """One client (one connection pool) per endpoint, as an agent process would keep, on the HTTP backend
+    `--agent-http` names: `aiohttp` (`openai.DefaultAioHttpClient()`, what openai's README advises for many
+    concurrent requests) or `httpx` (the client's default; its pool scans every open connection for each request,
+    so with a step's episodes all in flight the agent's own client costs more than the endpoint: docs/benchmarks.md).
+    The client is closed when the run's event loop cancels its tasks at exit."""
     if task.base_url not in _CLIENTS:
-        _CLIENTS[task.base_url] = openai.AsyncOpenAI(base_url=task.base_url, api_key=task.api_key, max_retries=0)
+        http = openai.DefaultAioHttpClient() if os.environ.get(ENDPOINT_HTTP_ENV, "aiohttp") == "aiohttp" else None
+        client = openai.AsyncOpenAI(base_url=task.base_url, api_key=task.api_key, max_retries=0, http_client=http)
+        _CLIENTS[task.base_url] = client
+        _CLOSERS.append(asyncio.ensure_future(_close_at_exit(client)))
     return _CLIENTS[task.base_url]
+
+
+async def _close_at_exit(client: Any) -> None:
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await client.close()
 
 
 # ---- summary, goals, printing -----------------------------------------------------------------------------------
@@ -846,7 +862,8 @@ def report(args: argparse.Namespace, model: dict[str, Any], rows: list[dict[str,
     print("\ncomposer-mesh, where the time went (its generator and trainer run at once)")
     print("\n".join(ours_table(rows)))
     if "endpoint" in args.sides:
-        print("\ncomposer-mesh through the harness endpoint (an openai-client agent plays the episodes)")
+        print(f"\ncomposer-mesh through the harness endpoint (an openai-client agent plays the episodes, HTTP: "
+              f"{args.agent_http})")
         print("\n".join(ours_table(rows, "endpoint")))
     result_goals = goals(args, rows)
     print("\ngoals")
@@ -916,6 +933,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sides", nargs="+", choices=["trl", "ours", "endpoint"], default=["trl", "ours", "endpoint"],
                    help="what runs: TRL, composer-mesh's built-in episode driver, and the same run with an "
                         "openai-client agent playing through the harness endpoint (run.rollout.kind: harness)")
+    p.add_argument("--agent-http", choices=["aiohttp", "httpx"], default="aiohttp",
+                   help="the endpoint side's agent: the openai client's HTTP backend (aiohttp: "
+                        "openai.DefaultAioHttpClient(), openai's advice for many concurrent requests; httpx: its default)")
     p.add_argument("--trl-child", help=argparse.SUPPRESS)
     agentic_ablation.add_arguments(p)
     args = p.parse_args(argv)

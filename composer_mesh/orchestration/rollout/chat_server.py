@@ -28,6 +28,7 @@ from typing import Any, Protocol
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from composer_mesh.orchestration.rollout.chat_wire import (
     ChatRequest,
@@ -81,12 +82,8 @@ def episode_of(request: Request, chat: ChatRequest) -> str:
 def build_app(episodes: EpisodeEndpoint, token: str | None, model: str) -> FastAPI:
     """The FastAPI app over `episodes`; `token` None: no authentication (a loopback bind without token_env)."""
     app = FastAPI(title="composer-mesh harness endpoint", docs_url=None, redoc_url=None, openapi_url=None)
-
-    @app.middleware("http")
-    async def guard(request: Request, call_next: Any) -> Response:
-        if not authorized(request.headers.get("authorization"), token):
-            return _error(WireError("a valid bearer token is required (Authorization: Bearer <token>)", None, 401))
-        return await call_next(request)
+    if token is not None:
+        app.add_middleware(BearerGuard, token=token)
 
     @app.exception_handler(WireError)
     async def refused(request: Request, e: WireError) -> Response:
@@ -134,6 +131,24 @@ async def _events(chunks: list[dict[str, Any]]) -> AsyncIterator[bytes]:
     for chunk in chunks:
         yield f"data: {json.dumps(chunk)}\n\n".encode()
     yield b"data: [DONE]\n\n"
+
+
+class BearerGuard:
+    """Refuses every request without `Authorization: Bearer <token>` (401), before any route runs. A plain ASGI
+    middleware rather than FastAPI's `@app.middleware("http")`, whose per-request task and streams cost more than
+    the check itself: every turn of every episode passes here."""
+
+    def __init__(self, app: ASGIApp, token: str) -> None:
+        self.app, self.token = app, token
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            if not authorized(header, self.token):
+                refusal = WireError("a valid bearer token is required (Authorization: Bearer <token>)", None, 401)
+                await _error(refusal)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class _RunOwnsSignals(uvicorn.Server):
