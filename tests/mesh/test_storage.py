@@ -21,9 +21,9 @@ from mesh.objectstore.conftest import S3_ENV, gcs_endpoint, moto_endpoint  # noq
 from mesh.objectstore.gcs import create_bucket
 
 
-def _gcs_blobs(endpoint: str, bucket: str) -> FsspecBlobs:
-    """Options as a deployment gives them; no cache settings (the gs row of `mesh.storage.backends` adds those)."""
-    return FsspecBlobs(f"gs://{bucket}/root", endpoint_url=endpoint, token="anon", project="test")
+def _gcs_blobs(endpoint: str, bucket: str, **options: object) -> FsspecBlobs:
+    """Options as a deployment gives them; no listing-cache setting (the gs row of `mesh.storage.backends` adds it)."""
+    return FsspecBlobs(f"gs://{bucket}/root", endpoint_url=endpoint, token="anon", project="test", **options)
 
 
 @pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.s3), pytest.param("gcs", marks=pytest.mark.gcs)])
@@ -163,7 +163,8 @@ def test_a_commit_by_another_host_is_seen_by_a_reader_that_listed_before(request
     endpoint = request.getfixturevalue("gcs_endpoint")
     bucket = f"fresh-{uuid.uuid4().hex[:10]}"
     create_bucket(endpoint, bucket)
-    reader, writer = CommittedSeries(_gcs_blobs(endpoint, bucket)), CommittedSeries(_gcs_blobs(endpoint, bucket))
+    reader, writer = (CommittedSeries(_gcs_blobs(endpoint, bucket, skip_instance_cache=True))  # two hosts' clients
+                      for _ in range(2))
     _write_step(writer, 1)
     part = _write_step(writer, 2, commit=False)
     assert reader.committed() == [1] and reader.at(2).marker() is None

@@ -1,8 +1,8 @@
 """Object-store access for the DiLoCo plane: atomic puts, create-only puts, checksummed safetensors shards.
 
 Why this layer exists: fsspec backends differ exactly where a multi-writer protocol cares. What differs per
-protocol is one row of `mesh.storage.backends.BACKENDS` (listing and instance caches, how create-only is made
-atomic, whether the store is a local filesystem); this class only dispatches on that row:
+protocol is one row of `mesh.storage.backends.BACKENDS` (listing cache, how create-only is made atomic, whether
+the store is a local filesystem); this class only dispatches on that row, and opens its own client:
 - local (file://): a plain write is visible half-written, so puts go to a temp name then `os.replace`;
   create-only `link`s the finished temp file (fails atomically if the target exists).
 - precondition (s3://, gs://): a single PUT (or a completed multipart/resumable upload) is atomic; create-only
@@ -221,7 +221,7 @@ class Store:
         self.scheme = self.uri.partition("://")[0]
         self.backend = backend_for(self.uri)
         try:
-            self.fs, self.root = open_filesystem(self.uri, storage_options)
+            self.fs, self.root = open_filesystem(self.uri, storage_options, own_client=True)  # one per replica
         except Exception as e:
             raise StoreError(f"cannot open store {self.uri!r}: {type(e).__name__}: {e}") from None
         self.root = self.root.rstrip("/")
