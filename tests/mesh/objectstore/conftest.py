@@ -13,6 +13,8 @@ from services import require_module
 from mesh.objectstore.gcs import GCS_ENV, CreateOnlyProxy, Emulator, create_bucket
 
 S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
+for _k, _v in GCS_ENV.items():  # at collection: before any test of this session can import gcsfs
+    os.environ.setdefault(_k, _v)
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +55,6 @@ def gcs_endpoint() -> Iterator[str]:
     """The create-only proxy's URL, in front of a fresh in-memory emulator."""
     require_module("gcsfs")
     require_module("gcp_storage_emulator")
-    for k, v in GCS_ENV.items():
-        os.environ.setdefault(k, v)
     emulator = Emulator()
     proxy = CreateOnlyProxy(emulator.port)
     try:

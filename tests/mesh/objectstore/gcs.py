@@ -97,6 +97,8 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
     def _any(self) -> None:
+        if "chunked" in self.headers.get("Transfer-Encoding", ""):  # gcsfs sends sized bodies; say so if not
+            return self._send(501, [], b"the test proxy reads Content-Length bodies only")
         body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
         url = urllib.parse.urlsplit(self.path)
         query = urllib.parse.parse_qs(url.query)
