@@ -10,6 +10,12 @@ one line (no traceback, no "it is a bug"), without knowing every layer's excepti
 A `UserInputError` survives pickling whatever its subclass's `__init__` takes (Monarch pickles an endpoint's
 exception to send it to the caller; an exception whose `__init__` needs more than its message would otherwise
 fail to unpickle and arrive as another error).
+
+`FieldError` is the `ValueError` a config's validator raises about one of its fields when the check spans
+several (a model validator): pydantic locates it at the model, and the topology's error rendering takes it down
+to the field it names, so the message lands on that field's own line of the file. (A plain `ValueError`
+subclass, so that this module stays free of pydantic; `mesh/spec.py` raises a nested `ValidationError` instead
+where pydantic's own error location must name the field.)
 """
 
 from __future__ import annotations
@@ -30,3 +36,17 @@ def _rebuild(cls: type[UserInputError], args: tuple[Any, ...], state: dict[str, 
     error.args = args
     error.__dict__.update(state)
     return error
+
+
+class FieldError(ValueError):
+    """A config validator's error about the field at `loc`, e.g. `FieldError("max_digits", "min_digits 5 >
+    max_digits 3")` from a model validator: reported on that field's line of a topology. `loc` is relative to
+    where pydantic puts the validator's error: the model for a model validator, the field for a field
+    validator (a key inside a dict field, say)."""
+
+    def __init__(self, loc: str | tuple[str | int, ...], message: str) -> None:
+        super().__init__(message)
+        self.loc: tuple[str | int, ...] = (loc,) if isinstance(loc, str) else tuple(loc)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return FieldError, (self.loc, str(self))

@@ -92,7 +92,8 @@ def test_sigterm_then_a_dead_trainer_then_resume_finish_the_run(tmp_path: Path) 
     assert done.returncode == cli.EXIT_INVALID, done.stderr
     # found before launch (app/preflight/resume.py), not by the trainer after the meshes started
     assert "cannot resume: trainer replica 0's state" in done.stderr
-    assert "unreadable trainer state" in done.stderr and "Traceback" not in done.stderr
+    assert "state.safetensors: 100 bytes, COMPLETE says" in done.stderr and "Traceback" not in done.stderr
+    assert f"the newest checkpoint that verifies is {run_dir / 'checkpoints' / f'step-{16 - 2:08d}'}" in done.stderr
 
 
 def test_resume_without_a_checkpoint_is_one_message(tmp_path: Path) -> None:

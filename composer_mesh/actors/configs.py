@@ -37,6 +37,7 @@ class TrainerConfig(RoleConfig):
     diloco: DiLoCoConfig | None = None
     seed: int = 0  # the run's seed: each replica's RNGs start from it once the model is built
     procs_per_replica: int = 1  # procs that train one replica together (the mesh has replicas x this many)
+    on_nonfinite: str = "stop"  # run.on_nonfinite: a non-finite loss or gradient stops the run, or is skipped
 
 
 @dataclass(frozen=True)

@@ -117,18 +117,26 @@ class GeneratorService:
             pending = self._pending
             held = max(self.version, pending[0] if pending is not None else -1)
         if manifest.version <= held:
-            return WeightVersion(version=self.version)
+            return self._answer(self.version)
         if self._subscriber is None:
             # Meta tensors describe the expected names/shapes/dtypes without allocating anything.
             expected = {n: torch.empty(shape, dtype=dtype, device="meta") for n, (shape, dtype) in self.backend.weight_specs().items()}
-            self._subscriber = WeightSubscriber(self.weights_config, expected=expected)
+            self._subscriber = WeightSubscriber(self.weights_config, expected=expected, name=self.name)
         t0 = time.perf_counter()
-        pulled = await self._subscriber.pull(manifest)
+        pulled = await self._subscriber.pull(manifest)  # a transport weights.require refuses raises here
         tensors = {k: v.clone() for k, v in pulled.tensors.items()}  # staging views are reused by the next pull
         with self._lock:
             self._pending = (pulled.version, tensors)
         self.last_sync_s = time.perf_counter() - t0
-        return WeightVersion(version=pulled.version, num_params=len(tensors), num_bytes=pulled.nbytes)
+        return self._answer(pulled.version, len(tensors), pulled.nbytes)
+
+    def _answer(self, version: int, num_params: int = 0, num_bytes: int = 0) -> WeightVersion:
+        """`update`'s answer: the version, and the transport the weights arrive by (the controller reports it)."""
+        choice = self._subscriber.choice if self._subscriber is not None else None
+        if choice is None:
+            return WeightVersion(version, num_params, num_bytes, generator=self.name)
+        return WeightVersion(version, num_params, num_bytes, generator=self.name, transport=choice.used,
+                             reason=choice.reason, fallback=choice.fallback)
 
     def apply_pending_now(self) -> int:
         """Swap now, or as soon as the request in flight finishes (an in-flight backend may already have)."""

@@ -330,9 +330,17 @@ class TrainBatch:
 
 @dataclass
 class WeightVersion:
+    """A generator's answer to `update_weights`: the version it holds and how its weights arrive (`transport`:
+    what moves the bytes, e.g. 'shm' or 'rdma_tcp'; `reason`: why it was chosen; `fallback`: slower than this
+    generator should get), so the controller can report the transport of every generator."""
+
     version: int
     num_params: int = 0
     num_bytes: int = 0
+    generator: str = ""
+    transport: str = ""
+    reason: str = ""
+    fallback: bool = False
 
 
 @dataclass

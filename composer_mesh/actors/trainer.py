@@ -39,18 +39,20 @@ class TrainerService:
         self._writes: list[tuple[str, Future[None]]] = []  # full-state writes not yet reported
 
     def start(self, model: Any, loss: Any, temperature: float, diloco: Any = None, replica_id: int = 0,
-              seed: int = 0, shard: Any = None) -> None:
-        """Start the binding (with `shard`: as one rank of a sharded replica), then seed the process's RNGs
-        (torch, Python, NumPy) from the run's seed and the replica: what building the model consumed (a cold or
-        a warm model cache) must not change the run."""
+              seed: int = 0, shard: Any = None, on_nonfinite: str = "stop") -> None:
+        """Start the binding (with `shard`: as one rank of a sharded replica; with `on_nonfinite: skip`, skipping
+        non-finite steps), then seed the process's RNGs (torch, Python, NumPy) from the run's seed and the
+        replica: what building the model consumed (a cold or a warm model cache) must not change the run."""
         import random
 
         import numpy as np
         import torch
 
         self.shard = shard
-        sharded = {} if shard is None else {"shard": shard}  # a binding that cannot shard never sees the argument
-        self.backend.start(model, loss, temperature=temperature, diloco=diloco, replica_id=replica_id, **sharded)
+        # A binding that cannot shard (or skip) never sees the argument it has no use for.
+        options = ({} if shard is None else {"shard": shard}) | (
+            {"on_nonfinite": on_nonfinite} if on_nonfinite != "stop" else {})
+        self.backend.start(model, loss, temperature=temperature, diloco=diloco, replica_id=replica_id, **options)
         rng_seed = seed * 1_000_003 + replica_id
         torch.manual_seed(rng_seed)
         random.seed(rng_seed)
@@ -183,7 +185,7 @@ class TrainerActor(RoleActor[TrainerService]):
         shard = self.shard_group(address)
         service = TrainerService(cfg.binding.build(), cfg.weights)
         await asyncio.to_thread(service.start, cfg.model, cfg.loss, cfg.temperature, cfg.diloco, self.replica_id(),
-                                cfg.seed, shard)
+                                cfg.seed, shard, cfg.on_nonfinite)
         self._service = service
         return await asyncio.to_thread(service.publish)
 

@@ -18,6 +18,7 @@ from rich.table import Table
 from composer_mesh.app.build_status import model_cache_roots, show_builds
 from composer_mesh.app.launch import launch, run_config
 from composer_mesh.app.preflight import preflight
+from composer_mesh.app.preflight.resume import instead
 from composer_mesh.app.progress import clock, open_progress
 from composer_mesh.orchestration.checkpoint import (
     CheckpointPolicy,
@@ -69,7 +70,10 @@ def resume_point(topology: Topology, path: str | None) -> ResumePoint:
     a topology whose training-defining fields differ. Read before anything is launched."""
     where = path or checkpoint_policy(topology).url
     url = find_checkpoint(where)
-    state = read_checkpoint(url)
+    try:
+        state = read_checkpoint(url)  # its files checked against the marker as read; the trainer parts by preflight
+    except RunCheckpointError as e:
+        raise RunCheckpointError(f"{e}{instead(url)}") from None
     check_fingerprint(url, state.fingerprint, topology.training_fingerprint())
     if state.step > topology.run.steps:
         raise RunCheckpointError(f"{url} is at step {state.step}, beyond run.steps={topology.run.steps}: raise "
@@ -241,6 +245,8 @@ def summary_table(summary: RunSummary) -> Table:
     table.add_row("rollouts trained", f"{summary.rollouts_trained:,}")
     table.add_row("throughput", f"{_rate(summary.samples_per_s)} rollouts/s (startup excluded)")
     table.add_row("dropped stale batches", f"{summary.dropped_batches} ({summary.dropped_rollouts} rollouts)")
+    if summary.weight_transports:
+        table.add_row("weight transport", "; ".join(summary.weight_transports))
     table.add_row("run dir", f"{summary.run_dir} (metrics.jsonl, plot.png, checkpoint/)")
     table.add_row("full checkpoint", f"{summary.checkpoint} (for --resume)" if summary.checkpoint else "-")
     return table

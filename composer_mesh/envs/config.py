@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from composer_mesh.envs.coding.config import CodingConfig
+from composer_mesh.errors import FieldError
 
 # reasoning-gym seeds entry i of a dataset with `seed + i`: eval entries use seeds train entries never reach.
 EVAL_SEED_OFFSET = 10**9
@@ -28,6 +29,16 @@ MAX_SIZE = 10**8  # so `seed + index` of a train entry stays below the eval seed
 def library_missing(module: str, extra: str) -> str:
     """The error for an environment whose library is not installed, naming the extra that installs it."""
     return f"run.environment needs the {module!r} package: pip install 'composer-mesh[{extra}]'"
+
+
+def _json_values(field: str, value: Any, *, in_model: bool = True) -> None:
+    """`value` crosses to the reward workers as JSON: a YAML value that has no JSON form (a date, a set) is an
+    error at its field now, not a TypeError in a worker later (`in_model`: raised by a model validator, so the
+    error names the field; a field validator's error is at the field already)."""
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError) as e:
+        raise FieldError(field if in_model else (), f"run.environment.{field} must hold JSON values only: {e}") from None
 
 
 class ReasoningGymConfig(BaseModel):
@@ -69,12 +80,9 @@ class ReasoningGymConfig(BaseModel):
     def _no_seed_or_size(cls, v: dict[str, Any]) -> dict[str, Any]:
         taken = sorted({"seed", "size"} & set(v))
         if taken:
-            raise ValueError(f"set {', '.join(taken)} as run.environment.{taken[0]} (the section's own field), "
-                             "not inside run.environment.config")
-        try:  # it travels with every prompt (Prompt.extra) to the reward function
-            json.dumps(v)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"run.environment.config must hold JSON values only: {e}") from None
+            raise FieldError(taken[0], f"set {', '.join(taken)} as run.environment.{taken[0]} (the section's own "
+                             "field), not inside run.environment.config")
+        _json_values("config", v, in_model=False)  # it travels with every prompt (Prompt.extra) to the reward function
         return v
 
 
@@ -163,13 +171,15 @@ class OpenEnvConfig(ClientSettings):
     def _consistent(self) -> OpenEnvConfig:
         taken = {"seed", self.split_field} & set(self.reset)
         if taken:
-            raise ValueError(f"run.environment.reset sets {sorted(k for k in taken if k)}: the prompt source sets "
-                             "the seed and split of each episode")
+            raise FieldError("reset", f"run.environment.reset sets {sorted(k for k in taken if k)}: the prompt source "
+                             "sets the seed and split of each episode")
         if self.tools and not self.episodes:
-            raise ValueError("run.environment.tools needs episodes: true (tool calls are played over several steps)")
-        json.dumps(self.reset)  # crosses to the reward workers as JSON
+            raise FieldError("tools", "run.environment.tools needs episodes: true (tool calls are played over several "
+                             "steps)")
+        _json_values("reset", self.reset)  # crosses to the reward workers as JSON
         if self.server is not None and urlsplit(self.url).port is None:
-            raise ValueError("run.environment.server needs a port in run.environment.url (e.g. http://127.0.0.1:8765)")
+            raise FieldError("server", "run.environment.server needs a port in run.environment.url (e.g. "
+                             "http://127.0.0.1:8765)")
         return self
 
 
@@ -212,12 +222,14 @@ class VerifiersConfig(BaseModel):
     @model_validator(mode="after")
     def _consistent(self) -> VerifiersConfig:
         if self.eval_taskset_config is not None and self.eval_size is not None:
-            raise ValueError("run.environment: eval_taskset_config and eval_size both choose the eval set; set one")
+            raise FieldError("eval_size", "run.environment: eval_taskset_config and eval_size both choose the eval "
+                             "set; set one")
         for name in ("taskset_config", "eval_taskset_config"):
             value = getattr(self, name)
             if value is not None and "id" in value:
-                raise ValueError(f"run.environment.{name} sets `id`: name the taskset in run.environment.taskset")
-            json.dumps(value)  # crosses to the reward workers as JSON
+                raise FieldError((name, "id"), f"run.environment.{name} sets `id`: name the taskset in "
+                                 "run.environment.taskset")
+            _json_values(name, value)  # crosses to the reward workers as JSON
         return self
 
     def env_config(self, split: str = "train") -> dict[str, Any]:
@@ -255,10 +267,11 @@ class CalculatorConfig(BaseModel):
     @model_validator(mode="after")
     def _consistent(self) -> CalculatorConfig:
         if self.min_digits > self.max_digits:
-            raise ValueError(f"run.environment: min_digits {self.min_digits} > max_digits {self.max_digits}")
+            raise FieldError("max_digits", f"run.environment: min_digits {self.min_digits} > max_digits "
+                             f"{self.max_digits}")
         if 2 * self.eval_size > self.problems():
-            raise ValueError(f"run.environment: eval_size {self.eval_size} holds out more than half of the "
-                             f"{self.problems()} distinct problems of {self.min_digits}..{self.max_digits} digits")
+            raise FieldError("eval_size", f"run.environment: eval_size {self.eval_size} holds out more than half of "
+                             f"the {self.problems()} distinct problems of {self.min_digits}..{self.max_digits} digits")
         return self
 
     def problems(self) -> int:

@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from composer_mesh.errors import FieldError
+
 Normalization = Literal["token", "sequence"]
 SdpoWrapper = Literal["none", "taid", "entropy_opd"]
 DpoVariant = Literal["dpo", "simpo"]
@@ -241,7 +243,7 @@ class LossConfig(BaseModel):
             raise ValueError(f"{info.field_name} must be a finite number >= 0, got {value!r}")
         return value
 
-    @field_validator("sdpo_jsd_beta", "taid_t_start", "taid_t_end", "taid_momentum")
+    @field_validator("sdpo_jsd_beta", "taid_t_start", "taid_t_end", "taid_momentum", "dppo_mask_low", "dppo_mask_high")
     @classmethod
     def _unit_interval(cls, value: float, info: ValidationInfo) -> float:
         if not 0.0 <= value <= 1.0:
@@ -291,9 +293,19 @@ class LossConfig(BaseModel):
         return value
 
     @model_validator(mode="after")
+    def _taid_scheduled(self) -> LossConfig:
+        """TAID without a fixed t or a schedule has no t to use: refused when the file is read, not at the first
+        training step."""
+        if self.sdpo_wrapper == "taid" and not self.taid_has_schedule():
+            raise FieldError("sdpo_wrapper", "sdpo_wrapper='taid' needs a schedule: set taid_t (fixed) or "
+                             "taid_total_steps (linear/adaptive schedule)")
+        return self
+
+    @model_validator(mode="after")
     def _taid_order(self) -> LossConfig:
         if self.taid_t_start > self.taid_t_end:
-            raise ValueError(f"taid_t_start ({self.taid_t_start}) must be <= taid_t_end ({self.taid_t_end})")
+            raise FieldError("taid_t_start", f"taid_t_start ({self.taid_t_start}) must be <= taid_t_end "
+                             f"({self.taid_t_end})")
         return self
 
     @field_validator("credit_gamma")
@@ -307,8 +319,8 @@ class LossConfig(BaseModel):
     def _gamma_used(self) -> LossConfig:
         """A discount that nothing reads is a mistake the user should hear about, not a silent no-op."""
         if self.credit == "episode" and self.credit_gamma != 1.0:
-            raise ValueError(f"credit_gamma={self.credit_gamma} has no effect with credit='episode'; set credit: "
-                             "discounted_return or turn_group, or leave credit_gamma out")
+            raise FieldError("credit_gamma", f"credit_gamma={self.credit_gamma} has no effect with credit='episode'; "
+                             "set credit: discounted_return or turn_group, or leave credit_gamma out")
         return self
 
     def taid_has_schedule(self) -> bool:

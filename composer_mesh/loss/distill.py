@@ -465,13 +465,9 @@ def taid_linear_t(config: LossConfig, step: int) -> float:
 
 
 def taid_current_t(config: LossConfig, step: int, state: TAIDState | None) -> float:
-    """The t used at `step`. Raises ValueError when 'taid' has no fixed t and no schedule."""
+    """The t used at `step` (`LossConfig` refuses 'taid' with neither a fixed t nor a schedule)."""
     if config.taid_t is not None:
         return config.taid_t
-    if config.taid_total_steps is None:
-        raise ValueError(
-            "sdpo_wrapper='taid' needs a schedule: set taid_t (fixed) or taid_total_steps (linear/adaptive schedule)"
-        )
     t_lin = taid_linear_t(config, step)
     if not config.taid_adaptive:
         return t_lin

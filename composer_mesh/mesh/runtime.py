@@ -10,7 +10,8 @@ It also owns:
   failure; ours hands each failure to the launched meshes that own it (they turn it into a
   `MeshFailureError` naming the actor mesh and mesh) and only logs failures nobody claims;
 - `proc_setup`, the `bootstrap=` function every spawned proc runs before any actor: GPU visibility
-  per proc, the RDMA TCP-fallback warning filter, and a quiet logging default;
+  per proc and a quiet logging default (Monarch's RDMA TCP-fallback warning is not filtered here: the
+  weight plane reports its own fallback, `mesh/weights/rdma.py`, and anyone else's buffers still warn);
 - quieting Monarch's job loggers, which print INFO lines to the user's terminal.
 """
 
@@ -202,8 +203,6 @@ def proc_setup() -> None:
     - pins GPUs: sets `CUDA_VISIBLE_DEVICES` from the proc's `procs` coordinate, the mesh's
       `gpus_per_proc` (carried in `COMPOSER_MESH_GPUS_PER_PROC`) and, for a local mesh, its host GPUs
       (`COMPOSER_MESH_GPU_DEVICES`), before anything can initialise CUDA;
-    - filters `RDMATcpFallbackWarning` (Monarch's import-time `simplefilter` beats PYTHONWARNINGS, so it
-      has to be done inside the proc, after importing monarch.rdma);
     - gives Python logging a stderr handler at `COMPOSER_MESH_PROC_LOG_LEVEL` (default WARNING).
     """
     gpus = os.environ.get(ENV_GPUS_PER_PROC)
@@ -219,10 +218,6 @@ def proc_setup() -> None:
         listed = os.environ.get(ENV_GPU_DEVICES)
         host = None if listed is None else [int(d) for d in listed.split(",") if d.strip()]
         os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices(local_index, int(gpus), inherited, host)
-
-    from monarch.rdma import RDMATcpFallbackWarning
-
-    warnings.filterwarnings("ignore", category=RDMATcpFallbackWarning)
 
     level = os.environ.get(ENV_PROC_LOG_LEVEL, "WARNING").upper()
     mesh = os.environ.get(ENV_MESH, "?")

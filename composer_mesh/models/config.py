@@ -25,6 +25,7 @@ from pydantic import (
     model_validator,
 )
 
+from composer_mesh.errors import FieldError
 from composer_mesh.tasks.data import DataConfig
 
 DType = Literal["float32", "bfloat16", "float16"]
@@ -141,17 +142,15 @@ class ModelConfig(BaseModel):
     def _check_heads(self) -> ModelConfig:
         if self.source != "tiny":
             if self.tokenizer != "char":
-                raise ValueError(f"model.tokenizer={self.tokenizer!r} is for the tiny model; a local source "
-                                 "brings its own tokenizer")
+                raise FieldError("tokenizer", f"model.tokenizer={self.tokenizer!r} is for the tiny model; a local "
+                                 "source brings its own tokenizer")
             return self
         if self.hidden_size % self.num_heads:
-            raise ValueError(
-                f"model.num_heads={self.num_heads} must divide model.hidden_size={self.hidden_size}"
-            )
+            raise FieldError("num_heads", f"model.num_heads={self.num_heads} must divide model.hidden_size="
+                             f"{self.hidden_size}")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"model.num_kv_heads={self.num_kv_heads} must divide model.num_heads={self.num_heads}"
-            )
+            raise FieldError("num_kv_heads", f"model.num_kv_heads={self.num_kv_heads} must divide model.num_heads="
+                             f"{self.num_heads}")
         return self
 
     @model_serializer(mode="wrap")

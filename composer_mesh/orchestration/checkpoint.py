@@ -11,10 +11,11 @@ destination the trainer procs can reach too):
                              and the training fingerprint of the topology
       controller.safetensors the tensors of finished groups (teacher distributions)
       COMMITTED.json         written last, once every part above is complete (the storage primitive's marker:
-                             format, step, time, and the controller's files with their sizes)
+                             format, step, time, and the controller's files with their sizes and sha256)
 
-A directory without `COMMITTED.json` is never picked: the latest checkpoint is the highest committed step found
-by listing (no mutable pointer that a slow writer could move backwards). After a commit, checkpoints beyond the
+A directory without a valid `COMMITTED.json` is never picked: the latest checkpoint is the highest committed step
+found by listing (no mutable pointer that a slow writer could move backwards). `verify_checkpoint` checks the
+controller's files against their marker (each trainer part has its own marker, checked by its reader). After a commit, checkpoints beyond the
 newest `keep` committed ones are deleted, and so are abandoned half-written ones below the new one.
 
 Rollouts still generating when the checkpoint is taken are not saved: their chunks go back to their step's
@@ -44,12 +45,20 @@ from composer_mesh.actors.messages import (
     TokenDistribution,
     Turn,
 )
-from composer_mesh.mesh.storage import CommittedDir, CommittedSeries, FsspecBlobs, StorageError, absolute
+from composer_mesh.mesh.storage import (
+    CommittedDir,
+    CommittedSeries,
+    FsspecBlobs,
+    NotCommitted,
+    StorageError,
+    absolute,
+)
 from composer_mesh.orchestration.schedule import Chunk, GroupResult, SchedulerState, StepPlan
 
 FORMAT = 1
 COMMITTED = "COMMITTED.json"
 _STEP_PREFIX = "step-"
+_MARKER_FIELDS = {"format": int, "step": int, "time": (int, float)}  # the writer's fields in COMMITTED.json
 
 
 class RunCheckpointError(RuntimeError):
@@ -102,7 +111,8 @@ class CheckpointStore:
         self.url = absolute(url)
         self.blobs = FsspecBlobs(self.url)
         self.fs, self.root = self.blobs.fs, self.blobs.root
-        self.series = CommittedSeries(self.blobs, name=_STEP_PREFIX, marker=COMMITTED, where=self.url)
+        self.series = CommittedSeries(self.blobs, name=_STEP_PREFIX, marker=COMMITTED, fields=_MARKER_FIELDS,
+                                      where=self.url)
         self._parts: dict[int, CommittedDir] = {}  # step -> the directory the controller's part went to
 
     def step_url(self, step: int) -> str:
@@ -118,10 +128,11 @@ class CheckpointStore:
     def committed(self) -> list[int]:
         return self.series.committed()
 
-    def latest(self) -> str | None:
-        """URL of the newest committed checkpoint, or None."""
-        done = self.committed()
-        return self.step_url(done[-1]) if done else None
+    def latest(self, below: int | None = None) -> str | None:
+        """URL of the newest committed checkpoint (below step `below`, if given), or None; `NotCommitted` when
+        markers are there but none is valid."""
+        found = self.series.newest(below)
+        return self.step_url(found.step) if found is not None else None
 
     def write_controller(self, state: ControllerState) -> None:
         """The controller's part (JSON + safetensors); the trainers write theirs themselves."""
@@ -143,18 +154,27 @@ class CheckpointStore:
         return self.step_url(step)
 
 
+def _step_dir(url: str) -> CommittedDir:
+    return CommittedDir(FsspecBlobs(url), marker=COMMITTED, fields=_MARKER_FIELDS, where=url)
+
+
 def find_checkpoint(path: str) -> str:
     """The checkpoint `path` names: a step directory itself, else the newest committed one under `path` (a
     checkpoints directory, or a run dir holding `checkpoints/`)."""
     url = absolute(path)
-    step_dir = CommittedDir(FsspecBlobs(url), marker=COMMITTED, where=url)
-    if step_dir.blobs.exists("controller.json") or step_dir.committed():
-        if not step_dir.committed():
-            raise RunCheckpointError(f"{url}: not committed ({COMMITTED} is missing): a checkpoint whose writing "
-                                     "never finished; resume from an earlier one")
+    step_dir = _step_dir(url)
+    if step_dir.blobs.exists("controller.json") or step_dir.blobs.exists(COMMITTED):
+        try:
+            step_dir.read_marker()
+        except NotCommitted as e:
+            raise RunCheckpointError(f"{e}: a checkpoint whose writing never finished or whose marker was damaged; "
+                                     "resume from an earlier one") from None
         return url
     for candidate in (url, f"{url}/checkpoints"):
-        latest = CheckpointStore(candidate).latest()
+        try:
+            latest = CheckpointStore(candidate).latest()
+        except NotCommitted as e:
+            raise RunCheckpointError(f"{e}; no checkpoint there has a valid marker") from None
         if latest is not None:
             return latest
     if not step_dir.blobs.exists(""):
@@ -163,9 +183,19 @@ def find_checkpoint(path: str) -> str:
                              "here and under checkpoints/)")
 
 
+def verify_checkpoint(url: str) -> None:
+    """Check the controller's files of the checkpoint at `url` against the sizes and sha256 its `COMMITTED.json`
+    lists (streamed); RunCheckpointError naming the file and what differs. The trainer parts are checked by
+    their own reader (`trainer_state.check_trainer_state`)."""
+    try:
+        _step_dir(url).verify()
+    except StorageError as e:
+        raise RunCheckpointError(str(e)) from None
+
+
 def read_checkpoint(url: str) -> ControllerState:
     """The controller state of the committed checkpoint at `url`; RunCheckpointError naming what is wrong."""
-    step_dir = CommittedDir(FsspecBlobs(url), marker=COMMITTED, where=url)
+    step_dir = _step_dir(url)
     try:
         doc, tensors = step_dir.read_committed(
             "controller.json", "controller.safetensors", what="controller state",

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from composer_mesh.actors.teacher_topk import DEFAULT_TOP_K, DENSE_VOCAB_LIMIT
 from composer_mesh.envs.config import EnvironmentConfig
+from composer_mesh.errors import FieldError
 from composer_mesh.tasks.data import DataConfig
 
 Logger = Literal["jsonl", "tensorboard", "wandb", "mlflow"]
@@ -99,15 +100,16 @@ class HintsConfig(BaseModel):
     @model_validator(mode="after")
     def _rule_given(self) -> HintsConfig:
         if (self.source == "rule") != (self.rule is not None):
-            raise ValueError("run.rollout.hints.rule names the rule function exactly when source is rule "
+            raise FieldError("rule" if self.rule is not None else "source", "run.rollout.hints.rule names the rule function exactly when source is rule "
                              f"(source {self.source!r}, rule {self.rule!r})")
         if (self.source == "teacher") != (self.teacher is not None):
-            raise ValueError("run.rollout.hints.teacher names the hint-writing teacher exactly when source is teacher "
-                             f"(source {self.source!r}, teacher {self.teacher!r})")
+            raise FieldError("teacher" if self.teacher is not None else "source", "run.rollout.hints.teacher names the hint-writing teacher exactly when source "
+                             f"is teacher (source {self.source!r}, teacher {self.teacher!r})")
         if self.rule is not None and (self.rule.count(":") != 1 or not all(self.rule.split(":"))):
-            raise ValueError(f"run.rollout.hints.rule {self.rule!r} is not an import path 'pkg.mod:fn'")
+            raise FieldError("rule", f"run.rollout.hints.rule {self.rule!r} is not an import path 'pkg.mod:fn'")
         if "{feedback}" not in self.template:
-            raise ValueError(f"run.rollout.hints.template {self.template!r} has no {{feedback}} placeholder")
+            raise FieldError("template", f"run.rollout.hints.template {self.template!r} has no {{feedback}} "
+                             "placeholder")
         return self
 
 
@@ -145,8 +147,8 @@ class HarnessConfig(BaseModel):
     @model_validator(mode="after")
     def _token_beyond_loopback(self) -> HarnessConfig:
         if self.token_env is None and not is_loopback(self.host):
-            raise ValueError(f"run.rollout.harness.token_env is required: host {self.host!r} is not a loopback "
-                             "address, and the endpoint must refuse unauthenticated callers there")
+            raise FieldError("host", f"run.rollout.harness.token_env is required: host {self.host!r} is not a "
+                             "loopback address, and the endpoint must refuse unauthenticated callers there")
         return self
 
 
@@ -259,6 +261,13 @@ class RunConfig(BaseModel):
         "rollout's reward failed in this many consecutive steps: a reward that fails everywhere trains on nothing "
         "but `failure_score`. 0: never stop for it."
     )
+    on_nonfinite: Literal["stop", "skip"] = Field(
+        "stop", description="A step whose loss or gradient is not finite (NaN, inf) never updates the weights. "
+        "stop: the run stops with one line naming the step and the quantity (exit 3) and the newest checkpoint, "
+        "which is from before it, to `--resume` from. skip: the step's update is skipped (no optimizer step, the "
+        "weights unchanged bitwise), counted in the metric `faults/nonfinite_skipped`, and the run goes on; not "
+        "with `diloco` (a replica that skips a step would leave its rounds' cadence)."
+    )
     eval_prompts: int = Field(
         64, ge=0, description="Held-out prompts (the prompt source's eval set, never trained on) evaluated before "
         "and after training and every `eval_every` steps (0: no evaluation). A task that lists its eval split "
@@ -307,31 +316,42 @@ class RunConfig(BaseModel):
     def _tracker_settings_used(self) -> RunConfig:
         # Settings off their default for a tracker the run does not use are a mistake (by value, not by
         # `model_fields_set`: a dumped and re-validated config has every field set).
-        unused = [f"run.trackers.{k} is set but run.loggers {self.loggers} does not name {k.split('_')[0]!r}"
-                  for k, f in TrackersConfig.model_fields.items()
+        unused = [k for k, f in TrackersConfig.model_fields.items()
                   if "_" in k and k.split("_")[0] not in self.loggers and getattr(self.trackers, k) != f.default]
         if unused:
-            raise ValueError("; ".join(unused))
+            raise FieldError(("trackers", unused[0]), "; ".join(
+                f"run.trackers.{k} is set but run.loggers {self.loggers} does not name {k.split('_')[0]!r}"
+                for k in unused))
         return self
 
     @model_validator(mode="after")
     def _one_prompt_source(self) -> RunConfig:
         # `task` keeps its default beside `data` (the field cannot tell "unset" once a config is re-validated)
         if self.data is not None and self.task != "addition":
-            raise ValueError(f"run.task ({self.task!r}) and run.data are two prompt sources; set one")
+            raise FieldError("data", f"run.task ({self.task!r}) and run.data are two prompt sources; set one")
         if self.environment is not None and (self.data is not None or self.task != "addition"):
-            raise ValueError("run.environment and run." + ("data" if self.data is not None else "task")
+            raise FieldError("environment", "run.environment and run." + ("data" if self.data is not None else "task")
                              + " are two prompt sources; set one")
         if self.rollout.kind == "multi_turn" and not getattr(self.environment, "plays_episodes", False):
             what = f"run.environment kind {self.environment.kind!r}" if self.environment is not None else "no " \
                 "run.environment"
-            raise ValueError(f"run.rollout.kind multi_turn plays episodes against an environment, and {what} plays "
-                             "none: use kind calculator, coding, verifiers, or openenv with episodes: true (docs/agentic.md)")
+            raise FieldError(self._episodes_field(), f"run.rollout.kind multi_turn plays episodes against an "
+                             f"environment, and {what} plays none: use kind calculator, coding, verifiers, or openenv "
+                             "with episodes: true (docs/agentic.md)")
         if self.rollout.hints.source != "none" and self.rollout.kind != "multi_turn":
-            raise ValueError("run.rollout.hints gives feedback inside episodes: it needs run.rollout.kind multi_turn")
+            raise FieldError(("rollout", "hints", "source"), "run.rollout.hints gives feedback inside episodes: it "
+                             "needs run.rollout.kind multi_turn")
         own = getattr(self.environment, "max_turns", None)
         if self.rollout.kind == "multi_turn" and own is not None and own > self.rollout.max_turns:
-            raise ValueError(f"run.environment.max_turns ({own}) is more than run.rollout.max_turns "
-                             f"({self.rollout.max_turns}): the driver would cut episodes before the environment "
-                             "grades its last turn; raise run.rollout.max_turns or lower the environment's")
+            raise FieldError(("environment", "max_turns"), f"run.environment.max_turns ({own}) is more than "
+                             f"run.rollout.max_turns ({self.rollout.max_turns}): the driver would cut episodes before "
+                             "the environment grades its last turn; raise run.rollout.max_turns or lower the "
+                             "environment's")
         return self
+
+    def _episodes_field(self) -> tuple[str, ...]:
+        """Where a multi_turn run without an environment that plays episodes is wrong: the environment's
+        `episodes` switch when it has one (OpenEnv), its kind when it has none, `rollout.kind` without one."""
+        if self.environment is None:
+            return ("rollout", "kind")
+        return ("environment", "episodes" if "episodes" in type(self.environment).model_fields else "kind")

@@ -19,6 +19,7 @@ from composer_mesh.actors.messages import GenerationRequest, Prompt, RolloutGrou
 from composer_mesh.loss.config import LossConfig
 from composer_mesh.mesh.objectstore.config import DiLoCoConfig
 from composer_mesh.orchestration import recorder as records
+from composer_mesh.orchestration import weight_transports
 from composer_mesh.orchestration.background import Background, StopRequest
 from composer_mesh.orchestration.checkpoint import CheckpointPolicy, CheckpointStore
 from composer_mesh.orchestration.commits import CheckpointCommits
@@ -151,6 +152,7 @@ class RLLoop:
         try:
             self.spares.prepare_all()  # spares get ready while the actors are set up (they need no weights yet)
             await self.setup()
+            weight_transports.announce(self.roles.generators.links, writer)
             eval_before = await self._begin(schedule, writer)
             train_start = time.perf_counter() - t_start
             writer.write_event("train_start", elapsed_s=train_start, step=resumed + 1)
@@ -171,7 +173,9 @@ class RLLoop:
         if writer.records:
             plot_run(writer.records, cfg.run_dir / "plot.png", writer.evals())
         end = records.SessionEnd(resumed, last, train_start, eval_before, eval_after, self.stop.reason, self.commits.last)
-        return records.summarize(cfg, writer, schedule, t_start, end, self.gate, self.scoring.teacher_usage)
+        summary = records.summarize(cfg, writer, schedule, t_start, end, self.gate, self.scoring.teacher_usage)
+        summary.weight_transports = weight_transports.transport_lines(self.roles.generators.links)
+        return summary
 
     async def _begin(self, schedule: StepScheduler, writer: MetricsWriter) -> float:
         """Restore the checkpoint to resume from, or evaluate the initial policy; the greedy reward before."""
@@ -187,7 +191,8 @@ class RLLoop:
     def _hooks(self, schedule: StepScheduler, writer: MetricsWriter, t_start: float) -> PipelineHooks:
         sources = records.RecordSources(lambda: self.scoring.traces_scored, lambda: self.scoring.teacher_usage,
                                         self.recovery.metrics, lambda: self.gate.dropped_batches,
-                                        self.rollout.counters)
+                                        self.rollout.counters,
+                                        lambda: weight_transports.transport_metrics(self.roles.generators.links))
         recorder = records.StepRecorder(writer, schedule, sources, t_start, self.commits.recorded, self.progress)
         health = RewardHealth(RewardHealthConfig.of(self.cfg))  # raises RewardsFailing: the run stops
         return PipelineHooks(

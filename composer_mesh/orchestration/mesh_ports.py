@@ -22,6 +22,7 @@ from composer_mesh.actors.messages import (
     TeacherRequest,
     TeacherSignals,
     TokenDistribution,
+    WeightVersion,
 )
 from composer_mesh.actors.teacher_errors import TeacherFailed
 from composer_mesh.mesh.weights.manifest import WeightManifest
@@ -38,14 +39,15 @@ async def build(actors: dict[str, Any]) -> None:
 
 
 class MeshGenerators:
-    """`ports.Generators` over the generators role: one handle per proc, and the weights they hold (a
-    replacement pulls them)."""
+    """`ports.Generators` over the generators role: one handle per proc, the weights they hold (a replacement
+    pulls them) and how each one's weights arrive (`links`: its latest answer naming a transport)."""
 
     def __init__(self, mesh: RoleMesh, recovery: Recovery) -> None:
         self.mesh = mesh
         self.recovery = recovery
         self.procs = mesh.procs("generators")
         self.manifest: WeightManifest | None = None  # the weights the generators hold
+        self.links: dict[str, WeightVersion] = {}
 
     def __len__(self) -> int:
         return len(self.procs)
@@ -74,11 +76,18 @@ class MeshGenerators:
 
     async def update_weights(self, manifest: WeightManifest) -> None:
         self.manifest = manifest  # a generator replaced from now on pulls these weights
-        await self.recovery.attempt("generators", lambda: self.mesh.generators.update_weights.call(manifest))
+        self.heard(await self.recovery.attempt(
+            "generators", lambda: self.mesh.generators.update_weights.call(manifest)))
 
     async def load_weights(self, manifest: WeightManifest) -> None:
         self.manifest = manifest
-        await self.mesh.generators.update_weights.call(manifest)
+        self.heard(await self.mesh.generators.update_weights.call(manifest))
+
+    def heard(self, answers: Any) -> None:
+        """Keep each generator's transport from its `update_weights` answers (a value mesh of `WeightVersion`)."""
+        for answer in answers.values():
+            if answer.transport:
+                self.links[answer.generator] = answer
 
 
 class MeshRewarder:
@@ -173,7 +182,7 @@ class MeshRoles:
             await build({role: getattr(self.mesh, role) for role in roles})
         if "generators" in roles:
             self.generators.refresh()
-            await self.mesh.generators.update_weights.call(self.generators.manifest)
+            self.generators.heard(await self.mesh.generators.update_weights.call(self.generators.manifest))
         if "rewarder" in roles and self.rewarder is not None:
             self.rewarder.refresh()
         if "teachers" in roles and self.teachers is not None:

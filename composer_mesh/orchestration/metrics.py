@@ -180,6 +180,7 @@ class RunSummary:
     pass_before: float | None = None  # pass@k before training ...
     pass_after: float | None = None  # ... and after
     launch_seconds: float = 0.0  # launching the meshes, before `seconds` began (set by the runner)
+    weight_transports: list[str] = field(default_factory=list)  # "generator0: shm (why)", one per kind
 
     @property
     def samples_per_s(self) -> float:

@@ -64,7 +64,11 @@ class LagGate:
     dropped_rollouts: int = 0
 
     def lag(self, batch: TrainBatch, trainer_version: int) -> int:
-        return trainer_version - min(r.weight_version for r in batch.rollouts())
+        """Versions between the trainer and the batch's oldest sampled token. A rollout with no completion (an
+        episode whose agent or environment failed before its first turn) sampled nothing, so it is never stale:
+        its `weight_version` is 0, not a version it was sampled at."""
+        versions = [r.weight_version for r in batch.rollouts() if r.completion_ids]
+        return trainer_version - min(versions, default=trainer_version)
 
     def admit(self, batch: TrainBatch, trainer_version: int) -> bool:
         if self.lag(batch, trainer_version) <= self.max_policy_lag:

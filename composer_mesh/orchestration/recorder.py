@@ -37,6 +37,7 @@ class RecordSources:
     faults: Callable[[], dict[str, float]]
     dropped_batches: Callable[[], int]
     rollout: Callable[[], dict[str, float]] = dict  # the rollout driver's counters (`RolloutDriver.counters`)
+    weights: Callable[[], dict[str, float]] = dict  # each generator's weight transport (`weight_transports`)
 
 
 @dataclass
@@ -75,7 +76,7 @@ class StepRecorder:
                  "sampling/short_step": float(done.plan.short),
                  "replay/traces_scored": float(self.sources.traces_scored()),
                  "sampling/generators": float(len({r.generator for r in rollouts})), **self.sources.faults(),
-                 **self.sources.rollout(),
+                 **self.sources.rollout(), **self.sources.weights(),
                  **episode_metrics([g for b in done.batches for g in b.groups]),
                  **teacher_episode_metrics([t for b in done.batches for t in b.traces])}
         record = self._record(done, since, timing, extra, len(rollouts))

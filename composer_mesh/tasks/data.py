@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from composer_mesh.errors import UserInputError
+from composer_mesh.errors import FieldError, UserInputError
 
 Format = Literal["auto", "jsonl", "parquet", "disk"]
 _SUFFIXES: dict[str, Format] = {".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet", ".pq": "parquet"}
@@ -68,19 +68,20 @@ class DataConfig(BaseModel):
     @model_validator(mode="after")
     def _consistent(self) -> DataConfig:
         if (self.path is None) == (self.hub is None):
-            raise ValueError("data needs exactly one of `path` (a local file or directory) and `hub` (a cached hub "
-                             "dataset name)")
+            raise FieldError("hub" if self.hub is not None else "path", "data needs exactly one of `path` (a local "
+                             "file or directory) and `hub` (a cached hub dataset name)")
         if self.prompt is not None and self.messages is not None:
-            raise ValueError("data: set `prompt` (a text column) or `messages` (a chat column), not both")
+            raise FieldError("messages", "data: set `prompt` (a text column) or `messages` (a chat column), not both")
         evals = [k for k in ("eval_path", "eval_split", "eval_fraction", "eval_size") if getattr(self, k) is not None]
         if len(evals) > 1:
-            raise ValueError(f"data: {' and '.join(evals)} both choose the eval set; set one")
+            raise FieldError(evals[1], f"data: {' and '.join(evals)} both choose the eval set; set one")
         if self.hub is not None and (self.format != "auto" or self.eval_path is not None):
-            raise ValueError("data: `format` and `eval_path` are for local files; a hub dataset has splits "
-                             "(`split`, `eval_split`)")
+            raise FieldError("format" if self.format != "auto" else "eval_path", "data: `format` and `eval_path` are "
+                             "for local files; a hub dataset has splits (`split`, `eval_split`)")
         taken = [c for c in (self.prompt_field, self.answer) if c in self.extra]
         if taken:
-            raise ValueError(f"data.extra repeats the column(s) {taken} already mapped to the prompt or answer")
+            raise FieldError(("extra", self.extra.index(taken[0])), f"data.extra repeats the column(s) {taken} "
+                             "already mapped to the prompt or answer")
         return self
 
     @property

@@ -55,6 +55,7 @@ CROSS_CHECKS: tuple[str, ...] = (
     "`diloco` is given exactly when `roles.trainer.replicas > 1`, and `diloco.replicas` equals it",
     "the trainer mesh has exactly `roles.trainer.replicas` × `procs_per_replica` procs (hosts × procs_per_host)",
     "`procs_per_replica > 1` needs a trainer binding with capability `sharded` (`hf`: FSDP2)",
+    "`run.on_nonfinite: skip` has no `diloco` (a replica that skips a step would leave its rounds' cadence)",
     "a trainer with `settings.lora` has no `diloco`; `lora.sync: adapter` needs a generator binding with "
     "capability `adapters` (one that applies the same LoRA config and loads adapter tensors)",
     "Slurm meshes that may share a node (`exclusive: false`, same partition) use different `monarch_port`s",
@@ -381,6 +382,14 @@ def check_lora(parts: Parts) -> Iterator[Problem]:
             )
 
 
+def check_on_nonfinite(parts: Parts) -> Iterator[Problem]:
+    """Skipping a non-finite step cannot work with DiLoCo: the replica's inner steps would fall out of the
+    others' rounds."""
+    if getattr(parts.sections.get("run"), "on_nonfinite", None) == "skip" and parts.sections.get("diloco") is not None:
+        yield (("run", "on_nonfinite"), "run.on_nonfinite: skip cannot be combined with diloco (a replica that "
+                                        "skips a step would leave its rounds' cadence); use stop")
+
+
 # What chooses a data set's held-out rows (`tasks/data.py`: a hash of each prompt over the rows read).
 _HELD_OUT_FIELDS = ("path", "hub", "hub_config", "format", "split", "prompt", "messages", "eval_path", "eval_split",
                     "eval_fraction", "eval_size")
@@ -414,6 +423,7 @@ CHECKS: tuple[Callable[[Parts], Iterator[Problem]], ...] = (
     check_replicas_fit_mesh,
     check_sharded_trainer,
     check_lora,
+    check_on_nonfinite,
     check_warmstart_held_out,
 )
 

@@ -37,6 +37,7 @@ from composer_mesh.actors.configs import (
     TrainerConfig,
 )
 from composer_mesh.bindings import Binding, BindingError, BoundBinding
+from composer_mesh.errors import FieldError
 from composer_mesh.loss.config import LossConfig
 from composer_mesh.mesh.objectstore.config import DiLoCoConfig
 from composer_mesh.mesh.spec import BACKENDS, Identifier, MeshSpec, SlurmJobName, StrictModel
@@ -217,9 +218,9 @@ class TeachersSpec(StrictModel):
     @classmethod
     def _unique_names(cls, v: list[TeacherSpec]) -> list[TeacherSpec]:
         seen: set[str] = set()
-        for m in v:
+        for i, m in enumerate(v):
             if m.name in seen:
-                raise ValueError(f"teacher name {m.name!r} is used twice; names must be unique")
+                raise FieldError((i, "name"), f"teacher name {m.name!r} is used twice; names must be unique")
             seen.add(m.name)
         return v
 
@@ -430,6 +431,7 @@ class Topology(StrictModel):
             temperature=self.run.temperature,
             seed=self.run.seed,
             diloco=self.diloco,
+            on_nonfinite=self.run.on_nonfinite,
         )
 
     def _teachers_config(self, spec: TeachersSpec) -> TeachersConfig:

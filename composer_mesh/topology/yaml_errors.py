@@ -29,6 +29,8 @@ from typing import Annotated, Any, Literal, NoReturn, TypeVar, Union, get_args, 
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from composer_mesh.errors import FieldError
+
 Loc = tuple[str | int, ...]
 M = TypeVar("M", bound=BaseModel)
 
@@ -175,7 +177,7 @@ class YamlDoc:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Which model validates a path (to say what is allowed there)
+# Which type validates a path (to say what is allowed there, and to tell the file's keys from pydantic's tags)
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -200,16 +202,43 @@ def field_type(model: type[BaseModel], name: str) -> Any:
     return Annotated[(field.annotation, *field.metadata)] if field.metadata else field.annotation
 
 
-def discriminated(tp: Any) -> tuple[str, dict[str, type[BaseModel]]] | None:
-    """(discriminator field, tag -> member model) of an `Annotated[Union[...], Field(discriminator=...)]`."""
-    if get_origin(tp) is not Annotated:
+def _members(tp: Any) -> list[Any]:
+    """The members of a union annotation but None (`[tp]` for any other annotation)."""
+    if get_origin(tp) in (Union, types.UnionType):
+        return [a for a in get_args(tp) if a is not type(None)]
+    return [tp]
+
+
+def bare(tp: Any) -> Any:
+    """`tp` without `Optional` and without `Annotated` metadata, except a discriminated union's.
+
+    Why: `EnvironmentConfig | None` is a discriminated union too; seen through its `Optional`, its tags and its
+    members are found like those of a union that is required."""
+    while True:
+        if get_origin(tp) is Annotated and _discriminator(tp) is None:
+            tp = get_args(tp)[0]
+        elif get_origin(tp) in (Union, types.UnionType) and len(_members(tp)) == 1:
+            tp = _members(tp)[0]
+        else:
+            return tp
+
+
+def _discriminator(tp: Any) -> str | None:
+    """The discriminator key of an `Annotated[Union[...], Field(discriminator=...)]`, else None."""
+    if get_origin(tp) is not Annotated or get_origin(get_args(tp)[0]) not in (Union, types.UnionType):
         return None
-    union, *metadata = get_args(tp)
-    key = next((m.discriminator for m in metadata if isinstance(getattr(m, "discriminator", None), str)), None)
-    if key is None or get_origin(union) not in (Union, types.UnionType):
+    metadata = get_args(tp)[1:]
+    return next((m.discriminator for m in metadata if isinstance(getattr(m, "discriminator", None), str)), None)
+
+
+def discriminated(tp: Any) -> tuple[str, dict[str, type[BaseModel]]] | None:
+    """(discriminator field, tag -> member model) of a discriminated union annotation (also when optional)."""
+    tp = bare(tp)
+    key = _discriminator(tp)
+    if key is None:
         return None
     members: dict[str, type[BaseModel]] = {}
-    for member in map(model_of, get_args(union)):
+    for member in map(model_of, get_args(get_args(tp)[0])):
         field_info = member.model_fields.get(key) if member is not None else None
         if member is not None and field_info is not None and get_origin(field_info.annotation) is Literal:
             members.update({str(tag): member for tag in get_args(field_info.annotation)})
@@ -224,10 +253,27 @@ def _resolve(tp: Any, raw: Any) -> Any:
     return union[1].get(str(raw.get(union[0])), tp)
 
 
+def _plain_union(tp: Any) -> bool:
+    """A union of several types without a discriminator (`int | Literal['auto']`): pydantic tags each member's
+    errors with the member's name (`'constrained-int'`, `"literal['auto']"`), which is not a key of the file."""
+    tp = bare(tp)
+    return get_origin(tp) in (Union, types.UnionType) and len(_members(tp)) > 1 and discriminated(tp) is None
+
+
+def _member_for(tp: Any, raw: Any) -> Any:
+    """The member of a plain union that holds `raw`'s children (its list or mapping member), if any."""
+    for member in _members(bare(tp)):
+        origin = get_origin(bare(member))
+        if isinstance(raw, list) and origin is list:
+            return member
+        if isinstance(raw, dict) and (origin is dict or model_of(member) is not None):
+            return member
+    return None
+
+
 def _item_type(tp: Any) -> Any:
     """The value type of a list or dict annotation (through `Annotated` / `Optional`), or None."""
-    while get_origin(tp) is Annotated or get_origin(tp) in (Union, types.UnionType):
-        tp = next(a for a in get_args(tp) if a is not type(None))
+    tp = bare(tp)
     return get_args(tp)[-1] if get_origin(tp) in (list, dict) else None
 
 
@@ -252,63 +298,87 @@ def _field_of(model: type[BaseModel], name: str, raw: Any) -> Any:
     return field_type(model, name)
 
 
-def _model_at(root: type[BaseModel], loc: Loc, data: Any) -> type[BaseModel] | None:
-    """The model that validates the mapping at `loc` (to list its allowed keys), if it can be found."""
+@dataclass(frozen=True)
+class _Step:
+    """One element of a pydantic error location: whether it is a union tag (not in the file), and the type
+    and data of the value it leads to (`tp` None when unknown)."""
+
+    el: str | int
+    tag: Literal["", "member", "plain"]  # "member": a discriminated union's; "plain": another union's
+    tp: Any
+    raw: Any
+
+
+def _child_type(tp: Any, raw: Any, el: str | int) -> Any:
+    """The annotation of the value at `el` under a value of type `tp` (data `raw`), or None."""
+    if _plain_union(tp):
+        tp = _member_for(tp, raw) or tp
+    model = model_of(_resolve(tp, raw))
+    if model is not None:
+        return _field_of(model, str(el), raw) if el in model.model_fields else None
+    return _item_type(tp)
+
+
+def _tag_kind(tp: Any, raw: Any, el: str | int) -> Literal["", "member", "plain"]:
+    """Whether `el`, under a value of type `tp` (data `raw`), is a union tag pydantic put in the location."""
+    union = discriminated(tp)
+    if union is not None and isinstance(raw, dict) and str(el) == str(raw.get(union[0])) and str(el) in union[1]:
+        return "member"
+    if _plain_union(tp) and isinstance(el, str) and not (isinstance(raw, dict) and el in raw):
+        return "plain"
+    return ""
+
+
+def _tag_member(tp: Any, raw: Any, el: str | int) -> Any:
+    """The union member that the tag `el` leads into (the whole union when it cannot be told)."""
+    union = discriminated(tp)
+    if union is not None:
+        return union[1][str(el)]
+    return _member_for(tp, raw) or bare(tp)
+
+
+def walk(root: type[BaseModel], loc: Loc, data: Any, *, tagged: bool = True) -> list[_Step]:
+    """`loc` element by element, with what validates each value and which elements are union tags (only in a
+    location as pydantic gives it, `tagged`; a path of the file's own keys has none).
+
+    The one walk behind every lookup below: errors under an optional discriminated union, a plain union, a
+    list item, a dict value or a binding's settings all find their type and their key in the file the same way."""
+    steps: list[_Step] = []
     tp: Any = root
     raw = data
     for el in loc:
         if el == "[key]":
+            steps.append(_Step(el, "", tp, raw))
             continue
-        model = model_of(_resolve(tp, raw))
-        if model is not None:
-            if el not in model.model_fields:
-                return None
-            tp = _field_of(model, str(el), raw)
+        tag = _tag_kind(tp, raw, el) if tagged and tp is not None else ""
+        if tag:
+            tp = _tag_member(tp, raw, el)
         else:
-            tp = _item_type(tp)
-        if tp is None:
-            return None
-        raw = _child_data(raw, el)
-    return model_of(_resolve(tp, raw))
+            tp = _child_type(tp, raw, el) if tp is not None else None
+            raw = _child_data(raw, el)
+        steps.append(_Step(el, tag, tp, raw))
+    return steps
+
+
+def _model_at(root: type[BaseModel], loc: Loc, data: Any) -> type[BaseModel] | None:
+    """The model that validates the mapping at `loc` (a tag-free path: to list its allowed keys), if known."""
+    steps = walk(root, loc, data, tagged=False)
+    tp, raw = (steps[-1].tp, steps[-1].raw) if steps else (root, data)
+    return model_of(_resolve(tp, raw)) if tp is not None else None
 
 
 def _type_at(root: type[BaseModel], loc: Loc, data: Any) -> Any:
     """The annotation that validates the value at `loc` (a tag-free path), or None."""
-    tp: Any = root
-    raw = data
-    for el in loc:
-        model = model_of(_resolve(tp, raw))
-        if model is not None:
-            tp = _field_of(model, str(el), raw) if el in model.model_fields else None
-        else:
-            tp = _item_type(tp)
-        if tp is None:
-            return None
-        raw = _child_data(raw, el)
-    return tp
+    steps = walk(root, loc, data, tagged=False)
+    return steps[-1].tp if steps else root
 
 
-def _without_tags(root: type[BaseModel], loc: Loc, data: Any) -> Loc:
-    """`loc` without the member tags pydantic adds under a discriminated union (they are not keys of the file:
-    'slurm' in ('meshes', 'gpu', 'slurm', 'hosts') is the member, not the mesh's `slurm` options)."""
-    out: list[str | int] = []
-    tp: Any = root
-    raw = data
-    for el in loc:
-        union = discriminated(tp)
-        if union is not None and isinstance(raw, dict) and str(el) == str(raw.get(union[0])) and str(el) in union[1]:
-            tp = union[1][str(el)]
-            continue
-        out.append(el)
-        if el == "[key]":
-            continue
-        model = model_of(_resolve(tp, raw))
-        if model is not None:
-            tp = _field_of(model, str(el), raw) if el in model.model_fields else None
-        elif tp is not None:
-            tp = _item_type(tp)
-        raw = _child_data(raw, el)
-    return tuple(out)
+def _without_tags(root: type[BaseModel], loc: Loc, data: Any) -> tuple[Loc, bool]:
+    """`loc` without the union tags pydantic adds (they are not keys of the file: 'slurm' in ('meshes', 'gpu',
+    'slurm', 'hosts') is the member, not the mesh's `slurm` options), and whether a plain union's tag was dropped
+    (then each member's error is one alternative of the value's single error)."""
+    steps = walk(root, loc, data)
+    return tuple(s.el for s in steps if not s.tag), any(s.tag == "plain" for s in steps)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -344,20 +414,33 @@ def _missing_key(loc: Loc, root: type[BaseModel], data: Any) -> str:
     return "required key is missing"
 
 
-def describe(err: dict[str, Any], root: type[BaseModel], data: Any) -> str:
-    """A message for one pydantic error that says what is wrong and what is allowed."""
+def _given(value: Any) -> str:
+    """What the file gave, for a message: numbers, booleans and null as written, anything else by its kind (a
+    string is not echoed: a pasted secret must never appear in an error; the line and column point at it)."""
+    if isinstance(value, (int, float, bool)) or value is None:
+        return _short(value)
+    kinds = {str: "a string", list: "a list", dict: "a mapping"}
+    return next((name for kind, name in kinds.items() if isinstance(value, kind)), f"a {type(value).__name__}")
+
+
+def _explain(err: dict[str, Any], root: type[BaseModel], data: Any) -> tuple[str, str | None]:
+    """What is wrong and what is allowed, and what was given (None: not to be shown) for one pydantic error."""
     kind, msg, loc = err["type"], err["msg"], tuple(err["loc"])
     if kind == "extra_forbidden":
-        return _unknown_key(loc, root, data)
+        return _unknown_key(loc, root, data), None
     if kind == "missing":
-        return _missing_key(loc, root, data)
+        return _missing_key(loc, root, data), None
     for prefix in ("Value error, ", "Assertion failed, "):
         if msg.startswith(prefix):
-            return msg[len(prefix) :]
+            return msg[len(prefix) :], None
     value = err.get("input")
-    if isinstance(value, (int, float, bool)) or value is None or _echoable_choice(kind, value):
-        return f"{msg} (got {_short(value)})"
-    return msg  # other strings are not echoed: a pasted secret must never appear in an error (line:col points at it)
+    return msg, _short(value) if _echoable_choice(kind, value) else _given(value)
+
+
+def describe(err: dict[str, Any], root: type[BaseModel], data: Any) -> str:
+    """A message for one pydantic error that says what is wrong, what is allowed and what was given."""
+    message, given = _explain(err, root, data)
+    return message if given is None else f"{message} (got {given})"
 
 
 def _tag_issue(err: dict[str, Any], root: type[BaseModel], data: Any) -> tuple[Loc, str] | None:
@@ -377,16 +460,37 @@ def _tag_issue(err: dict[str, Any], root: type[BaseModel], data: Any) -> tuple[L
     return (*loc, key), f"Input should be {choices}{shown}"
 
 
+def _field_loc(err: dict[str, Any]) -> Loc:
+    """The error's location, down to the field a validator named with `FieldError` (a check across fields)."""
+    error = (err.get("ctx") or {}).get("error")
+    return (*err["loc"], *error.loc) if isinstance(error, FieldError) else tuple(err["loc"])
+
+
+def _one_of(alternatives: list[tuple[str, str | None]]) -> str:
+    """One message for the errors of every member of a plain union (`int >= 0 | 'auto'`): the value is wrong
+    once, and any member would have done."""
+    messages = list(dict.fromkeys(m for m, _ in alternatives))
+    given = next((g for _, g in alternatives if g is not None), None)
+    text = messages[0] + "".join(", or " + m.removeprefix("Input should be ") for m in messages[1:])
+    return text if given is None else f"{text} (got {given})"
+
+
 def issues_from(e: ValidationError, doc: YamlDoc, root: type[BaseModel]) -> list[TopologyIssue]:
-    """One located issue per pydantic error of validating `doc.data` with `root`."""
-    out = []
+    """One located issue per pydantic error of validating `doc.data` with `root` (the errors of a plain union's
+    members: one issue for the value)."""
+    out: list[TopologyIssue] = []
+    unions: dict[Loc, list[tuple[str, str | None]]] = {}
     for err in e.errors(include_url=False):
-        err = {**err, "loc": _without_tags(root, tuple(err["loc"]), doc.data)}
+        loc, plain = _without_tags(root, _field_loc(err), doc.data)
+        err = {**err, "loc": loc}
         tagged = _tag_issue(err, root, doc.data)
         if tagged is not None:
             out.append(doc.issue(tagged[0], tagged[1]))
-            continue
-        out.append(doc.issue(err["loc"], describe(err, root, doc.data), key=err["type"] == "extra_forbidden"))
+        elif plain:
+            unions.setdefault(loc, []).append(_explain(err, root, doc.data))
+        else:
+            out.append(doc.issue(loc, describe(err, root, doc.data), key=err["type"] == "extra_forbidden"))
+    out.extend(doc.issue(loc, _one_of(alternatives)) for loc, alternatives in unions.items())
     return out
 
 

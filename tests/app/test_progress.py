@@ -101,7 +101,10 @@ def test_the_summary_names_its_units_and_fits_80_columns() -> None:
     summary = RunSummary(steps=240, run_dir=Path("runs/local"), reward_first=0.31, reward_last=0.78,
                          eval_before=0.41, eval_after=0.92, dropped_batches=0, dropped_rollouts=0, seconds=312.4,
                          rollouts_trained=1280, train_seconds=1.65, launch_seconds=40.0, eval_prompts=64, pass_k=4, pass_before=0.6,
-                         pass_after=0.98)
+                         pass_after=0.98, weight_transports=[
+                             "generator0: shm (auto: on the publisher's host)",
+                             "generator1: rdma_tcp (auto: not shm: publisher on host a; RDMA over Monarch's TCP "
+                             "fallback: no ibverbs device on this host)"])
     out = io.StringIO()
     Console(file=out, width=80).print(summary_table(summary))
     text = out.getvalue()
@@ -112,3 +115,5 @@ def test_the_summary_names_its_units_and_fits_80_columns() -> None:
     flat = " ".join(text.replace("│", " ").split())  # a value wraps within its cell: join it back
     assert "0:05:52: launch 0:00:40, setup and evaluations 0:05:11, training 0:00:02" in flat
     assert "run finished after 0:05:52" in text and " / " not in text
+    assert ("weight transport generator0: shm (auto: on the publisher's host); generator1: rdma_tcp (auto: not shm: "
+            "publisher on host a; RDMA over Monarch's TCP fallback: no ibverbs device on this host)") in flat

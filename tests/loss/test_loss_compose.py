@@ -100,9 +100,11 @@ def test_distill_mask_limits_channel_two(make_batch) -> None:
     assert float(g[~dm].abs().sum()) == 0 and float(g[dm].abs().sum()) > 0
 
 
-def test_taid_without_schedule_raises_at_first_step(make_batch) -> None:
+def test_taid_without_schedule_is_refused_by_its_config() -> None:
+    """Refused when the topology is read (`composer-mesh validate`), not at the first training step."""
     with pytest.raises(ValueError, match="taid_total_steps"):
-        compose_loss(make_batch(), LossConfig(sdpo_wrapper="taid"), step=0)
+        LossConfig(sdpo_wrapper="taid")
+    LossConfig(sdpo_wrapper="taid", taid_t=0.5)  # a fixed t is a schedule too
 
 
 def test_adaptive_taid_needs_state_and_updates_it(make_batch) -> None:

@@ -176,10 +176,9 @@ def test_taid_t1_forward_kl_gradient_is_kd_gradient() -> None:
     torch.testing.assert_close(a.grad, expected, rtol=0, atol=1e-7)
 
 
-def test_taid_without_schedule_raises_value_error() -> None:
-    cfg = LossConfig(sdpo_wrapper="taid")
+def test_taid_without_schedule_is_refused_before_any_step() -> None:
     with pytest.raises(ValueError, match="taid_t"):
-        taid_current_t(cfg, 0, TAIDState())
+        LossConfig(sdpo_wrapper="taid")
 
 
 def test_taid_adaptive_schedule_is_monotone_bounded_and_above_linear() -> None:

@@ -1,8 +1,9 @@
 """The storage primitive: committed directories on a local path, on S3 (moto) and on GCS (gcp-storage-emulator):
-listing, retention, markers."""
+listing, retention, markers, and each file's size and sha256 checked against its marker."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import uuid
 
@@ -13,8 +14,9 @@ from composer_mesh.mesh.storage import (
     MARKER_VERSION,
     CommittedDir,
     CommittedSeries,
+    ContentError,
     FsspecBlobs,
-    MarkerError,
+    NotCommitted,
     StorageError,
 )
 from mesh.objectstore.conftest import S3_ENV, gcs_endpoint, moto_endpoint  # noqa: F401  (the servers' fixtures)
@@ -68,6 +70,9 @@ def test_a_directory_is_visible_only_once_its_marker_is_written_last(blobs):
     assert found.marker == marker and marker["step"] == 7 and marker["marker_version"] == MARKER_VERSION
     assert [f["name"] for f in marker["files"]] == ["t.safetensors", "meta.json"]
     assert [f["size"] for f in marker["files"]] == [len(part.read("t.safetensors")), len(part.read("meta.json"))]
+    assert [f["sha256"] for f in marker["files"]] == [hashlib.sha256(part.read(n)).hexdigest()
+                                                      for n in ("t.safetensors", "meta.json")]
+    assert part.verify() == marker
     assert torch.equal(part.read_tensors("t.safetensors")["w"], torch.full((3,), 7.0))
     assert part.read_json("meta.json") == {"step": 7}
 
@@ -110,31 +115,101 @@ def test_keep_zero_keeps_every_committed_step(blobs):
     assert series.committed() == [1, 2, 3]
 
 
+def _entry(data: bytes, name: str = "t.safetensors") -> dict:
+    return {"name": name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
 @pytest.mark.parametrize(("body", "problem"), [
-    (b"{not json", "unreadable commit marker"),
+    (b"xx", "not JSON"),
+    (b"{half a mark", "not JSON"),
     (b"[1, 2]", "a JSON list, not an object"),
-    (json.dumps({"marker_version": MARKER_VERSION + 1}).encode(), f"commit marker version {MARKER_VERSION + 1}"),
-    (json.dumps({"files": "state.safetensors"}).encode(), "`files` is not a list"),
+    (json.dumps({"step": 2, "marker_version": MARKER_VERSION + 1, "files": []}).encode(),
+     f"commit marker version {MARKER_VERSION + 1}"),
+    (json.dumps({"format": 1, "step": 2, "time": 1.0}).encode(), "commit marker version 0"),  # before markers
+    (json.dumps({"step": 2, "marker_version": 1, "files": [{"name": "t.safetensors", "size": 3}]}).encode(),
+     "commit marker version 1"),  # before hashes
+    (json.dumps({"step": 2, "marker_version": MARKER_VERSION, "files": "t.safetensors"}).encode(),
+     "'files' is \"t.safetensors\", expected a list"),
+    (json.dumps({"step": 2, "marker_version": MARKER_VERSION, "files": [{"name": "t.safetensors", "size": 3}]}
+                ).encode(), r"files\[0\] is not a \{name, size, sha256\} entry"),
+    (json.dumps({"step": 2, "marker_version": MARKER_VERSION,
+                 "files": [{"name": "t", "size": -1, "sha256": "0" * 64}]}).encode(), r"files\[0\] is not"),
+    (json.dumps({"marker_version": MARKER_VERSION, "files": []}).encode(), "'step' is missing, expected an integer"),
+    (json.dumps({"step": "2", "marker_version": MARKER_VERSION, "files": []}).encode(),
+     "'step' is \"2\", expected an integer"),
 ])
-def test_a_garbled_marker_is_refused_naming_the_file(blobs, body, problem):
-    series = CommittedSeries(blobs, where="run/checkpoints")
+def test_an_invalid_marker_is_not_committed_and_listings_skip_it(tmp_path, body, problem):
+    """`xx` in a marker, half a marker, one of an older version (no hashes), wrong types, missing fields: the
+    directory is not committed; the newest valid one below is picked; with none valid, the newest invalid is
+    named rather than starting over as if nothing had been committed."""
+    blobs = FsspecBlobs(str(tmp_path / "root"))
+    series = CommittedSeries(blobs, fields={"step": int}, where="run/checkpoints")
+    _write_step(series, 1)
     _write_step(series, 2)
     blobs.put("step-00000002/COMMITTED.json", body)
-    with pytest.raises(MarkerError, match=rf"^run/checkpoints/step-00000002/COMMITTED\.json: .*{problem}") as e:
-        series.newest()
+    assert series.committed() == [1] and series.newest().step == 1  # type: ignore[union-attr]
+    assert not series.at(2).committed() and series.at(2).marker() is None
+    with pytest.raises(NotCommitted, match=rf"^run/checkpoints/step-00000002/COMMITTED\.json: not committed: "
+                                           f".*{problem}") as e:
+        series.at(2).read_marker()
     assert e.value.key == "step-00000002/COMMITTED.json" and "\n" not in str(e.value)
+    assert series.retain(2, keep=5) == [] and series.retain(3, keep=5) == [2]  # deleted like an abandoned one
+    blobs.put("step-00000001/COMMITTED.json", body)
+    with pytest.raises(NotCommitted, match=r"^run/checkpoints/step-00000001/COMMITTED\.json: not committed"):
+        series.newest()
 
 
-def test_old_markers_still_read(blobs):
-    """Markers written before the primitive: the writer's fields only, or a legacy text body."""
-    blobs.put("a/COMMITTED.json", json.dumps({"format": 1, "step": 5, "time": 1.0}).encode())
-    assert CommittedDir(blobs, "a").marker() == {"format": 1, "step": 5, "time": 1.0, "marker_version": 0,
-                                                 "files": []}
-    blobs.put("b/COMPLETE", b"ok\n")
-    assert CommittedDir(blobs, "b", "COMPLETE", legacy=frozenset({b"ok\n"})).marker() == {"marker_version": 0,
-                                                                                          "files": []}
-    with pytest.raises(MarkerError, match=r"^b/COMPLETE: unreadable commit marker"):
-        CommittedDir(blobs, "b", "COMPLETE").marker()  # not this writer's legacy body: refused
+@pytest.mark.parametrize(("damage", "problem"), [
+    (lambda b: b[:40], r"40 bytes, COMMITTED\.json says \d+ \(truncated or overwritten\)"),
+    (lambda b: b[:-12] + b"\xff" * 12, r"content differs from COMMITTED\.json \(sha256 [0-9a-f]{16}…, the "
+                                              r"marker says [0-9a-f]{16}…\)"),
+    (lambda b: b + b"\0", r"\d+ bytes, COMMITTED\.json says \d+"),
+])
+def test_a_file_that_differs_from_its_marker_is_named_with_what_differs(tmp_path, damage, problem):
+    blobs = FsspecBlobs(str(tmp_path / "root"))
+    series = CommittedSeries(blobs, where="ckpts")
+    part = _write_step(series, 3)
+    marker = part.verify()
+    good = bytes(part.read("t.safetensors"))
+    blobs.put(part.key("t.safetensors"), damage(good))
+    assert part.committed()  # the marker is fine: it is the content that lies
+    for check in (part.verify, lambda: part.read("t.safetensors", marker),
+                  lambda: part.read_committed("meta.json", "t.safetensors", missing="-", what="step")):
+        with pytest.raises(ContentError, match=rf"^ckpts/step-00000003/t\.safetensors: {problem}") as e:
+            check()
+        assert "\n" not in str(e.value)
+    blobs.rm_prefix(part.key("t.safetensors"))
+    with pytest.raises(ContentError, match=r"^ckpts/step-00000003/t\.safetensors: missing, although COMMITTED"):
+        part.verify()
+
+
+def test_on_every_store_xx_in_a_marker_is_not_committed_and_a_changed_file_is_named(blobs):
+    series = CommittedSeries(blobs)
+    _write_step(series, 1)
+    part = _write_step(series, 2)
+    blobs.put(part.key("t.safetensors"), b"\xff" * len(part.read("t.safetensors")))
+    with pytest.raises(ContentError, match=r"^step-00000002/t\.safetensors: content differs from COMMITTED\.json"):
+        part.verify()
+    blobs.put("step-00000002/COMMITTED.json", b"xx")
+    assert series.committed() == [1] and series.newest().step == 1  # type: ignore[union-attr]
+
+
+def test_files_are_hashed_in_pieces_without_reading_them_whole(blobs, monkeypatch):
+    """`verify` streams: a file several chunks long is never asked of `get` (which reads it whole)."""
+    from composer_mesh.mesh.storage import blobs as blobs_module
+
+    monkeypatch.setattr(blobs_module, "CHUNK", 1000)
+    part = CommittedDir(blobs, "big")
+    data = bytes(range(256)) * 20  # 5 chunks
+    part.write("big.bin", data)
+    marker = part.commit()
+    assert marker["files"] == [_entry(data, "big.bin")]
+    get = type(blobs).get
+    monkeypatch.setattr(type(blobs), "get", lambda self, key: pytest.fail(f"read {key} whole") if key.endswith(
+        ".bin") else get(self, key))
+    pieces = list(blobs.chunks("big/big.bin"))
+    assert [len(p) for p in pieces] == [1000] * 5 + [120]
+    assert part.verify() == marker
 
 
 def test_reopen_removes_the_marker_before_a_rewrite(blobs):
@@ -144,7 +219,7 @@ def test_reopen_removes_the_marker_before_a_rewrite(blobs):
     part.reopen()
     assert not part.committed() and part.files == []
     part.write("x.bin", b"newer")
-    assert part.commit()["files"] == [{"name": "x.bin", "size": 5}]
+    assert part.commit()["files"] == [_entry(b"newer", "x.bin")]
 
 
 def test_files_written_by_another_writer_are_listed_by_note(blobs):
@@ -152,8 +227,9 @@ def test_files_written_by_another_writer_are_listed_by_note(blobs):
     part = CommittedDir(blobs, "dcp")
     for rank in range(2):
         blobs.put(f"dcp/__{rank}_0.distcp", bytes(10 + rank))
-        part.note(f"__{rank}_0.distcp", 10 + rank)
-    assert part.commit()["files"] == [{"name": "__0_0.distcp", "size": 10}, {"name": "__1_0.distcp", "size": 11}]
+        part.note(f"__{rank}_0.distcp")
+    assert part.commit()["files"] == [_entry(bytes(10), "__0_0.distcp"), _entry(bytes(11), "__1_0.distcp")]
+    assert part.verify()["files"][1]["size"] == 11
 
 
 @pytest.mark.gcs
@@ -196,6 +272,10 @@ def test_read_committed_gives_the_parts_or_one_line_saying_what_is_wrong(blobs):
     doc, tensors = part.read_committed("meta.json", "t.safetensors", missing="-", what="step")
     assert doc == {"step": 3} and torch.equal(tensors["w"], torch.full((3,), 3.0))
     blobs.put(part.key("t.safetensors"), b"not safetensors")
+    part.reopen()
+    part.write("t.safetensors", b"not safetensors")  # committed as it is: its bytes are what the marker says
+    part.write_json("meta.json", {"step": 3})
+    part.commit({"step": 3})
     with pytest.raises(StorageError, match=r"^step-00000003: unreadable step: \w+") as e:
         part.read_committed("meta.json", "t.safetensors", missing="-", what="step")
     assert "\n" not in str(e.value)

@@ -17,13 +17,23 @@ from typing import Any
 import pytest
 from orchestration.fakes import FakeChunks, FakeTeachers, prompts
 
-from composer_mesh.actors.messages import GenerationRequest, Prompt, Rollout, RolloutGroup
+from composer_mesh.actors.messages import (
+    GenerationRequest,
+    Prompt,
+    RewardResult,
+    Rollout,
+    RolloutGroup,
+    ScoredGroup,
+    TrainBatch,
+)
 from composer_mesh.envs.session import Observation, StepResult
 from composer_mesh.orchestration.config import RunConfig
+from composer_mesh.orchestration.pipeline import LagGate
 from composer_mesh.orchestration.rollout.base import RolloutServices
 from composer_mesh.orchestration.rollout.episode import (
     TURN_SEED_STRIDE,
     EpisodeLimits,
+    EpisodeTokens,
     TokenDrift,
     play_episode,
 )
@@ -239,6 +249,21 @@ async def test_an_episode_spanning_a_weight_update_counts_its_lag_from_the_oldes
     ep = await play_episode(Counting(calls=2), Prompt("p0", "q"), 1, limits(), sample)
     assert [t.weight_version for t in ep.rollout.turns or [] if t.policy] == [4, 5, 6]
     assert ep.rollout.weight_version == 4
+
+
+def test_an_episode_that_played_no_turn_does_not_count_as_stale() -> None:
+    """An agent or environment that failed before its first turn leaves a rollout with no completion and
+    weight_version 0: it sampled nothing, so the batch's lag is its sampled rollouts' (a harness run under load
+    used to stop with "a batch is more than 3 versions stale [11]")."""
+    played = Rollout("p0", [1], [2, 3], [-0.1, -0.2], weight_version=10)
+    empty = EpisodeTokens().rollouts(Prompt("p0", "q"), "error_environment", "0-1")[0]
+    assert empty.completion_ids == [] and empty.weight_version == 0
+    batch = TrainBatch([ScoredGroup(RolloutGroup(Prompt("p0", "q"), [played, empty]),
+                                    [RewardResult(1.0), RewardResult(0.0, ok=False)])])
+    gate = LagGate(max_policy_lag=3)
+    assert gate.lag(batch, 11) == 1 and gate.admit(batch, 11)
+    only_empty = TrainBatch([ScoredGroup(RolloutGroup(Prompt("p0", "q"), [empty]), [RewardResult(0.0, ok=False)])])
+    assert gate.lag(only_empty, 11) == 0
 
 
 async def test_failed_environments_are_played_again_from_the_start_when_retries_allow() -> None:

@@ -53,11 +53,11 @@ def test_hints_need_generators_that_score_continuations() -> None:
 
 def test_hint_fields_are_refused_on_their_line() -> None:
     path, _, message = refusal(topology(hints="{source: rule}"))
-    assert path == "run.rollout.hints" and "names the rule function exactly when source is rule" in message
+    assert path == "run.rollout.hints.source" and "names the rule function exactly when source is rule" in message
     path, _, message = refusal(topology(hints='{source: rule, rule: "no_colon"}'))
-    assert "is not an import path 'pkg.mod:fn'" in message
+    assert path == "run.rollout.hints.rule" and "is not an import path 'pkg.mod:fn'" in message
     path, _, message = refusal(topology(hints='{source: environment, template: "Hint!"}'))
-    assert "has no {feedback} placeholder" in message
+    assert path == "run.rollout.hints.template" and "has no {feedback} placeholder" in message
     path, _, message = refusal(topology(hints="{source: psychic}"))
     assert path == "run.rollout.hints.source"
     single = "run:\n  rollout: {kind: single_turn, hints: {source: environment}}\n"

@@ -3,8 +3,10 @@
 After a commit the round's designated member checkpoints the DiLoCo state (global parameters and outer
 optimizer, via the registered state-dict fns) to `ckpt/qNNNNNNNN/`, a committed directory of the storage primitive
 (`mesh/storage`): `state.safetensors` first, then the `COMMITTED.json` marker (the run id, round, step and byte
-size, plus the primitive's file list; older markers without it are read alike). A restarted replica loads it and
-rejoins at the next round identical to the others.
+size, plus the primitive's file list with each file's size and sha256). A restarted replica loads it and
+rejoins at the next round identical to the others. A marker that is not valid is no checkpoint (listings skip
+it), and a state whose bytes differ from its marker is refused with a warning naming it: healing then uses the
+newest older checkpoint that verifies (never θ0 while checkpoints exist: then it is an error).
 
 The latest checkpoint is not a mutable pointer (a `latest.json` read-then-written by a slow writer could go
 backwards, s3 has no compare-and-swap): it is the highest `ckpt/qNNNNNNNN/` holding a `COMMITTED.json`, found
@@ -35,13 +37,15 @@ from composer_mesh.mesh.objectstore.codec import StateDict, decode_state, encode
 from composer_mesh.mesh.objectstore.config import DiLoCoConfig
 from composer_mesh.mesh.objectstore.rounds import ROUNDS
 from composer_mesh.mesh.objectstore.store import ShardError, Store, StoreError
-from composer_mesh.mesh.storage import CommittedSeries, MarkerError
+from composer_mesh.mesh.storage import Committed, CommittedSeries, ContentError, NotCommitted
 
 log = logging.getLogger(__name__)
 
 CKPT = "ckpt"
 MARKER = "COMMITTED.json"
 INIT_POINTER = f"{CKPT}/init/{MARKER}"
+STATE = "state.safetensors"
+_MARKER_FIELDS = {"quorum_id": int, "step": int, "bytes": int, "run_id": str}  # the writer's fields in MARKER
 StateFns = Mapping[str, tuple[Callable[[StateDict], None], Callable[[], StateDict]]]
 
 
@@ -65,33 +69,30 @@ class DiLoCoCheckpoints:
         self.store = store
         self.states = states
         self._on_load = on_load
-        self.series = CommittedSeries(store, CKPT, name="q", marker=MARKER)
+        self.series = CommittedSeries(store, CKPT, name="q", marker=MARKER, fields=_MARKER_FIELDS)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"objstore-ckpt-r{replica_id}")
         self.future: Future | None = None  # the write in the background, if any
 
     # ---- finding the latest -----------------------------------------------------------------------------------
-    def read_latest(self) -> dict[str, Any] | None:
-        """The newest committed checkpoint: the highest `ckpt/qNNNNNNNN/` that holds a `COMMITTED.json`.
+    def read_latest(self, below: int | None = None) -> dict[str, Any] | None:
+        """The newest committed checkpoint (below round `below`, if given): the highest `ckpt/qNNNNNNNN/` that
+        holds a valid `COMMITTED.json` (invalid ones are skipped).
 
         Returns its marker plus `key` (the checkpoint's prefix), or None when no round was checkpointed yet.
-        A marker that is not this run's marker for that round raises ShardError naming it (bad store contents
-        must never silently restart the run from θ0)."""
+        Markers that are all invalid, or one that is not this run's marker for that round, raise ShardError
+        naming it (bad store contents must never silently restart the run from θ0)."""
         try:
-            found = self.series.newest()
-        except MarkerError as e:
+            found = self.series.newest(below)
+        except NotCommitted as e:
             raise ShardError(e.key, e.problem) from None
-        if found is None:
-            return None
+        return None if found is None else self._record(found)
+
+    def _record(self, found: Committed) -> dict[str, Any]:
         rec, q, key = found.marker, found.step, f"{found.key}/{MARKER}"
-        try:
-            ok = int(rec["quorum_id"]) == q and rec.get("run_id") == self.config.run_id
-            step = int(rec["step"]) if ok else 0
-        except (KeyError, TypeError, ValueError):
-            ok = False
-        if not ok:
+        if rec["quorum_id"] != q or rec["run_id"] != self.config.run_id:
             raise ShardError(key, f"not a checkpoint marker of run {self.config.run_id!r} round {q}: "
                                   f"{json.dumps(rec)[:200]}")
-        return {**rec, "quorum_id": q, "step": step, "key": found.key}
+        return {**rec, "key": found.key}
 
     def newest_round(self) -> int | None:
         """Like `read_latest()["quorum_id"]`, for error paths: None when it cannot be read either."""
@@ -126,10 +127,10 @@ class DiLoCoCheckpoints:
 
     def _write(self, q: int, step: int, tensors: dict[str, torch.Tensor], skeleton: Any, meta: dict[str, Any]) -> None:
         ckpt = self.series.at(q)
-        key = ckpt.key("state.safetensors")
+        key = ckpt.key(STATE)
         try:
             blob = encode_flat(tensors, skeleton, meta)
-            ckpt.write("state.safetensors", blob)
+            ckpt.write(STATE, blob)
             key = ckpt.key(MARKER)  # last: a checkpoint without its marker is never picked
             ckpt.commit({"quorum_id": q, "step": step, "bytes": len(blob), "run_id": self.config.run_id})
         except Exception as e:
@@ -182,7 +183,9 @@ class DiLoCoCheckpoints:
         return "initialized", None
 
     def heal(self, latest: dict[str, Any] | None = None) -> tuple[int, int] | None:
-        """Load the latest committed state (a `read_latest()` record); its (round, step), None if there is none."""
+        """Load the latest committed state (a `read_latest()` record) whose bytes match its marker; its (round,
+        step), None if there is none. A state that differs from its marker is refused with a warning, and the
+        newest older one that verifies is used; ShardError if none does."""
         latest = latest if latest is not None else self.read_latest()
         while True:
             if latest is None:
@@ -191,9 +194,9 @@ class DiLoCoCheckpoints:
                     return None
                 self._load(ptr["key"], ptr)
                 return 0, 0
-            key = f"{latest['key']}/state.safetensors"
+            key = f"{latest['key']}/{STATE}"
             try:
-                self._load(key, latest)
+                blob = self.series.at(latest["quorum_id"]).read(STATE, latest)
             except FileNotFoundError:
                 # Garbage-collected under a slow reader: a newer checkpoint was committed meanwhile.
                 newer = self.read_latest()
@@ -201,10 +204,24 @@ class DiLoCoCheckpoints:
                     raise ShardError(key, "missing, although its checkpoint is the newest committed one") from None
                 latest = newer
                 continue
+            except ContentError as e:
+                latest = self._older_than(latest["quorum_id"], e)
+                continue
+            self._load(key, latest, blob)
             return int(latest["quorum_id"]), int(latest["step"])
 
-    def _load(self, key: str, record: dict[str, Any]) -> None:
-        blob = self.store.get(key)
+    def _older_than(self, q: int, refused: ContentError) -> dict[str, Any]:
+        """The newest committed checkpoint below round `q`, whose state `refused` named; ShardError if none."""
+        log.warning("replica %d: refusing the DiLoCo checkpoint of round %d: %s", self.replica_id, q, refused)
+        older = self.read_latest(below=q)
+        if older is None:
+            raise ShardError(refused.where, f"{refused.problem}; no older checkpoint to heal from")
+        return older
+
+    def _load(self, key: str, record: dict[str, Any], blob: bytes | bytearray | None = None) -> None:
+        """Decode the state at `key` (`blob`: its bytes, already read and checked) and hand it to the registered
+        state-dict fns and `on_load`."""
+        blob = self.store.get(key) if blob is None else blob
         state, meta = decode_state(key, blob, self.config.run_id, expected_size=record.get("bytes"))
         missing = sorted(set(self.states) - set(state))
         if missing:

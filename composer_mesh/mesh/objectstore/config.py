@@ -11,6 +11,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from composer_mesh.errors import FieldError
+
 SUPPORTED_SCHEMES: tuple[str, ...] = ("file", "s3", "gs", "memory")
 
 # Storage options that carry secrets. They may only be supplied through `credentials_env` (env var NAMES).
@@ -42,7 +44,8 @@ class OuterOptimizerConfig(BaseModel):
     @model_validator(mode="after")
     def _nesterov_needs_momentum(self) -> OuterOptimizerConfig:
         if self.nesterov and self.momentum == 0.0:
-            raise ValueError("outer_optimizer.nesterov=true needs outer_optimizer.momentum > 0 (torch SGD rule)")
+            raise FieldError("nesterov", "outer_optimizer.nesterov=true needs outer_optimizer.momentum > 0 (torch "
+                             "SGD rule)")
         return self
 
 
@@ -159,16 +162,15 @@ class DiLoCoConfig(BaseModel):
     @model_validator(mode="after")
     def _check_schedule(self) -> DiLoCoConfig:
         if self.sync_every % self.fragments != 0:
-            raise ValueError(
-                f"sync_every={self.sync_every} must be divisible by fragments={self.fragments}"
-            )
+            raise FieldError("fragments", f"sync_every={self.sync_every} must be divisible by fragments="
+                             f"{self.fragments}")
         per_fragment = self.sync_every // self.fragments
         if self.fragment_sync_delay >= per_fragment:
-            raise ValueError(
-                f"fragment_sync_delay={self.fragment_sync_delay} must be < sync_every/fragments={per_fragment}"
-            )
+            raise FieldError("fragment_sync_delay", f"fragment_sync_delay={self.fragment_sync_delay} must be < "
+                             f"sync_every/fragments={per_fragment}")
         if self.fragments > 1 and self.outer_optimizer.scope == "shared":
-            raise ValueError(
+            raise FieldError(
+                ("outer_optimizer", "scope"),
                 f"outer_optimizer.scope='shared' with fragments={self.fragments} silently diverges (one optimizer "
                 "steps other fragments' inner gradients); use scope='per_fragment'"
             )

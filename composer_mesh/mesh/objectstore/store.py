@@ -19,13 +19,14 @@ import os
 import struct
 import threading
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 
 from composer_mesh.mesh.objectstore.config import DiLoCoConfig
 from composer_mesh.mesh.storage.backends import backend_for, open_filesystem
+from composer_mesh.mesh.storage.blobs import CHUNK
 
 SHARD_FORMAT = "composer-mesh-shard-v1"
 _MEMORY_LOCK = threading.Lock()
@@ -332,6 +333,14 @@ class Store:
             data = bytearray(self.fs.cat_file(p))
         self._count(read=len(data))
         return data
+
+    def chunks(self, key: str) -> Iterator[bytes]:
+        """The object in pieces of at most `CHUNK` bytes (`mesh.storage.Blobs`: a file hashed without holding it
+        whole); FileNotFoundError if absent."""
+        with self.fs.open(self.path(key), "rb") as f:
+            while block := f.read(CHUNK):
+                self._count(read=len(block))
+                yield block
 
     def read_shard_into(
         self, key: str, out: torch.Tensor, expect: Mapping[str, Any], expected_size: int | None = None

@@ -1,15 +1,18 @@
-"""Where committed directories live: a five-method `Blobs` protocol, and `FsspecBlobs` for any fsspec URL.
+"""Where committed directories live: a six-method `Blobs` protocol, and `FsspecBlobs` for any fsspec URL.
 
-The protocol is the least a committed directory needs (put, get, exists, list, delete a prefix), so that the DiLoCo
+The protocol is the least a committed directory needs (put, get, stream, exists, list, delete a prefix), so that the DiLoCo
 plane's `Store` (atomic puts on file://, create-only puts, byte accounting) serves as one unchanged, and a test can
 hook or fail any single operation.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 from composer_mesh.mesh.storage.backends import open_filesystem
+
+CHUNK = 8 * 2**20  # bytes read at a time when a file is streamed (hashed) rather than read whole
 
 
 class Blobs(Protocol):
@@ -20,6 +23,10 @@ class Blobs(Protocol):
 
     def get(self, key: str) -> bytes | bytearray:
         """The whole object; FileNotFoundError if absent."""
+
+    def chunks(self, key: str) -> Iterator[bytes]:
+        """The object's bytes in pieces of at most `CHUNK` (to hash a large file without holding it whole);
+        FileNotFoundError if absent."""
 
     def exists(self, key: str) -> bool: ...
 
@@ -51,6 +58,11 @@ class FsspecBlobs:
     def get(self, key: str) -> bytes:
         with self.fs.open(self.path(key), "rb") as f:
             return f.read()
+
+    def chunks(self, key: str) -> Iterator[bytes]:
+        with self.fs.open(self.path(key), "rb") as f:
+            while block := f.read(CHUNK):
+                yield block
 
     def exists(self, key: str) -> bool:
         return bool(self.fs.exists(self.path(key)))

@@ -5,11 +5,24 @@ Import-cheap (pydantic only): topology validation imports it without torch or Mo
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 Transport = Literal["auto", "rdma", "shm", "cuda_ipc", "endpoint"]
+# What actually moves a subscriber's bytes: `transport` resolved, with RDMA split by what carries it
+# ('rdma': ibverbs; 'rdma_tcp': Monarch's TCP fallback, when either side has no ibverbs device).
+UsedTransport = Literal["cuda_ipc", "shm", "rdma", "rdma_tcp", "endpoint"]
+# The metric `weights/transport/<subscriber>` is the index here: slowest first, so a higher code is faster.
+USED_TRANSPORTS: tuple[str, ...] = ("endpoint", "rdma_tcp", "rdma", "shm", "cuda_ipc")
+# What each setting can end up using: a `require` outside it can never be met.
+CAN_USE: dict[str, tuple[str, ...]] = {
+    "auto": ("cuda_ipc", "shm", "rdma", "rdma_tcp"),
+    "rdma": ("rdma", "rdma_tcp"),
+    "shm": ("shm",),
+    "cuda_ipc": ("cuda_ipc",),
+    "endpoint": ("endpoint",),
+}
 
 
 class WeightPlaneConfig(BaseModel):
@@ -28,6 +41,16 @@ class WeightPlaneConfig(BaseModel):
             "weights). 'endpoint': the state dict as safetensors bytes through an actor endpoint (slower; a "
             "fallback and the benchmark baseline). A forced 'shm'/'cuda_ipc' that cannot work fails at "
             "start with the reason."
+        ),
+    )
+    require: list[UsedTransport] | None = Field(
+        None,
+        description=(
+            "Transports a subscriber may end up using (one name or a list); any other fails the run at start, "
+            "before any training step, naming the subscriber, the transport and why it was chosen. Names are "
+            "what actually moves the bytes: 'cuda_ipc', 'shm', 'rdma' (RDMA over ibverbs), 'rdma_tcp' "
+            "(RDMA over Monarch's TCP fallback: no ibverbs device on one side), 'endpoint'. E.g. [cuda_ipc, "
+            "rdma] refuses the TCP fallback. Unset: anything goes, and a fallback is one WARNING line at start."
         ),
     )
     read_timeout_s: int = Field(
@@ -71,3 +94,32 @@ class WeightPlaneConfig(BaseModel):
             "complete version instead (True) or fail with StaleVersionError (False)."
         ),
     )
+
+    @field_validator("require", mode="before")
+    @classmethod
+    def _one_or_many(cls, value: Any) -> Any:
+        """`require: rdma` means `require: [rdma]` (an unknown name is refused on the field's own line)."""
+        if not isinstance(value, str):
+            return value
+        if value not in USED_TRANSPORTS:
+            raise ValueError(f"{value!r} is not a transport; use one or a list of {list(CAN_USE['auto'])} "
+                             "or 'endpoint'")
+        return [value]
+
+    @field_validator("require")
+    @classmethod
+    def _can_be_met(cls, value: list[str] | None, info: ValidationInfo) -> list[str] | None:
+        """A `require` that the transport setting can never give is known before launch: refuse it here."""
+        if value is None:
+            return None
+        if not value:
+            raise ValueError("an empty list allows no transport; leave require out to allow any")
+        setting = info.data.get("transport")
+        if setting is None:  # the transport itself was refused: that error says it
+            return value
+        possible = CAN_USE[setting]
+        if not set(value) & set(possible):
+            raise ValueError(
+                f"{value} can never be met with transport {setting!r}, which uses one of {list(possible)}"
+            )
+        return value

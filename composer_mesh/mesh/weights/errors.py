@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from composer_mesh.errors import UserInputError
+
 
 class WeightPlaneError(RuntimeError):
     """Base class of weight-plane failures."""
@@ -26,3 +28,8 @@ class WeightTransferError(WeightPlaneError):
 class TransportUnavailableError(WeightPlaneError):
     """A forced transport (`shm`, `cuda_ipc`, ...) cannot work between this publisher and subscriber;
     the message says why (other host, private /dev/shm, weights on the wrong device, ...)."""
+
+
+class TransportRequiredError(TransportUnavailableError, UserInputError):
+    """The transport a subscriber would use is not one `weights.require` allows: the run's setting, so the
+    command line prints it as its one line (subscriber, transport, why it was chosen, what is required)."""

@@ -31,7 +31,8 @@ class WeightManifest:
     the transports it actually serves. Per transport: `handles[slot][chunk]` and `header` are RDMABuffer
     handles (rdma); `shm` names the shared-memory segment (shm: slots and headers; cuda_ipc: headers);
     `ipc` holds one CUDA IPC handle per slot; `server` is the endpoint actor. `host`, `pid` and
-    `device_uuid` say where the slots live, so a subscriber can tell whether same-host transports apply.
+    `device_uuid` say where the slots live, so a subscriber can tell whether same-host transports apply;
+    `rdma_backend` ('ibverbs' or 'tcp', '' when rdma is not served) whether reads would go over TCP.
     """
 
     publisher_id: str
@@ -51,6 +52,7 @@ class WeightManifest:
     device_uuid: str | None = None
     shm: ShmLayout | None = None
     ipc: tuple[CudaIpcHandle, ...] = ()
+    rdma_backend: str = ""
 
     @property
     def num_tensors(self) -> int:

@@ -51,13 +51,14 @@ from composer_mesh.mesh.weights.errors import (
     ManifestMismatchError,
     StaleVersionError,
     TornReadError,
+    TransportRequiredError,
     TransportUnavailableError,
     WeightPlaneError,
     WeightTransferError,
 )
 from composer_mesh.mesh.weights.hostid import device_gpu_uuid, this_host_identity
 from composer_mesh.mesh.weights.manifest import PulledWeights, TensorSpec, WeightManifest
-from composer_mesh.mesh.weights.rdma import quiet_tcp_fallback
+from composer_mesh.mesh.weights.rdma import rdma_backend, registering
 from composer_mesh.mesh.weights.shm import ShmSegment, full_fence
 from composer_mesh.mesh.weights.transports import SAME_HOST, Choice, SlotReader, choose, publisher_offers
 
@@ -214,6 +215,7 @@ class WeightPublisher:
         self._cache: tuple[int, bytes] | None = None
         self._shm: ShmSegment | None = None
         self._ipc: tuple[CudaIpcHandle, ...] = ()
+        self._rdma_backend = ""  # set when rdma is served: 'ibverbs' or 'tcp'
         self._device_uuid = device_gpu_uuid(device)
         # Stable storage for the life of the publisher: shared handles point at these bytes.
         self._slots, self._header = self._allocate(device)  # header: 2v stable, 2v+1 writing, 0 empty
@@ -247,11 +249,12 @@ class WeightPublisher:
         if "rdma" in self.offers:
             from monarch.rdma import RDMABuffer
 
-            quiet_tcp_fallback()
-            self._header_handle = RDMABuffer(self._header)
-            self._handles = tuple(
-                tuple(RDMABuffer(slot[o : o + n]) for o, n in self._chunks) for slot in self._slots
-            )
+            self._rdma_backend = rdma_backend()
+            with registering():
+                self._header_handle = RDMABuffer(self._header)
+                self._handles = tuple(
+                    tuple(RDMABuffer(slot[o : o + n]) for o, n in self._chunks) for slot in self._slots
+                )
         if "endpoint" in self.offers:
             from monarch.actor import this_proc
 
@@ -315,6 +318,7 @@ class WeightPublisher:
             device_uuid=self._device_uuid,
             shm=self._shm.layout if self._shm is not None else None,
             ipc=self._ipc,
+            rdma_backend=self._rdma_backend,
         )
 
     def close(self) -> None:
@@ -427,7 +431,8 @@ def _parse_safetensors(data: bytes) -> tuple[dict[str, Any], dict[str, tuple[str
 class WeightSubscriber:
     """Subscriber side: `await pull(manifest)` into private staging, then `apply_to(model_tensors)` between
     requests. `device` is where staging lives (and, for 'auto', which GPU this subscriber is on). `expected` (name -> tensor, e.g. the model's state dict) makes mismatching manifests fail
-    with the tensor's name; without it the first manifest defines the layout.
+    with the tensor's name; without it the first manifest defines the layout. `name` says who subscribes in
+    messages (a transport that `config.require` refuses names it).
     """
 
     def __init__(
@@ -435,8 +440,10 @@ class WeightSubscriber:
         config: WeightPlaneConfig | None = None,
         expected: Mapping[str, torch.Tensor] | None = None,
         device: torch.device | str = "cpu",
+        name: str = "subscriber",
     ) -> None:
         self.config = config or WeightPlaneConfig()
+        self.name = name
         self._expected = _signature(expected) if expected is not None else None
         self._device = torch.device(device)
         self._staging: torch.Tensor | None = None
@@ -460,24 +467,33 @@ class WeightSubscriber:
         """Why that transport (e.g. "auto: not shm: publisher on host a (boot ...), this subscriber on ...")."""
         return self._choice.reason if self._choice is not None else ""
 
+    @property
+    def choice(self) -> Choice | None:
+        """The transport decision (what is used, why, whether it is a fallback); None before the first pull."""
+        return self._choice
+
     def _choose(self, m: WeightManifest) -> Choice:
-        """Decide the transport once per publisher (opening shared memory / IPC handles once)."""
+        """Decide the transport once per publisher (opening shared memory / IPC handles once); one that
+        `config.require` does not allow raises TransportRequiredError before any byte is read."""
         if self._choice is None or self._choice_for != m.publisher_id:
             self.close()
-            self._choice = choose(
+            choice = choose(
                 m,
                 self.config.transport,
                 self._device,
                 self.config.max_concurrent_reads,
                 self.config.read_timeout_s,
             )
-            self._choice_for = m.publisher_id
-            _log.info(
-                "weight plane: publisher %s -> %s (%s)",
-                m.publisher_id[:8],
-                self._choice.transport,
-                self._choice.reason,
-            )
+            required = self.config.require
+            if required is not None and choice.used not in required:
+                if choice.reader is not None:
+                    choice.reader.close()
+                raise TransportRequiredError(
+                    f"{self.name} would receive weights over {choice.used} ({choice.reason}), which "
+                    f"weights.require {required} does not allow"
+                )
+            self._choice, self._choice_for = choice, m.publisher_id
+            _log.info("weight plane: publisher %s -> %s (%s)", m.publisher_id[:8], choice.used, choice.reason)
         return self._choice
 
     def close(self) -> None:

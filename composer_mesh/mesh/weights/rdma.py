@@ -1,10 +1,20 @@
 """RDMA transport: one-sided reads of the publisher's registered chunks (ibverbs, else Monarch's TCP
-fallback). Monarch is imported lazily, so importing this module never imports it."""
+fallback). Monarch is imported lazily, so importing this module never imports it.
+
+The TCP fallback is reported, not hidden: each side says which RDMA backend it has (`rdma_backend`; the
+publisher's rides in the manifest), a subscriber on the fallback uses transport 'rdma_tcp' (a metric, one
+WARNING line at the run's start, refused by `weights.require`). Monarch's own `RDMATcpFallbackWarning` is
+silenced only around the plane's own buffer registrations (`registering`), where that report replaces it:
+Monarch's text, printed once per publishing process, names no subscriber and suggests a
+`monarch.configure` call the topology cannot make. Buffers anyone else registers still warn.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import warnings
+from collections.abc import Iterator
 
 import torch
 
@@ -14,11 +24,31 @@ from composer_mesh.mesh.weights.manifest import WeightManifest
 _MIB = 1 << 20
 
 
-def quiet_tcp_fallback() -> None:
-    """Monarch warns once per process when RDMA falls back to TCP; that is expected here."""
+@contextlib.contextmanager
+def registering() -> Iterator[None]:
+    """Around the plane's `RDMABuffer(...)` calls: Monarch's fallback warning off (the plane reports it)."""
     from monarch.rdma import RDMATcpFallbackWarning
 
-    warnings.filterwarnings("ignore", category=RDMATcpFallbackWarning)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RDMATcpFallbackWarning)
+        yield
+
+
+def rdma_backend() -> str:
+    """This process's RDMA backend: 'ibverbs', 'tcp' (Monarch's fallback) or 'none'."""
+    from monarch.rdma import get_rdma_backend
+
+    return str(get_rdma_backend())
+
+
+def tcp_fallback_reason(mine: str, publisher: str) -> str | None:
+    """Why reads between a subscriber with backend `mine` and a publisher with `publisher` go over TCP, or
+    None when both have ibverbs. A publisher that did not say (''): only this side decides."""
+    missing = [who for who, backend in (("this host", mine), ("the publisher's host", publisher))
+               if backend not in ("ibverbs", "")]
+    if not missing:
+        return None
+    return f"RDMA over Monarch's TCP fallback: no ibverbs device on {' or '.join(missing)}"
 
 
 class RdmaReader:
@@ -27,7 +57,6 @@ class RdmaReader:
     transport = "rdma"
 
     def __init__(self, manifest: WeightManifest, max_concurrent_reads: int, timeout_s: int) -> None:
-        quiet_tcp_fallback()
         self._m = manifest
         self._concurrency = max_concurrent_reads
         self._timeout = timeout_s

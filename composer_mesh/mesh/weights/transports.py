@@ -5,6 +5,11 @@ CUDA weights. Subscriber ('auto'): CUDA IPC when it is on the publisher's host a
 on the publisher's host, RDMA otherwise; each same-host choice is proven by opening it (a proc with a
 private /dev/shm falls back). A forced transport that cannot work raises TransportUnavailableError with
 the reason, at publisher creation or at the subscriber's first pull.
+
+A choice also says what actually moves the bytes (`used`: 'rdma_tcp' for RDMA over Monarch's TCP
+fallback) and whether that is a fallback: the TCP fallback, or a same-host transport that should have
+worked and did not open. The run reports both (a metric, one WARNING line) and `weights.require` can
+refuse them.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from composer_mesh.mesh.weights.cuda_ipc import CudaIpcReader
 from composer_mesh.mesh.weights.errors import TransportUnavailableError
 from composer_mesh.mesh.weights.hostid import device_gpu_uuid, gpu_uuid, this_host_identity
 from composer_mesh.mesh.weights.manifest import WeightManifest
-from composer_mesh.mesh.weights.rdma import RdmaReader
+from composer_mesh.mesh.weights.rdma import RdmaReader, rdma_backend, tcp_fallback_reason
 from composer_mesh.mesh.weights.shm import ShmReader
 
 SAME_HOST = ("cuda_ipc", "shm")  # auto's preference order
@@ -39,11 +44,18 @@ class SlotReader(Protocol):
 
 @dataclass
 class Choice:
-    """A subscriber's transport for one publisher: the reader (None for 'endpoint') and why."""
+    """A subscriber's transport for one publisher: the reader (None for 'endpoint') and why. `used` is what
+    moves the bytes (`transport`, or 'rdma_tcp' for rdma over the TCP fallback); `fallback`: slower than
+    what this pair of processes should get (the TCP fallback, or a same-host transport that did not open)."""
 
     transport: str
     reader: SlotReader | None
     reason: str
+    used: str = ""
+    fallback: bool = False
+
+    def __post_init__(self) -> None:
+        self.used = self.used or self.transport
 
 
 def publisher_offers(setting: str, device: torch.device) -> tuple[str, ...]:
@@ -93,8 +105,13 @@ def _open_local(transport: str, m: WeightManifest) -> SlotReader:
     return CudaIpcReader(m.ipc, m.shm, m.publisher_id, same_process=m.pid == os.getpid())
 
 
-def _rdma(m: WeightManifest, concurrency: int, timeout_s: int) -> SlotReader:
-    return RdmaReader(m, concurrency, timeout_s)
+def _rdma(m: WeightManifest, concurrency: int, timeout_s: int, reason: str, fallback: bool = False) -> Choice:
+    """The rdma choice, 'rdma_tcp' (and a fallback) when either side has no ibverbs device."""
+    reader = RdmaReader(m, concurrency, timeout_s)
+    tcp = tcp_fallback_reason(rdma_backend(), m.rdma_backend)
+    if tcp is None:
+        return Choice("rdma", reader, reason, fallback=fallback)
+    return Choice("rdma", reader, f"{reason}; {tcp}", used="rdma_tcp", fallback=True)
 
 
 def choose(m: WeightManifest, setting: str, device: torch.device, concurrency: int, timeout_s: int) -> Choice:
@@ -111,7 +128,7 @@ def choose(m: WeightManifest, setting: str, device: torch.device, concurrency: i
         if want == "endpoint":
             return Choice(want, None, "set by the transport setting")
         if want == "rdma":
-            return Choice(want, _rdma(m, concurrency, timeout_s), "set by the transport setting")
+            return _rdma(m, concurrency, timeout_s, "set by the transport setting")
         problem = _host_problem(m)
         if problem is not None:
             raise TransportUnavailableError(f"transport {want!r} needs the publisher on this host: {problem}")
@@ -119,7 +136,7 @@ def choose(m: WeightManifest, setting: str, device: torch.device, concurrency: i
             return Choice(want, _open_local(want, m), "set by the transport setting")
         except TransportUnavailableError as e:
             raise TransportUnavailableError(f"transport {want!r} cannot work here: {e}") from e
-    skipped = []
+    skipped, failed_to_open = [], False
     for t in (t for t in SAME_HOST if t in offers):
         problem = _host_problem(m) or (_gpu_problem(m, device) if t == "cuda_ipc" else None)
         if problem is None:
@@ -130,12 +147,11 @@ def choose(m: WeightManifest, setting: str, device: torch.device, concurrency: i
                     "auto: on the publisher's host" + (" and GPU" if t == "cuda_ipc" else ""),
                 )
             except TransportUnavailableError as e:
-                problem = str(e)
+                problem, failed_to_open = str(e), True
         skipped.append(f"not {t}: {problem}")
     if "rdma" not in offers:
         raise TransportUnavailableError(
             f"no usable transport for publisher {m.publisher_id[:8]}: {'; '.join(skipped)}"
         )
-    return Choice(
-        "rdma", _rdma(m, concurrency, timeout_s), "auto: " + ("; ".join(skipped) or "only rdma served")
-    )
+    reason = "auto: " + ("; ".join(skipped) or "only rdma served")
+    return _rdma(m, concurrency, timeout_s, reason, fallback=failed_to_open)

@@ -205,3 +205,43 @@ def test_diloco_training_fails_when_its_checkpoint_cannot_be_written(tmp_path):
                 inner_step(model, opt, 0, step)
         sync.close()
     sync.manager.shutdown()
+
+
+def _two_checkpoints(tmp_path: Any) -> tuple[DiLoCoConfig, Any]:
+    """Rounds 1 and 2 checkpointed (kept: keep_rounds=4); the path of round 2's directory."""
+    cfg = _cfg(f"file://{tmp_path}/v", keep_rounds=4)
+    m, state = _manager(cfg, 0)
+    for q in (1, 2):
+        _checkpoint(m, state, q)
+    m.shutdown()
+    return cfg, tmp_path / "v" / "ck" / "ckpt" / "q00000002"
+
+
+def test_a_corrupted_state_is_refused_and_the_newest_that_verifies_heals(tmp_path, caplog):
+    """64 bytes of 0xFF in the newest checkpoint's state: a restarted replica refuses it (a warning naming the
+    file and what differs) and heals from round 1, the newest that verifies."""
+    cfg, q2 = _two_checkpoints(tmp_path)
+    state = q2 / "state.safetensors"
+    data = state.read_bytes()
+    state.write_bytes(data[:64] + b"\xff" * 64 + data[128:])
+    with caplog.at_level("WARNING"):
+        assert _resume(cfg) == ("resumed", 1, 1.0)
+    assert any("refusing the DiLoCo checkpoint of round 2" in r.getMessage()
+               and "ckpt/q00000002/state.safetensors: content differs from COMMITTED.json" in r.getMessage()
+               for r in caplog.records), caplog.text
+
+
+def test_an_invalid_marker_is_no_checkpoint_and_none_valid_is_an_error_not_theta0(tmp_path):
+    from composer_mesh.mesh.objectstore.store import ShardError
+
+    cfg, q2 = _two_checkpoints(tmp_path)
+    (q2 / "COMMITTED.json").write_text("xx")
+    assert _resume(cfg) == ("resumed", 1, 1.0)
+    (q2.parent / "q00000001" / "state.safetensors").write_bytes(b"\xff" * 10)  # truncated, and q2 is no checkpoint
+    with pytest.raises(ShardError, match=r"ckpt/q00000001/state\.safetensors: 10 bytes, COMMITTED\.json says \d+ "
+                                         r"\(truncated or overwritten\); no older checkpoint to heal from"):
+        _resume(cfg)
+    (q2.parent / "q00000001" / "COMMITTED.json").write_text("{}")
+    with pytest.raises(ShardError, match=r"ckpt/q00000002/COMMITTED\.json: not committed: the commit marker is not "
+                                         "JSON"):
+        _resume(cfg)  # markers there, none valid: never a fresh start from θ0

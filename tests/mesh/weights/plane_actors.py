@@ -203,6 +203,8 @@ class PlaneGenerator(Actor):
             "retries": pulled.retries,
             "transport": pulled.transport,
             "reason": self.sub.transport_reason,
+            "used": self.sub.choice.used if self.sub.choice else None,
+            "fallback": self.sub.choice.fallback if self.sub.choice else None,
             "bad_staged": bad_staged,
             "bad_model": mismatches(self.model, self.spec, applied),
         }
@@ -218,6 +220,8 @@ class PlaneGenerator(Actor):
                 "retries": pulled.retries,
                 "transport": pulled.transport,
                 "reason": sub.transport_reason,
+                "used": sub.choice.used if sub.choice else None,
+                "fallback": sub.choice.fallback if sub.choice else None,
                 "bad_staged": mismatches(pulled.tensors, self.spec, pulled.version),
             }
         finally:

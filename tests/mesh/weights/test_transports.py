@@ -177,3 +177,26 @@ async def test_cuda_ipc_in_process_and_forced_shm_with_cuda_weights() -> None:
         sub.close()
     pub.close()
     assert shm.segment_names(pub.id) == []
+
+
+SLIM = Path(__file__).parents[2] / "orchestration" / "slim_run.yaml"
+
+
+@pytest.mark.parametrize(("weights", "line", "error"), [
+    ("  require: ibverbs\n", "28:12", "weights.require: 'ibverbs' is not a transport; use one or a list of "
+     "['cuda_ipc', 'shm', 'rdma', 'rdma_tcp'] or 'endpoint'"),
+    ("  require: [shm, tcp]\n", "28:18", "weights.require[1]: Input should be 'cuda_ipc', 'shm', 'rdma', "
+     "'rdma_tcp' or 'endpoint' (got 'tcp')"),
+    ("  transport: shm\n  require: [rdma, rdma_tcp]\n", "29:3", "weights.require: ['rdma', 'rdma_tcp'] can never "
+     "be met with transport 'shm', which uses one of ['shm']"),
+])
+def test_validate_refuses_a_require_that_cannot_be_met(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                        weights: str, line: str, error: str) -> None:
+    from composer_mesh import cli
+
+    path = tmp_path / "run.yaml"
+    path.write_text(SLIM.read_text() + "weights:\n" + weights)
+    assert cli.main(["validate", str(path)]) == cli.EXIT_INVALID
+    assert f"  {path}:{line}: {error}" in capsys.readouterr().err.splitlines()
+    path.write_text(SLIM.read_text() + "weights:\n  require: [cuda_ipc, shm, rdma]\n")
+    assert cli.main(["validate", str(path)]) == cli.EXIT_OK

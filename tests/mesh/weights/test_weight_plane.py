@@ -45,6 +45,13 @@ SEQLOCK = ["rdma", "shm", pytest.param("cuda_ipc", marks=GPU)]  # transports wit
 EVERY = [*SEQLOCK, "endpoint"]
 
 
+def tcp_only() -> bool:
+    """No ibverbs device on this host: Monarch's RDMA runs over its TCP fallback."""
+    from monarch.rdma import get_rdma_backend
+
+    return bool(get_rdma_backend() != "ibverbs")
+
+
 def device_of(transport: str) -> str:
     return "cuda" if transport == "cuda_ipc" else "cpu"
 
@@ -113,6 +120,10 @@ async def test_mixed_dtypes_exact_on_every_generator_after_each_sync(
         for r in results:
             assert r["version"] == expected_version and r["transport"] == transport
             assert r["bad_staged"] == [] and r["bad_model"] == []
+            # what moves the bytes: rdma is Monarch's TCP fallback on a host without ibverbs, and says so
+            over_tcp = transport == "rdma" and tcp_only()
+            assert (r["used"], r["fallback"]) == ("rdma_tcp" if over_tcp else transport, over_tcp)
+            assert ("no ibverbs device" in r["reason"]) == over_tcp
     assert FAULTS == []
 
 
@@ -243,6 +254,8 @@ async def test_other_host_identity_forced_shm_errors_with_the_reason_auto_falls_
     r = await one(gens).pull_with.call_one(moved, {})
     assert r["transport"] == "rdma" and "not shm: publisher on host gpu-node-17" in r["reason"]
     assert r["version"] == 1 and r["bad_staged"] == []
+    # another host is no fallback for rdma itself; only the TCP fallback under it is
+    assert (r["used"], r["fallback"]) == (("rdma_tcp", True) if tcp_only() else ("rdma", False))
 
 
 async def test_unopenable_segment_private_dev_shm_auto_falls_back_forced_errors(meshes: tuple[Any, Any]) -> None:
@@ -253,6 +266,7 @@ async def test_unopenable_segment_private_dev_shm_auto_falls_back_forced_errors(
     r = await one(gens).pull_with.call_one(hidden, {})
     assert r["transport"] == "rdma" and "cannot open shared-memory segment" in r["reason"]
     assert r["bad_staged"] == []
+    assert r["fallback"] is True  # on the publisher's host, shm should have worked: a fallback even over ibverbs
     with pytest.raises(ActorError) as err:
         await one(gens).pull_with.call_one(hidden, {"transport": "shm"})
     assert "transport 'shm' cannot work here: cannot open shared-memory segment" in str(err.value.exception)

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from composer_mesh.actors.backends.config import LocalModelSettings, TorchSettings
 from composer_mesh.actors.backends.generation.config import VLLMEngineSettings
+from composer_mesh.errors import FieldError
 from composer_mesh.models.config import ModelConfig, WarmStartConfig
 
 # "distill": per-token distributions over the student's tokens (channel 2); "replay": full traces (channel 3).
@@ -167,7 +168,7 @@ class OpenRouterSettings(BaseModel):
     @field_validator("models")
     @classmethod
     def _models(cls, v: list[str]) -> list[str]:
-        bad = [m for m in v if not m.strip()]
+        bad = [i for i, m in enumerate(v) if not m.strip()]
         if bad:
-            raise ValueError("models must be non-empty model slugs such as 'openai/gpt-4o-mini'")
+            raise FieldError((bad[0],), "models must be non-empty model slugs such as 'openai/gpt-4o-mini'")
         return v

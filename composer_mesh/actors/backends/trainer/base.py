@@ -17,12 +17,22 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
 import torch
 from pydantic import BaseModel
 
 from composer_mesh.actors.messages import TrainBatch, TrainMetrics
+from composer_mesh.errors import UserInputError
+
+OnNonFinite = Literal["stop", "skip"]
+
+
+class NonFiniteError(UserInputError):
+    """A step whose loss or gradient is not finite, under `run.on_nonfinite: stop`: the update was not applied.
+
+    A `UserInputError` (a learning rate too high, a bad row or reward, a loss setting), not a bug: the command
+    line prints its one line and the last checkpoint, which is from before this step, with no traceback."""
 
 
 @runtime_checkable
@@ -33,10 +43,12 @@ class TrainerBackend(Protocol):
     capabilities: ClassVar[frozenset[str]]
 
     def start(self, model_config: Any, loss: Any, temperature: float = 1.0, diloco: Any = None,
-              replica_id: int = 0, shard: Any = None) -> None:
+              replica_id: int = 0, shard: Any = None, on_nonfinite: OnNonFinite = "stop") -> None:
         """Build the policy (`model_config`: a `ModelConfig`), optimizer and loss state (`loss`: a `LossConfig`);
         with `diloco` (a `DiLoCoConfig`), as DiLoCo replica `replica_id`; with `shard` (a `sharding.ShardGroup`),
-        as one rank of a sharded replica. Called once, on the proc's thread that then runs every other call."""
+        as one rank of a sharded replica. Called once, on the proc's thread that then runs every other call.
+        `on_nonfinite` (`run.on_nonfinite`; passed only when it is "skip"): a step whose loss or gradient is not
+        finite raises `NonFiniteError` ("stop") or is counted and skipped without an optimizer step ("skip")."""
 
     def rejoin(self, round_id: int) -> int:
         """Right after `start`, in place of a dead DiLoCo replica: heal from the store at round `round_id`; the
@@ -48,7 +60,8 @@ class TrainerBackend(Protocol):
         lazily, one tensor at a time (`mesh.weights.plane.ShapedWeights`): then every rank reads them all."""
 
     def train_step(self, batch: TrainBatch) -> TrainMetrics:
-        """One optimizer step on `batch`; the metrics' `weight_version` is left for the service to stamp."""
+        """One optimizer step on `batch`; the metrics' `weight_version` is left for the service to stamp. A
+        non-finite loss or gradient never reaches the weights (`start`'s `on_nonfinite`)."""
 
     def snapshot_state(self, extra: dict[str, Any] | None = None) -> Any:
         """A copy of everything needed to continue training bitwise, with `extra` (JSON) stored beside it; taken

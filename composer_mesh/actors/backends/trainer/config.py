@@ -5,12 +5,14 @@ settings from here)."""
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field
 
 from composer_mesh.actors.backends.config import TorchSettings
 from composer_mesh.models.config import LoraConfig
+
+Beta = Annotated[float, Field(ge=0, lt=1)]  # an AdamW beta: a decay rate
 
 HF_TRAINER_CAPABILITIES: frozenset[str] = frozenset({"sharded"})  # FSDP2 over procs_per_replica procs
 
@@ -38,7 +40,8 @@ class HFTrainerSettings(TorchSettings):
         "`lr` whatever its gradient; a policy fresh from a short warm start can lose a skill to them. 0 = none.",
     )
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
-    betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW betas.")
+    betas: tuple[Beta, Beta] = Field((0.9, 0.99), description="AdamW betas, each in [0, 1) (torch refuses others "
+                                     "when the trainer starts).")
     grad_clip: float | None = Field(1.0, gt=0, description="Clip the global gradient norm to this (None: off).")
     reference_model: bool = Field(
         True,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import torch
 from pydantic import BaseModel
 
+from composer_mesh.actors.backends.trainer.base import NonFiniteError, OnNonFinite
 from composer_mesh.actors.backends.trainer.config import (
     HF_TRAINER_CAPABILITIES,
     HFTrainerSettings,
@@ -49,6 +51,7 @@ if TYPE_CHECKING:
     from composer_mesh.actors.backends.trainer.trainer_state import TrainerSnapshot
 
 WeightKind = Literal["full", "adapter"]
+log = logging.getLogger(__name__)
 
 
 class HFTrainer:
@@ -71,7 +74,7 @@ class HFTrainer:
     # ---- setup -----------------------------------------------------------------------------------
     def start(
         self, model_config: Any, loss: LossConfig, temperature: float = 1.0,
-        diloco: Any = None, replica_id: int = 0, shard: ShardGroup | None = None,
+        diloco: Any = None, replica_id: int = 0, shard: ShardGroup | None = None, on_nonfinite: OnNonFinite = "stop",
     ) -> None:
         """Build model (with LoRA adapters if set), reference, AdamW and the loss state; with `diloco` (a
         `DiLoCoConfig`), wrap the optimizer in DiLoCo so every `sync_every` inner steps this replica syncs
@@ -79,11 +82,8 @@ class HFTrainer:
         `shard.world` procs (`sharding.py`): policy and reference are sharded, AdamW holds this rank's shards."""
         from composer_mesh.models.loading import load_pretrained, torch_dtype
 
-        if self.settings.lora is not None and diloco is not None:
-            raise ValueError("trainer.settings.lora and diloco (roles.trainer.replicas > 1) cannot be combined: "
-                             "DiLoCo would synchronise and checkpoint the whole frozen model, not the adapters; "
-                             "drop one of them")
-        self.shard = shard
+        check_with_diloco(diloco, lora=self.settings.lora is not None, skip=on_nonfinite == "skip")
+        self.shard, self.on_nonfinite = shard, on_nonfinite
         torch.set_num_threads(self.settings.torch_threads)
         self.model, self.tokenizer = load_pretrained(model_config, device=self.settings.device)
         # Training keeps its own dtype (float32 master weights unless precision is 'bf16'); generators load
@@ -226,8 +226,12 @@ class HFTrainer:
             del loss_batch
         # one host sync for the whole step, not one per micro-batch; sharded: merged over the replica's ranks
         result: LossResult = accumulator.finish(self._ranks, sorted({t.teacher for t, _ in data.pairs}))
-        if not torch.isfinite(result.total):  # before the optimizer: the weights stay as they were
-            raise FloatingPointError(f"non-finite loss at step {self.step}: {float(result.total)}")
+        grad_norm = total_grad_norm(self.optimizer, s.grad_clip)
+        if not (torch.isfinite(result.total) and torch.isfinite(torch.tensor(grad_norm))):
+            nonfinite(float(result.total), grad_norm, self.step + 1, self.on_nonfinite)  # raises with stop
+            self.optimizer.zero_grad(set_to_none=True)  # skipped: no optimizer step, the weights as they were
+            self.step += 1  # counted: the LR schedule moves on
+            return skipped_step(self.step, float(result.total), batch, data)
         metrics = dict(result.metrics)
         metrics["micro_batches"] = float(len(pieces))
         metrics.update(episode_metrics(data.rollouts))
@@ -235,9 +239,8 @@ class HFTrainer:
             metrics.setdefault("replay/pairs", float(len(data.pairs)))
             metrics["replay/traces_not_better"] = float(data.traces_not_better)
         if s.grad_clip is not None:
-            params = [p for group in self.optimizer.param_groups for p in group["params"]]
-            norm = torch.nn.utils.clip_grad_norm_(params, s.grad_clip)
-            metrics["grad_norm"] = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+            metrics["grad_norm"] = grad_norm
+        metrics.update({"faults/nonfinite_skipped": 0.0} if self.on_nonfinite == "skip" else {})
         if s.lr_decay_steps is not None or s.lr_warmup_steps:
             metrics["lr"] = scheduled_lr(s, self.step)
             for group in self.optimizer.param_groups:
@@ -388,6 +391,47 @@ def check_same_setup(url: str, meta: dict[str, Any], loss_state: bool, lora: dic
     if extra.get("lora") != lora:
         raise TrainerStateError(f"{url}: saved by a trainer with lora {extra.get('lora') or 'off'}, this trainer has "
                                 f"lora {lora or 'off'}")
+
+
+def total_grad_norm(optimizer: torch.optim.Optimizer, clip: float | None) -> float:
+    """The gradient's total norm (after clipping it to `clip`, when set): a collective on a sharded replica, so
+    every rank sees the same value and takes the same decision on it."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    norm = (torch.nn.utils.clip_grad_norm_(params, clip) if clip is not None
+            else torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]))
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+
+def check_with_diloco(diloco: Any, lora: bool, skip: bool) -> None:
+    """What a DiLoCo replica cannot do: LoRA (DiLoCo would synchronise and checkpoint the whole frozen model, not
+    the adapters), skipping a non-finite step (the replica would leave its rounds' cadence)."""
+    if lora and diloco is not None:
+        raise ValueError("trainer.settings.lora and diloco (roles.trainer.replicas > 1) cannot be combined: "
+                         "DiLoCo would synchronise and checkpoint the whole frozen model, not the adapters; "
+                         "drop one of them")
+    if skip and diloco is not None:
+        raise ValueError("run.on_nonfinite: skip cannot be combined with diloco: a replica that skips a step "
+                         "would leave its rounds' cadence")
+
+
+def skipped_step(step: int, loss: float, batch: TrainBatch, data: TrainRows) -> TrainMetrics:
+    """The metrics of a step skipped for a non-finite loss or gradient (`run.on_nonfinite: skip`)."""
+    return TrainMetrics(step=step, weight_version=0, loss=loss, metrics={
+        "faults/nonfinite_skipped": 1.0, "reward_mean": float(data.episode_rewards().mean()),
+        "reward_failures": float(sum(not rw.ok for g in batch.groups for rw in g.rewards))})
+
+
+def nonfinite(loss: float, grad_norm: float, step: int, on_nonfinite: str) -> None:
+    """Trainer step `step` has a non-finite loss or gradient, found before the optimizer step (the weights are
+    still those of the step before). `stop`: NonFiniteError naming the step and the quantity; `skip`: a warning
+    (the caller skips the update)."""
+    what = f"loss ({loss})" if not torch.isfinite(torch.tensor(loss)) else f"gradient (total norm {grad_norm})"
+    if on_nonfinite != "skip":
+        raise NonFiniteError(f"trainer step {step}: non-finite {what}; the update was not applied (a learning rate "
+                             "too high, a bad row, reward or loss setting?); run.on_nonfinite: skip skips such steps "
+                             "instead")
+    log.warning("trainer step %d: non-finite %s: skipped, the weights are unchanged (run.on_nonfinite: skip)", step,
+                what)
 
 
 def diloco_call(fn: Any, *args: Any, url: str | None = None) -> Any:

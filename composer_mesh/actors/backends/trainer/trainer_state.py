@@ -10,8 +10,10 @@ One directory (any fsspec URL: a local path, `file://`, `s3://`) holds:
   order, which model tensors are saved (`model_tensors`: "all" or "trainable"), Python's and NumPy's RNG states,
   the loss state (TAID's t and momentum), whatever `extra` the caller adds (e.g. the weight version) and the JSON
   part of the extra groups (`extra_json`).
-- `COMPLETE`: written last (the storage primitive's commit marker, `mesh/storage`: JSON with the files and their
-  sizes; states written before it hold "ok"). A directory without it is a half-written state and is never loaded.
+- `COMPLETE`: written last (the storage primitive's commit marker, `mesh/storage`: JSON with the files, their
+  sizes and sha256). A directory without a valid one is a half-written state and is never loaded; a file whose
+  bytes differ from it is refused, named (`check_trainer_state` streams every file before a resume launches
+  anything; loading checks the bytes it reads).
 
 Saving is two steps so that the slow one can run off the training path: `capture_trainer_state` copies everything
 (tensors to CPU, no serialisation, no I/O) into a `TrainerSnapshot` that training can no longer change, and
@@ -72,8 +74,8 @@ class TrainerSnapshot:
 
 
 def _state_dir(url: str) -> CommittedDir:
-    """The state's directory, committed by `COMPLETE` ("ok" in states written before the storage primitive)."""
-    return CommittedDir(FsspecBlobs(url), marker=_MARKER, legacy=frozenset({b"ok\n"}), where=url)
+    """The state's directory, committed by `COMPLETE`."""
+    return CommittedDir(FsspecBlobs(url), marker=_MARKER, where=url)
 
 
 def _copy(t: torch.Tensor) -> torch.Tensor:
@@ -176,9 +178,10 @@ def read_trainer_state(url: str) -> TrainerSnapshot:
 
 
 def check_trainer_state(url: str) -> None:
-    """What `read_trainer_state` would refuse, found without reading the tensors (a large model's state is
-    gigabytes): the marker, `state.json` and its format, and the safetensors header of `state.safetensors`
-    against the file's size. Raises TrainerStateError naming the file."""
+    """What `read_trainer_state` would refuse, found without loading the tensors (a large model's state is
+    gigabytes): the marker, every file's size and sha256 against it (streamed), `state.json` and its format,
+    and the safetensors header of `state.safetensors` against the file's size. Raises TrainerStateError naming
+    the file."""
     world = sharded_world(url)
     if world is not None:  # a sharded replica: one state per rank
         for rank in range(world):
@@ -186,9 +189,9 @@ def check_trainer_state(url: str) -> None:
         return
     state = _state_dir(url)
     try:
-        if state.marker() is None:
+        if not state.blobs.exists(_MARKER):
             raise TrainerStateError(f"{url}: no {_MARKER} marker: not a trainer state, or one that was never finished")
-        meta = state.read_json("state.json")
+        meta = state.read_json("state.json", state.verify())
         _check_safetensors(FsspecBlobs(url), "state.safetensors")
     except StorageError as e:
         raise TrainerStateError(str(e)) from e

@@ -264,3 +264,64 @@ def test_lr_warmup_rises_linearly_then_hands_over_to_the_decay():
     assert m.metrics["lr"] == pytest.approx(1e-3)
     moved = max(float((v - before[k]).abs().max()) for k, v in trainer.named_weights().items())
     assert 0.5e-3 < moved < 1.5e-3
+
+
+# A learning rate that a real run could be given by mistake: step 1 is finite, its update overflows the tiny
+# model's activations, and step 2's loss is NaN.
+EXPLODING_LR = 1e12
+
+
+def _exploding(on_nonfinite: str = "stop") -> tuple[HFTrainer, TrainBatch]:
+    trainer = HFTrainer(HFTrainerSettings(lr=EXPLODING_LR))
+    trainer.start(MODEL, LossConfig(alpha_sdpo=0.0, beta_replay=0.0), on_nonfinite=on_nonfinite)  # type: ignore[arg-type]
+    batch = make_batch(trainer, with_teacher=False)
+    assert torch.isfinite(torch.tensor(trainer.train_step(batch).loss))
+    return trainer, batch
+
+
+def _state(trainer: HFTrainer) -> dict[str, torch.Tensor]:
+    """Weights and every AdamW state tensor, copied."""
+    out = {f"w/{k}": v.detach().clone() for k, v in trainer.model.state_dict().items()}  # type: ignore[union-attr]
+    for i, entry in trainer.optimizer.state_dict()["state"].items():
+        out.update({f"o/{i}/{k}": torch.as_tensor(v).clone() for k, v in entry.items()})
+    return out
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_nonfinite_loss_stops_with_one_line_naming_the_step_and_quantity_before_any_update():
+    """By default (`run.on_nonfinite: stop`): a user error (the command line prints its line, not a bug's
+    traceback), raised before the optimizer, so the weights and AdamW state are those of step 1."""
+    from composer_mesh.actors.backends.trainer.base import NonFiniteError
+    from composer_mesh.errors import UserInputError
+
+    trainer, batch = _exploding()
+    before = _state(trainer)
+    with pytest.raises(NonFiniteError, match=r"^trainer step 2: non-finite loss \(nan\); the update was not applied "
+                                             r"\(.*\); run\.on_nonfinite: skip skips such steps instead$") as e:
+        trainer.train_step(batch)
+    assert isinstance(e.value, UserInputError) and "\n" not in str(e.value)
+    assert _same(before, _state(trainer)) and trainer.step == 1
+
+
+def test_skip_leaves_weights_and_optimizer_bitwise_unchanged_and_counts_the_step():
+    trainer, batch = _exploding("skip")
+    before = _state(trainer)
+    for step in (2, 3):
+        m = trainer.train_step(batch)
+        assert m.step == step and m.metrics["faults/nonfinite_skipped"] == 1.0 and m.loss != m.loss  # NaN
+        assert _same(before, _state(trainer))
+    assert all(p.grad is None for p in trainer.model.parameters())  # type: ignore[union-attr]
+    fine = HFTrainer(HFTrainerSettings(lr=1e-2))
+    fine.start(MODEL, LossConfig(alpha_sdpo=0.0, beta_replay=0.0), on_nonfinite="skip")
+    assert fine.train_step(make_batch(fine, with_teacher=False)).metrics["faults/nonfinite_skipped"] == 0.0
+
+
+def test_skip_is_refused_with_diloco():
+    from composer_mesh.mesh.objectstore import DiLoCoConfig
+
+    with pytest.raises(ValueError, match=r"run\.on_nonfinite: skip cannot be combined with diloco"):
+        HFTrainer(HFTrainerSettings()).start(MODEL, LossConfig(), diloco=DiLoCoConfig(store_uri="memory://x",
+                                                                                       run_id="r", replicas=2), on_nonfinite="skip")

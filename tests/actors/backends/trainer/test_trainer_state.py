@@ -64,6 +64,14 @@ def test_half_written_foreign_or_mismatched_states_are_refused(tmp_path):
     a.save_state(str(tmp_path / "s"))
     meta = json.loads((tmp_path / "s" / "state.json").read_text())
     (tmp_path / "s" / "state.json").write_text(json.dumps({**meta, "format": 99}))
+    with pytest.raises(TrainerStateError, match=r"state\.json: \d+ bytes, COMPLETE says \d+"):  # changed after its commit
+        a.load_state(str(tmp_path / "s"))
+    from composer_mesh.mesh.storage import CommittedDir, FsspecBlobs
+
+    recommit = CommittedDir(FsspecBlobs(str(tmp_path / "s")), marker="COMPLETE")  # as another version wrote it
+    for name in ("state.safetensors", "state.json"):
+        recommit.note(name)
+    recommit.commit()
     with pytest.raises(TrainerStateError, match="format 99"):
         a.load_state(str(tmp_path / "s"))
     wider = trainer(ModelConfig(source="tiny", seed=3, hidden_size=32, num_heads=2, num_kv_heads=1))
