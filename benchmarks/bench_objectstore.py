@@ -1,6 +1,7 @@
 """Object-store DiLoCo sync: reduce-scatter vs naive all-gather vs a raw copy of M bytes, side by side.
 
-For each store (file:// on local disk, s3:// on a moto server subprocess on localhost), model size M and
+For each store (file:// on local disk, s3:// on a moto server subprocess, gs:// on a gcp-storage-emulator
+subprocess, both on localhost), model size M and
 replica count N, the N replicas run as threads of this process against the same store, and three things
 are measured in one run, one after the other, under the same concurrency:
 
@@ -16,6 +17,10 @@ wall time of the whole round (slowest replica), after a barrier. Targets (issue 
 
     .venv/bin/python benchmarks/bench_objectstore.py            # 64 and 256 MiB, N = 2, 4, 8, file + s3
     .venv/bin/python benchmarks/bench_objectstore.py --quick    # 4 and 16 MiB, N = 2, 4
+    .venv/bin/python benchmarks/bench_objectstore.py --stores file s3 gs --sizes-mib 16 --replicas 2 4
+
+The gs:// rows talk to the emulator directly (the tests put a proxy in front of it that enforces create-only
+puts; the benchmark's keys are written once each, so it measures the store without that extra hop).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -90,10 +96,49 @@ class MotoServer:
             self.proc.wait()
 
 
-def store_fields(kind: str, tmp: str, moto: MotoServer | None) -> dict[str, Any]:
+class GcsEmulator:
+    """`gcp-storage-emulator --in-memory` in its own process, with one bucket `bench`."""
+
+    def __init__(self) -> None:
+        # gcsfs 2026.x would ask each bucket's type over gRPC first (the emulator has no gRPC): 60 s per bucket.
+        os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+        os.environ.setdefault("BENCH_GCS_TOKEN", "anon")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "gcp_storage_emulator", "start", "--host=127.0.0.1", f"--port={self.port}",
+             "--in-memory"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        end = time.monotonic() + 30
+        while True:
+            try:
+                with urllib.request.urlopen(f"{self.endpoint}/storage/v1/b?project=bench", timeout=1):
+                    break
+            except OSError:
+                if time.monotonic() > end or self.proc.poll() is not None:
+                    raise RuntimeError("gcp-storage-emulator did not start") from None
+                time.sleep(0.1)
+        req = urllib.request.Request(f"{self.endpoint}/storage/v1/b?project=bench", data=b'{"name": "bench"}',
+                                     headers={"Content-Type": "application/json"}, method="POST")
+        urllib.request.urlopen(req, timeout=10).close()
+
+    stop = MotoServer.stop
+
+
+def store_fields(kind: str, tmp: str, servers: dict[str, Any]) -> dict[str, Any]:
     if kind == "file":
         return {"store_uri": f"file://{tmp}/store"}
-    assert moto is not None
+    if kind == "gs":
+        return {
+            "store_uri": "gs://bench/diloco",
+            "storage_options": {"endpoint_url": servers["gs"].endpoint, "project": "bench"},
+            "credentials_env": {"token": "BENCH_GCS_TOKEN"},
+        }
+    moto = servers["s3"]
     return {
         "store_uri": "s3://bench/diloco",
         "storage_options": {"endpoint_url": moto.endpoint, "region_name": "us-east-1"},
@@ -228,7 +273,7 @@ def environment() -> list[str]:
         "fsspec": fsspec.__version__,
         "safetensors": safetensors.__version__,
     }
-    vers.update(package_versions("s3fs", "moto", "torchft"))
+    vers.update(package_versions("s3fs", "moto", "gcsfs", "gcp-storage-emulator", "torchft"))
     return [
         f"host: {platform.node()} | {platform.platform()} | {cpu} | {os.cpu_count()} cpus | {mem:.1f} GiB RAM"
         f" | load avg {os.getloadavg()[0]:.1f}",
@@ -237,9 +282,9 @@ def environment() -> list[str]:
 
 
 def needed_gib(kind: str, size_mib: int, n: int) -> float:
-    """Rough peak: inputs + per-replica result/accumulator + read buffer, plus moto's copy of the objects."""
+    """Rough peak: inputs + per-replica result/accumulator + read buffer, plus the server's copy of the objects."""
     per = size_mib / 1024
-    return per * (4 * n + 1) + (per * n * 2.5 if kind == "s3" else 0.0)
+    return per * (4 * n + 1) + (per * n * 2.5 if kind != "file" else 0.0)
 
 
 def main() -> None:
@@ -247,7 +292,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="4 and 16 MiB, N = 2 and 4")
     ap.add_argument("--sizes-mib", type=int, nargs="+", help="model sizes in MiB (default 64 256)")
     ap.add_argument("--replicas", type=int, nargs="+", help="replica counts (default 2 4 8)")
-    ap.add_argument("--stores", nargs="+", default=["file", "s3"], choices=["file", "s3"])
+    ap.add_argument("--stores", nargs="+", default=["file", "s3"], choices=["file", "s3", "gs"])
     ap.add_argument("--rounds", type=int, default=1, help="timed rounds per cell (median is reported)")
     args = ap.parse_args()
     sizes = args.sizes_mib or ([4, 16] if args.quick else [64, 256])
@@ -256,8 +301,13 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run `finally`: stop moto, remove temp files
 
     print("\n".join(environment()), flush=True)
-    print("N replicas are threads of one process; moto runs as a separate process. M = model bytes (fp32).")
-    moto = MotoServer() if "s3" in args.stores else None
+    print("N replicas are threads of one process; moto and the GCS emulator run as separate processes. "
+          "M = model bytes (fp32).")
+    servers: dict[str, Any] = {}
+    if "s3" in args.stores:
+        servers["s3"] = MotoServer()
+    if "gs" in args.stores:
+        servers["gs"] = GcsEmulator()
     tmp = tempfile.mkdtemp(prefix="bench_objstore_", dir=os.environ.get("BENCH_TMP"))
     rows = []
     try:
@@ -282,7 +332,7 @@ def main() -> None:
                                 replicas=n,
                                 quorum_deadline_s=600,
                                 poll_interval_s=0.02,
-                                **store_fields(kind, tmp, moto),
+                                **store_fields(kind, tmp, servers),
                             )
                             wall, counters = fn(cfg, vecs)
                             gc.collect()
@@ -310,8 +360,8 @@ def main() -> None:
                     del vecs
                     gc.collect()
     finally:
-        if moto is not None:
-            moto.stop()
+        for server in servers.values():
+            server.stop()
         shutil.rmtree(tmp, ignore_errors=True)
 
     print()

@@ -1,5 +1,5 @@
-"""The storage primitive: committed directories on a local path and on S3 (moto), listing, retention, markers,
-and each file's size and sha256 checked against its marker."""
+"""The storage primitive: committed directories on a local path, on S3 (moto) and on GCS (gcp-storage-emulator):
+listing, retention, markers, and each file's size and sha256 checked against its marker."""
 
 from __future__ import annotations
 
@@ -19,14 +19,25 @@ from composer_mesh.mesh.storage import (
     NotCommitted,
     StorageError,
 )
-from mesh.objectstore.conftest import S3_ENV, moto_endpoint  # noqa: F401  (the moto server fixture)
+from mesh.objectstore.conftest import S3_ENV, gcs_endpoint, moto_endpoint  # noqa: F401  (the servers' fixtures)
+from mesh.objectstore.gcs import create_bucket
 
 
-@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.s3)])
+def _gcs_blobs(endpoint: str, bucket: str, **options: object) -> FsspecBlobs:
+    """Options as a deployment gives them; no listing-cache setting (the gs row of `mesh.storage.backends` adds it)."""
+    return FsspecBlobs(f"gs://{bucket}/root", endpoint_url=endpoint, token="anon", project="test", **options)
+
+
+@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.s3), pytest.param("gcs", marks=pytest.mark.gcs)])
 def blobs(request, tmp_path) -> FsspecBlobs:
-    """A fresh root on a local path, or in a fresh bucket of the moto server."""
+    """A fresh root on a local path, or in a fresh bucket of the moto server or of the GCS emulator."""
     if request.param == "local":
         return FsspecBlobs(str(tmp_path / "root"))
+    if request.param == "gcs":
+        endpoint = request.getfixturevalue("gcs_endpoint")
+        bucket = f"storage-{uuid.uuid4().hex[:10]}"
+        create_bucket(endpoint, bucket)
+        return _gcs_blobs(endpoint, bucket)
     import boto3
 
     endpoint = request.getfixturevalue("moto_endpoint")
@@ -219,6 +230,24 @@ def test_files_written_by_another_writer_are_listed_by_note(blobs):
         part.note(f"__{rank}_0.distcp")
     assert part.commit()["files"] == [_entry(bytes(10), "__0_0.distcp"), _entry(bytes(11), "__1_0.distcp")]
     assert part.verify()["files"][1]["size"] == 11
+
+
+@pytest.mark.gcs
+def test_a_commit_by_another_host_is_seen_by_a_reader_that_listed_before(request):
+    """A resuming controller or a healing replica lists the series while others commit into it: with gcsfs's
+    default listing cache, `committed()` would keep answering from its first look (fails with the cache on)."""
+    endpoint = request.getfixturevalue("gcs_endpoint")
+    bucket = f"fresh-{uuid.uuid4().hex[:10]}"
+    create_bucket(endpoint, bucket)
+    reader, writer = (CommittedSeries(_gcs_blobs(endpoint, bucket, skip_instance_cache=True))  # two hosts' clients
+                      for _ in range(2))
+    _write_step(writer, 1)
+    part = _write_step(writer, 2, commit=False)
+    assert reader.committed() == [1] and reader.at(2).marker() is None
+    assert reader.blobs.list(part.prefix) == ["meta.json", "t.safetensors"]  # a reader looks into the step
+    part.commit({"step": 2})
+    _write_step(writer, 3)
+    assert reader.committed() == [1, 2, 3] and reader.newest().step == 3  # type: ignore[union-attr]
 
 
 def test_the_diloco_store_serves_as_blobs(tmp_path):

@@ -57,17 +57,21 @@ class DiLoCoConfig(BaseModel):
     store_uri: str = Field(
         ...,
         description="Root of the object store, one of file://, s3://, gs:// or memory:// (memory:// only "
-        "works between threads of one process). Example: s3://bucket/diloco.",
+        "works between threads of one process). s3:// and gs:// are tested against local servers (moto, "
+        "gcp-storage-emulator). Example: s3://bucket/diloco.",
     )
     storage_options: dict[str, str | int | float | bool] = Field(
         default_factory=dict,
         description="Extra fsspec filesystem options without secrets, e.g. {endpoint_url: http://127.0.0.1:9000}"
-        " for S3. 'endpoint_url' and 'region_name' are moved into s3fs client_kwargs automatically.",
+        " for S3 ('endpoint_url' and 'region_name' are moved into s3fs client_kwargs automatically) or "
+        "{project: my-project} for gs. Listing caches are always off for s3 and gs (replicas list each "
+        "other's writes).",
     )
     credentials_env: dict[str, str] = Field(
         default_factory=dict,
         description="Secret storage options given by environment variable NAME, e.g. "
-        "{key: AWS_ACCESS_KEY_ID, secret: AWS_SECRET_ACCESS_KEY}. Values are read at connect time and never "
+        "{key: AWS_ACCESS_KEY_ID, secret: AWS_SECRET_ACCESS_KEY} for s3 or {token: GCS_TOKEN} for gs (gcsfs's "
+        "token: a service-account JSON path, 'google_default', ...). Values are read at connect time and never "
         "logged.",
     )
     run_id: str = Field(

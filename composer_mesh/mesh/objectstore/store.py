@@ -1,12 +1,13 @@
 """Object-store access for the DiLoCo plane: atomic puts, create-only puts, checksummed safetensors shards.
 
-Why this layer exists: fsspec backends differ exactly where a multi-writer protocol cares.
-- file://  : a plain write is visible half-written, so puts go to a temp name then `os.replace`;
-             create-only uses `os.link` (fails atomically if the target exists).
-- s3://    : a single PUT (or a completed multipart upload) is atomic; create-only is `IfNoneMatch: *`;
-             listings are cached by s3fs, so the filesystem is built with the listings cache off.
-- memory://: one process only (threads); create-only is guarded by a process-wide lock.
-- gs://    : like s3 through gcsfs (not installed here, not exercised).
+Why this layer exists: fsspec backends differ exactly where a multi-writer protocol cares. What differs per
+protocol is one row of `mesh.storage.backends.BACKENDS` (listing cache, how create-only is made atomic, whether
+the store is a local filesystem); this class only dispatches on that row, and opens its own client:
+- local (file://): a plain write is visible half-written, so puts go to a temp name then `os.replace`;
+  create-only `link`s the finished temp file (fails atomically if the target exists).
+- precondition (s3://, gs://): a single PUT (or a completed multipart/resumable upload) is atomic; create-only
+  is the server's precondition (S3 `If-None-Match: *`, GCS `ifGenerationMatch=0`), refused with 412.
+- lock (memory://): one process only (threads); create-only is guarded by a process-wide lock.
 Nothing read from the store is ever unpickled: tensors are safetensors, small records are JSON.
 """
 
@@ -21,10 +22,10 @@ import uuid
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-import fsspec
 import torch
 
 from composer_mesh.mesh.objectstore.config import DiLoCoConfig
+from composer_mesh.mesh.storage.backends import backend_for, open_filesystem
 from composer_mesh.mesh.storage.blobs import CHUNK
 
 SHARD_FORMAT = "composer-mesh-shard-v1"
@@ -219,20 +220,9 @@ class Store:
     def __init__(self, uri: str, storage_options: Mapping[str, Any] | None = None) -> None:
         self.uri = uri.rstrip("/")
         self.scheme = self.uri.partition("://")[0]
-        opts = dict(storage_options or {})
-        if self.scheme == "s3":
-            client_kwargs = dict(opts.pop("client_kwargs", {}) or {})
-            for k in ("endpoint_url", "region_name"):
-                if k in opts:
-                    client_kwargs[k] = opts.pop(k)
-            if client_kwargs:
-                opts["client_kwargs"] = client_kwargs
-            opts.setdefault("use_listings_cache", False)
-            opts.setdefault("skip_instance_cache", True)
-        elif self.scheme == "file":
-            opts.setdefault("auto_mkdir", True)
+        self.backend = backend_for(self.uri)
         try:
-            self.fs, self.root = fsspec.core.url_to_fs(self.uri, **opts)
+            self.fs, self.root = open_filesystem(self.uri, storage_options, own_client=True)  # one per replica
         except Exception as e:
             raise StoreError(f"cannot open store {self.uri!r}: {type(e).__name__}: {e}") from None
         self.root = self.root.rstrip("/")
@@ -274,7 +264,7 @@ class Store:
         p = self.path(key)
         parts = data if isinstance(data, list) else [data]
         size = sum(memoryview(b).nbytes for b in parts)
-        if self.scheme == "file":
+        if self.backend.local:
             os.replace(_write_temp(p, parts), p)
         else:
             self.fs.pipe_file(p, parts[0] if len(parts) == 1 else b"".join(parts))
@@ -285,34 +275,44 @@ class Store:
         p = self.path(key)
         parts = data if isinstance(data, list) else [data]
         size = sum(memoryview(b).nbytes for b in parts)
-        if self.scheme == "file":
-            tmp = _write_temp(p, parts)
-            try:
-                os.link(tmp, p)
-                won = True
-            except FileExistsError:
-                won = False
-            finally:
-                os.unlink(tmp)
-        elif self.scheme == "memory":
-            with _MEMORY_LOCK:
-                won = not self.fs.exists(p)
-                if won:
-                    self.fs.pipe_file(p, b"".join(parts))
-        else:
-            try:
-                self.fs.pipe_file(p, parts[0] if len(parts) == 1 else b"".join(parts), mode="create")
-                won = True
-            except FileExistsError:
-                won = False
-            except OSError as e:  # some s3fs versions surface 412 PreconditionFailed as a plain OSError
-                if "PreconditionFailed" in str(e) or "412" in str(e):
-                    won = False
-                else:
-                    raise
+        create = {"link": self._create_by_link, "lock": self._create_under_lock,
+                  "precondition": self._create_by_precondition}[self.backend.create_only]
+        won = create(p, parts)
         if won:
             self._count(written=size)
         return won
+
+    @staticmethod
+    def _create_by_link(p: str, parts: list[bytes | memoryview]) -> bool:
+        """Local files: link a finished temp file to the name, which fails if the name exists."""
+        tmp = _write_temp(p, parts)
+        try:
+            os.link(tmp, p)
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            os.unlink(tmp)
+
+    def _create_under_lock(self, p: str, parts: list[bytes | memoryview]) -> bool:
+        """memory://: every writer is a thread of this process, so one lock makes check-then-write atomic."""
+        with _MEMORY_LOCK:
+            if self.fs.exists(p):
+                return False
+            self.fs.pipe_file(p, b"".join(parts))
+            return True
+
+    def _create_by_precondition(self, p: str, parts: list[bytes | memoryview]) -> bool:
+        """Object stores: the server refuses to replace an existing key (412); fsspec raises FileExistsError."""
+        try:
+            self.fs.pipe_file(p, parts[0] if len(parts) == 1 else b"".join(parts), mode="create")
+            return True
+        except FileExistsError:
+            return False
+        except OSError as e:  # some s3fs versions surface 412 PreconditionFailed as a plain OSError
+            if "PreconditionFailed" in str(e) or "412" in str(e):
+                return False
+            raise
 
     def put_json(self, key: str, obj: Any) -> None:
         self.put(key, json.dumps(obj, sort_keys=True).encode())
@@ -324,7 +324,7 @@ class Store:
     def get(self, key: str) -> bytearray:
         """Whole object as a (writable) bytearray; FileNotFoundError if absent."""
         p = self.path(key)
-        if self.scheme == "file":
+        if self.backend.local:
             with open(p, "rb") as f:
                 data = bytearray(os.fstat(f.fileno()).st_size)
                 got = f.readinto(data)
@@ -351,7 +351,7 @@ class Store:
         """
         if not out.is_contiguous():
             raise ValueError("read_shard_into needs a contiguous destination tensor")
-        if self.scheme != "file":
+        if not self.backend.local:
             tensors, meta = decode_shard(key, self.get(key), expect, expected_size)
             t = tensors.get("data")
             if len(tensors) != 1 or t is None or t.dtype != out.dtype or t.numel() != out.numel():
@@ -414,23 +414,20 @@ class Store:
 
     def exists(self, key: str) -> bool:
         p = self.path(key)
-        if self.scheme == "file":
+        if self.backend.local:
             return os.path.exists(p)
-        self.fs.invalidate_cache(p)
-        return bool(self.fs.exists(p))
+        return bool(self.fs.exists(p))  # fresh: the backend's row turns listing caches off where they exist
 
     def list(self, prefix: str) -> list[str]:
         """Names (not paths) directly under `prefix`, fresh from the store (no listing cache)."""
         p = self.path(prefix)
-        if self.scheme == "file":
+        if self.backend.local:
             try:
                 return sorted(n for n in os.listdir(p) if ".tmp-" not in n)
             except FileNotFoundError:
                 return []
-        self.fs.invalidate_cache(p)
         try:
-            entries = self.fs.ls(p, detail=False, refresh=True) if self.scheme == "s3" else self.fs.ls(
-                p, detail=False)
+            entries = self.fs.ls(p, detail=False)  # fresh: the backend's row turns listing caches off
         except FileNotFoundError:
             return []
         return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
@@ -440,7 +437,7 @@ class Store:
         round)."""
         p = self.path(prefix)
         try:
-            if self.scheme == "file":
+            if self.backend.local:
                 import shutil
 
                 if os.path.isfile(p):  # one object (a commit marker: `mesh.storage.Blobs` deletes those too)

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any, Protocol
 
+from composer_mesh.mesh.storage.backends import open_filesystem
+
 CHUNK = 8 * 2**20  # bytes read at a time when a file is streamed (hashed) rather than read whole
 
 
@@ -39,10 +41,9 @@ class FsspecBlobs:
     """`Blobs` over any fsspec URL; `fs` and `root` are the fsspec filesystem and the URL's path on it."""
 
     def __init__(self, url: str, **storage_options: Any) -> None:
-        import fsspec
-
         self.url = url.rstrip("/")
-        self.fs, self.root = fsspec.core.url_to_fs(self.url, **storage_options)
+        # the protocol's row (`backends.py`): on s3 and gs no listing cache, so `exists` sees other hosts' markers
+        self.fs, self.root = open_filesystem(self.url, storage_options)
 
     def path(self, key: str) -> str:
         return f"{self.root}/{key}" if key else self.root

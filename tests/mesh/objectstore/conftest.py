@@ -1,4 +1,5 @@
-"""Fixtures for the DiLoCo object-store tier: a real S3 server (moto) on localhost, started per module."""
+"""Fixtures for the DiLoCo object-store tier, started per module on localhost: a real S3 server (moto) and a real
+GCS API server (gcp-storage-emulator, behind the create-only proxy of `gcs.py`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,11 @@ from collections.abc import Iterator
 import pytest
 from services import require_module
 
+from mesh.objectstore.gcs import GCS_ENV, CreateOnlyProxy, Emulator, create_bucket
+
 S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
+for _k, _v in GCS_ENV.items():  # at collection: before any test of this session can import gcsfs
+    os.environ.setdefault(_k, _v)
 
 
 @pytest.fixture(scope="module")
@@ -42,4 +47,30 @@ def s3_store(moto_endpoint: str) -> dict:
         "store_uri": f"s3://{bucket}/diloco",
         "storage_options": {"endpoint_url": moto_endpoint, "region_name": "us-east-1"},
         "credentials_env": {"key": "AWS_ACCESS_KEY_ID", "secret": "AWS_SECRET_ACCESS_KEY"},
+    }
+
+
+@pytest.fixture(scope="module")
+def gcs_endpoint() -> Iterator[str]:
+    """The create-only proxy's URL, in front of a fresh in-memory emulator."""
+    require_module("gcsfs")
+    require_module("gcp_storage_emulator")
+    emulator = Emulator()
+    proxy = CreateOnlyProxy(emulator.port)
+    try:
+        yield proxy.endpoint
+    finally:
+        proxy.stop()
+        emulator.stop()
+
+
+@pytest.fixture
+def gcs_store(gcs_endpoint: str) -> dict:
+    """A fresh bucket; returns the DiLoCoConfig store fields (gcsfs's token by env var name, like a real one)."""
+    bucket = f"diloco-{uuid.uuid4().hex[:10]}"
+    create_bucket(gcs_endpoint, bucket)
+    return {
+        "store_uri": f"gs://{bucket}/diloco",
+        "storage_options": {"endpoint_url": gcs_endpoint, "project": "test"},
+        "credentials_env": {"token": "GCS_TEST_TOKEN"},
     }

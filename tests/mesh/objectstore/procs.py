@@ -16,6 +16,7 @@ from typing import Any
 
 from safetensors.torch import load_file
 
+from mesh.objectstore.gcs import GCS_ENV
 from mesh.objectstore.worker import WorkerArgs
 
 _CTX = mp.get_context("forkserver")
@@ -41,7 +42,8 @@ def _entry(args_json: str, log_path: str, env: dict[str, str]) -> None:
 def spawn(args: WorkerArgs) -> mp.process.BaseProcess:
     os.makedirs(args.out_dir, exist_ok=True)
     log = os.path.join(args.out_dir, f"r{args.replica_id}-{time.time_ns()}.log")
-    env = {k: os.environ[k] for k in args.credentials_env.values() if k in os.environ}
+    names = [*args.credentials_env.values(), *GCS_ENV]  # gcsfs reads its switch at import, in the worker
+    env = {k: os.environ[k] for k in names if k in os.environ}
     p = _CTX.Process(target=_entry, args=(json.dumps(dataclasses.asdict(args)), log, env), daemon=True)
     p.start()
     return p

@@ -1,6 +1,7 @@
 """DiLoCo checkpoints in the object store: failed writes surface, the latest never goes backwards, GC keeps it.
 
-Replicas are `ObjectStoreManager`s on a real file:// store (and S3 through moto where marked); the race between
+Replicas are `ObjectStoreManager`s on a real file:// store (and S3 through moto, GCS through
+gcp-storage-emulator where marked); the race between
 a slow checkpoint writer and a newer one is driven deterministically, at every store operation of either.
 """
 
@@ -119,14 +120,16 @@ def test_latest_never_goes_backwards_and_gc_keeps_it(tmp_path, slow, fast):
         assert (tmp_path / f"at{at}" / "ck" / "ckpt" / "q00000006" / "state.safetensors").exists()
 
 
-@pytest.mark.s3
-def test_latest_never_goes_backwards_on_s3(s3_store):
-    """The same race on S3 (moto): the newer writer runs at every store operation of the older one."""
-    base = s3_store["store_uri"]
+@pytest.mark.parametrize("kind", [pytest.param("s3", marks=pytest.mark.s3), pytest.param("gcs", marks=pytest.mark.gcs)])
+def test_latest_never_goes_backwards_on_object_stores(request, kind):
+    """The same race on S3 (moto) and GCS (the emulator): the newer writer runs at every store operation of the
+    older one, and a restart resumes from the newest round."""
+    fields = request.getfixturevalue(f"{kind}_store")
+    base = fields["store_uri"]
 
     def cfg(name: str) -> DiLoCoConfig:
-        return _cfg(f"{base}/{name}", storage_options=s3_store["storage_options"],
-                    credentials_env=s3_store["credentials_env"])
+        return _cfg(f"{base}/{name}", storage_options=fields["storage_options"],
+                    credentials_env=fields["credentials_env"])
 
     ops = _race(cfg("count"), 5, 6, NOT_CALLED)
     for at in range(1, len(ops) + 2):

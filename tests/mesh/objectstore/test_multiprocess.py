@@ -1,4 +1,5 @@
-"""Real torchft DiLoCo, replicas in separate OS processes, synchronising through file:// and S3 (moto)."""
+"""Real torchft DiLoCo, replicas in separate OS processes, synchronising through file://, S3 (moto) and GCS
+(gcp-storage-emulator behind the create-only proxy)."""
 
 from __future__ import annotations
 
@@ -67,6 +68,16 @@ def test_s3_replicas_identical_and_match_reference(tmp_path, n, s3_store):
     for r in res:
         assert all(rep["committed"] and rep["members"] == list(range(n)) for rep in r["reports"])
     _check_against_reference(res, n, sync_every=2, rounds=2)
+
+
+@pytest.mark.gcs
+def test_gs_replicas_identical_and_match_reference(tmp_path, gcs_store):
+    res = _run_replicas(tmp_path, 2, gcs_store, sync_every=2, target_outer_steps=2, poll_interval_s=0.05)
+    _assert_identical(res, "final")
+    _assert_identical(res, "global")
+    for r in res:
+        assert all(rep["committed"] and rep["members"] == [0, 1] for rep in r["reports"])
+    _check_against_reference(res, 2, sync_every=2, rounds=2)
 
 
 def test_streaming_two_fragments_with_delay(tmp_path):

@@ -1,4 +1,5 @@
-"""Store primitives: checksummed shards, atomic and create-only puts on file://, memory:// and S3 (moto)."""
+"""Store primitives: checksummed shards, atomic and create-only puts on file://, memory://, S3 (moto) and GCS
+(gcp-storage-emulator behind the create-only proxy of `gcs.py`)."""
 
 from __future__ import annotations
 
@@ -101,6 +102,58 @@ def test_s3_store(s3_store, monkeypatch):
     s.list("fresh")
     other.put("fresh/new.bin", b"x")
     assert s.list("fresh") == ["new.bin"] and s.exists("fresh/new.bin")
+
+
+@pytest.mark.gcs
+def test_gs_store(gcs_store, gcs_endpoint):
+    cfg = DiLoCoConfig(run_id="r", **gcs_store)
+    s = Store.from_config(cfg)
+    assert s.backend.create_only == "precondition" and "anon" not in repr(s)
+    _exercise(s)  # its second put_if_absent is refused only because the server enforces ifGenerationMatch=0
+
+
+@pytest.mark.gcs
+def test_gs_create_only_race_has_one_winner(gcs_store):
+    """Replicas racing for one create-only key (a membership record, an averaged slice): exactly one wins, and
+    every loser reads the winner's bytes."""
+    import threading
+
+    cfg = DiLoCoConfig(run_id="race", **gcs_store)
+    stores = [Store.from_config(cfg) for _ in range(4)]
+    won: list[bool] = [False] * 4
+    start = threading.Barrier(4)
+
+    def go(i: int) -> None:
+        start.wait()
+        won[i] = stores[i].put_if_absent("rounds/q00000001/members.json", f"replica {i}".encode())
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert won.count(True) == 1, won
+    assert stores[0].get("rounds/q00000001/members.json") == f"replica {won.index(True)}".encode()
+
+
+@pytest.mark.parametrize("kind", [pytest.param("s3", marks=pytest.mark.s3), pytest.param("gcs", marks=pytest.mark.gcs)])
+def test_a_replica_sees_other_replicas_writes_at_once(request, kind):
+    """A replica discovers the others' rounds and markers by listing; s3fs and gcsfs cache listings with no expiry
+    by default, so a replica that listed a prefix once would never see what the others add to it. Their rows in
+    `mesh.storage.backends` turn the cache off (this fails with `listings_cache=True`)."""
+    cfg = DiLoCoConfig(run_id="fresh", **request.getfixturevalue(f"{kind}_store"))
+    mine, theirs = Store.from_config(cfg), Store.from_config(cfg)
+    assert mine.fs is not theirs.fs  # two replicas are two clients, as on two hosts, even as threads of one process
+    mine.put("rounds/q00000001/arrived/r000.json", b"{}")
+    assert mine.list("rounds/q00000001/arrived") == ["r000.json"] and mine.list("rounds") == ["q00000001"]
+    assert not mine.exists("rounds/q00000001/arrived/r001.json")
+    theirs.put("rounds/q00000001/arrived/r001.json", b"{}")
+    theirs.put("rounds/q00000002/arrived/r001.json", b"{}")
+    assert mine.list("rounds/q00000001/arrived") == ["r000.json", "r001.json"]
+    assert mine.exists("rounds/q00000001/arrived/r001.json")
+    assert mine.list("rounds") == ["q00000001", "q00000002"]
+    theirs.rm_prefix("rounds/q00000001")
+    assert mine.list("rounds") == ["q00000002"] and not mine.exists("rounds/q00000001/arrived/r000.json")
 
 
 def test_interoperates_with_the_safetensors_library():

@@ -1,7 +1,10 @@
-"""Run checkpoints on a real S3 server (moto): the controller's part and a trainer's state go to `s3://`,
-only committed checkpoints are picked, and a resumed trainer loads its state from there."""
+"""Run checkpoints on a real S3 server (moto) and a real GCS API server (gcp-storage-emulator): the controller's
+part and a trainer's state go to `s3://` or `gs://`, only committed checkpoints are picked, and a resumed trainer
+loads its state from there."""
 
 from __future__ import annotations
+
+import os
 
 import fsspec
 import pytest
@@ -14,11 +17,16 @@ from composer_mesh.orchestration.checkpoint import CheckpointStore, find_checkpo
 from tests.orchestration.test_run_checkpoint import controller_state
 
 
-@pytest.mark.s3
-def test_run_checkpoints_go_to_s3(s3_store, monkeypatch):
-    # fsspec's own configuration (FSSPEC_S3_ENDPOINT_URL in a real deployment) points s3:// at the server.
-    monkeypatch.setitem(fsspec.config.conf, "s3", {"endpoint_url": s3_store["storage_options"]["endpoint_url"]})
-    url = s3_store["store_uri"].replace("/diloco", "/run/checkpoints")
+@pytest.mark.parametrize("kind", [pytest.param("s3", marks=pytest.mark.s3), pytest.param("gcs", marks=pytest.mark.gcs)])
+def test_run_checkpoints_go_to_the_object_store(request, kind, monkeypatch):
+    fields = request.getfixturevalue(f"{kind}_store")
+    # fsspec's own configuration (FSSPEC_S3_ENDPOINT_URL, FSSPEC_GCS_ENDPOINT_URL... in a real deployment) points
+    # the protocol at the server; run checkpoints take no storage options of their own.
+    conf = {"endpoint_url": fields["storage_options"]["endpoint_url"]}
+    if kind == "gcs":
+        conf.update(project="test", token=os.environ[fields["credentials_env"]["token"]])
+    monkeypatch.setitem(fsspec.config.conf, kind, conf)
+    url = fields["store_uri"].removesuffix("/diloco") + "/run/checkpoints"  # in the fixture's fresh bucket
     store = CheckpointStore(url)
     trainer = HFTrainer(HFTrainerSettings(lr=1e-2))
     trainer.start(ModelConfig(source="tiny", seed=3), LossConfig())
