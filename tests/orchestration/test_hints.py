@@ -5,6 +5,7 @@ and the trainer's channel-2 targets are exactly those distributions on exactly t
 from __future__ import annotations
 
 import asyncio
+import math
 from typing import Any
 
 import pytest
@@ -28,7 +29,14 @@ from composer_mesh.models.chat import chat_token_ids, next_turn_token_ids
 from composer_mesh.models.config import ModelConfig
 from composer_mesh.orchestration.config import HintsConfig
 from composer_mesh.orchestration.rollout.episode import Episode, EpisodeLimits, play_episode
-from composer_mesh.orchestration.rollout.hints import BadHint, Hint, SelfTeacher, hinted
+from composer_mesh.orchestration.rollout.hints import (
+    BadHint,
+    Hint,
+    Hinted,
+    SelfTeacher,
+    hinted,
+    mistake_shift,
+)
 
 BYTE = ModelConfig(tokenizer="byte", max_position_embeddings=320, seed=5)
 TOOLS = [{"type": "function", "function": {
@@ -136,8 +144,14 @@ def test_hint_targets_are_the_hinted_policy_on_exactly_the_post_hint_policy_toke
     # the hint changes the targets: without it the same tokens are scored as the student scored them
     plain = forward_rows(gen, r.prompt_ids + r.completion_ids[:second.start], r.completion_ids[second.start:])
     assert (plain - expected).abs().max() > 1e-2
-    assert teacher.counters() == {"hints/episodes": 1.0, "hints/hinted": 1.0, "hints/tokens": float(teacher.tokens),
-                                  "hints/too_long": 0.0}
+    # what the hint did to the mistaken turn: the hinted policy's log-probs of the student's tokens minus the sampler's
+    turn = torch.tensor(r.completion_ids[second.start:second.end])
+    hinted_lp = torch.log_softmax(expected[: len(turn)], -1).gather(1, turn[:, None])[:, 0]
+    shift = float((hinted_lp - torch.tensor(r.logprobs[second.start:second.end])).mean())
+    counters = teacher.counters()
+    assert counters.pop("hints/mistake_shift") == pytest.approx(shift, abs=1e-4)
+    assert counters == {"hints/episodes": 1.0, "hints/hinted": 1.0, "hints/tokens": float(teacher.tokens),
+                        "hints/too_long": 0.0}
 
 
 def test_a_hint_before_the_first_turn_follows_the_opening_and_top_k_follows_channel_2(gen, episode) -> None:
@@ -225,4 +239,33 @@ def test_a_hint_that_does_not_fit_the_context_is_left_out_and_counted(gen, episo
     teacher = SelfTeacher(HintsConfig(source="rule", rule="test_hints:long_rule"), OneGenerator(gen), top_k=0)
     assert asyncio.run(teacher.distributions([prompt, prompt], [ep, ep])) == [None, None]
     assert teacher.counters() == {"hints/episodes": 2.0, "hints/hinted": 0.0, "hints/tokens": 0.0,
-                                       "hints/too_long": 2.0}
+                                  "hints/too_long": 2.0, "hints/mistake_shift": 0.0}
+
+
+def rows_giving(m: Hinted, logprob: float, vocab: int = 300) -> torch.Tensor:
+    """Dense rows over `m`'s continuation where each student token has probability exp(logprob)."""
+    logits = torch.full((len(m.continuation), vocab), -1e4)
+    rest = torch.log(torch.tensor(1 - math.exp(logprob)) / (vocab - 1))
+    for t, token in enumerate(m.continuation):
+        logits[t] = rest
+        logits[t, token] = logprob
+    return logits
+
+
+def test_keep_lowered_leaves_out_a_hint_that_makes_the_mistake_more_likely(gen, episode) -> None:
+    prompt, ep = episode
+    m = hinted(prompt, ep, Hint(1, "Hint: error: calculator: bad"), "user")
+    sampled = sum(m.sampled) / len(m.sampled)
+    likelier = TokenDistribution("self", logits=rows_giving(m, -1e-3))  # the hint endorses the student's tokens
+    unlikelier = TokenDistribution("self", logits=rows_giving(m, sampled - 2.0))
+    assert mistake_shift(likelier, m) == pytest.approx(-1e-3 - sampled, abs=1e-3) and mistake_shift(likelier, m) > 0
+    assert mistake_shift(unlikelier, m) == pytest.approx(-2.0, abs=1e-3)
+    # top-k: a token outside the k counts at the row's lowest listed log-prob (an upper bound)
+    ids = torch.tensor([[(tok + 1) % 259, (tok + 2) % 259] for tok in m.continuation])
+    topk = TokenDistribution("self", topk_ids=ids, topk_logprobs=torch.tensor([[-0.5, -3.0]] * len(ids)))
+    assert mistake_shift(topk, m) == pytest.approx(-3.0 - sampled, abs=1e-4)
+    lowered = SelfTeacher(HintsConfig(source="environment", keep="lowered"), OneGenerator(gen), top_k=0)
+    assert not lowered._keep(likelier, m) and lowered._keep(unlikelier, m)
+    assert lowered.counters()["hints/raised"] == 1.0
+    everything = SelfTeacher(HintsConfig(source="environment"), OneGenerator(gen), top_k=0)
+    assert everything._keep(likelier, m) and "hints/raised" not in everything.counters()

@@ -25,6 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+import torch
+
 from composer_mesh.actors.messages import Prompt, SelfTeacherRequest, TeacherRequest, TokenDistribution
 from composer_mesh.actors.teacher_topk import TopK
 from composer_mesh.bindings import import_object
@@ -85,6 +87,8 @@ class Hinted:
     continuation: list[int]
     offset: int
     policy_tokens: int  # of the continuation: what channel 2 distils
+    mistake: list[int]  # the hinted (mistaken) turn's tokens, positions in the continuation
+    sampled: list[float]  # the sampler's log-probs of those tokens
 
 
 def hinted(prompt: Prompt, episode: Episode, hint: Hint, role: str) -> Hinted:
@@ -108,7 +112,28 @@ def hinted(prompt: Prompt, episode: Episode, hint: Hint, role: str) -> Hinted:
         bridge = r.turns[at - 1]  # the environment's span before the turn: rebuilt with the hint in it
         conditioned = Prompt(prompt.prompt_id, "", token_ids=[*r.prompt_ids, *r.completion_ids[:bridge.start]],
                              bridge_messages=[*step.before, message], extra=prompt.extra)
-    return Hinted(conditioned, r.completion_ids[turn.start:], turn.start, sum(r.loss_mask()[turn.start:]))
+    return Hinted(conditioned, r.completion_ids[turn.start:], turn.start, sum(r.loss_mask()[turn.start:]),
+                  list(range(turn.end - turn.start)), list(r.logprobs[turn.start:turn.end]))
+
+
+def mistake_shift(d: TokenDistribution, h: Hinted) -> float | None:
+    """How much the hint moved the mistaken turn: the hinted policy's mean log-prob of the student's own tokens of
+    that turn minus the sampler's (nats per token). Below 0: the hint makes the mistake less likely, the teacher
+    knows better; above 0: the hint endorses it (a policy that copies the hint's text). Top-k rows bound a token
+    outside the k by the row's lowest listed log-prob. None: the turn has no tokens. Both at temperature 1 only
+    when the run samples at 1 (the sampler's log-probs are at the run's temperature)."""
+    if not h.mistake:
+        return None
+    tokens = torch.tensor([h.continuation[t] for t in h.mistake])
+    rows = torch.tensor(h.mistake)
+    if d.logits is not None:
+        teacher = torch.log_softmax(d.logits[rows].float(), dim=-1).gather(1, tokens[:, None])[:, 0]
+    else:
+        assert d.topk_ids is not None and d.topk_logprobs is not None
+        ids, lps = d.topk_ids[rows], d.topk_logprobs[rows].float()
+        found = ids == tokens[:, None]
+        teacher = torch.where(found.any(1), (lps * found).sum(1), lps.min(1).values)
+    return float((teacher - torch.tensor(h.sampled)).mean())
 
 
 def transcript(steps: list[EpisodeStep], upto: int, limit: int) -> str:
@@ -172,7 +197,8 @@ class SelfTeacher:
             self.writer = HintWriter(config, teachers)
         assert self.rule is not None or self.writer is not None, "SelfTeacher needs a hint source"
         self._next = 0
-        self.episodes = self.hinted = self.tokens = self.too_long = 0
+        self.episodes = self.hinted = self.tokens = self.too_long = self.raised = 0
+        self.shift_sum, self.shifts = 0.0, 0
 
     async def hint(self, prompt: Prompt, episode: Episode) -> Hint | None:
         """The rule's hint for a played episode (none for one whose environment failed: it trains with reward 0)."""
@@ -214,17 +240,36 @@ class SelfTeacher:
             if d is None:  # the hint made the episode longer than the model's context
                 self.too_long += 1
                 continue
+            if not self._keep(d, m):
+                continue
             out[i] = replace(d, teacher="self", offset=m.offset)
             self.hinted += 1
             self.tokens += m.policy_tokens
         return out
 
+    def _keep(self, d: TokenDistribution, m: Hinted) -> bool:
+        """Measure what the hint did to the mistaken turn; with `keep: lowered`, leave out an episode whose hint
+        made it more likely (counted in `hints/raised`)."""
+        shift = mistake_shift(d, m)
+        if shift is None:
+            return True
+        self.shift_sum, self.shifts = self.shift_sum + shift, self.shifts + 1
+        if self.config.keep == "lowered" and shift >= 0:
+            self.raised += 1
+            return False
+        return True
+
     def counters(self) -> dict[str, float]:
         """Run-wide: episodes looked at, episodes given a hint, the policy tokens distilled toward the hinted
-        policy, and hints left out because the hinted episode did not fit the model's context (`hints/*` in each
-        step's record); with a hint-writing teacher, the hints it did not write."""
+        policy, hints left out because the hinted episode did not fit the model's context, the mean
+        `mistake_shift` over the hints scored (`hints/*` in each step's record); with `keep: lowered`, the hints
+        left out because they made the mistake more likely; with a hint-writing teacher, the hints it did not
+        write."""
         out = {"hints/episodes": float(self.episodes), "hints/hinted": float(self.hinted),
-               "hints/tokens": float(self.tokens), "hints/too_long": float(self.too_long)}
+               "hints/tokens": float(self.tokens), "hints/too_long": float(self.too_long),
+               "hints/mistake_shift": self.shift_sum / self.shifts if self.shifts else 0.0}
+        if self.config.keep == "lowered":
+            out["hints/raised"] = float(self.raised)
         return out | ({} if self.writer is None else {"hints/unwritten": float(self.writer.unwritten)})
 
 
