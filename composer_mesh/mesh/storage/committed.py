@@ -44,10 +44,11 @@ class NotCommitted(StorageError):
     """A directory that is not committed: its marker is missing or is not a valid marker. `key` names the marker,
     `problem` says why."""
 
-    def __init__(self, where: str, key: str, problem: str) -> None:
+    def __init__(self, where: str, key: str, problem: str, missing: bool = False) -> None:
         super().__init__(f"{where}: {problem}")
         self.key = key
         self.problem = problem
+        self.missing = missing  # no marker at all: being written, or never finished (not bad contents)
 
 
 class ContentError(StorageError):
@@ -145,7 +146,7 @@ class CommittedDir:
             data = self.blobs.get(key)
         except FileNotFoundError:
             raise NotCommitted(self.url(self.marker_name), key, "not committed: the commit marker is missing (never "
-                                                                "finished, or being written)") from None
+                                                                "finished, or being written)", missing=True) from None
         return parse_marker(bytes(data), self.fields, self.url(self.marker_name), key)
 
     def marker(self) -> dict[str, Any] | None:

@@ -87,7 +87,7 @@ class CommittedSeries:
             try:
                 return Committed(step, found.prefix, found.read_marker())
             except NotCommitted as e:
-                if self.blobs.exists(found.key(self.marker)):
+                if not e.missing:  # bad contents; a missing marker is a directory being written (or abandoned)
                     log.warning("skipping %s", e)
                     refused = refused or e
         if refused is not None:
