@@ -23,6 +23,7 @@ from composer_mesh.actors.messages import (
     ScoredGroup,
     TeacherSignals,
     TrainMetrics,
+    WeightVersion,
 )
 from composer_mesh.app.runner import apply_overrides
 from composer_mesh.orchestration.loop import RLLoop
@@ -130,7 +131,10 @@ def fake_mesh(log: Log, teacher_delay: float, flat: Callable[[str], bool] = lamb
         saved.clear()
         return done
 
-    gens = Handle(generate=Endpoint(generate), update_weights=Endpoint(noop), setup=Endpoint(noop),
+    async def update_weights(manifest: Any) -> WeightVersion:
+        return WeightVersion(manifest.version)
+
+    gens = Handle(generate=Endpoint(generate), update_weights=Endpoint(update_weights), setup=Endpoint(noop),
                   version=Endpoint(noop))
     return FakeRoleMesh(
         generators=gens,

@@ -234,10 +234,7 @@ def test_tracker_ids_ride_in_the_checkpoint(tmp_path: Path) -> None:
     store.write_controller(state)
     url = store.commit(1, keep=1)
     assert read_checkpoint(url).trackers == {"wandb": "abc123", "mlflow": "f00"}
-    doc = json.loads((tmp_path / "ckpt" / "step-00000001" / "controller.json").read_text())
-    del doc["trackers"]  # a checkpoint written before trackers
-    (tmp_path / "ckpt" / "step-00000001" / "controller.json").write_text(json.dumps(doc))
-    assert read_checkpoint(url).trackers == {}
+    # (a checkpoint from before trackers has a marker without content hashes: never resumed, test_resume_verification)
 
 
 
