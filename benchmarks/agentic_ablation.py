@@ -100,15 +100,30 @@ def mean_change(rows: list[dict[str, Any]], arm: str) -> float | None:
 
 
 def run(args: argparse.Namespace, env: dict[str, str]) -> list[dict[str, Any]]:
-    cfg = {"steps": args.ablation_steps, "alpha": args.alpha, "jsd_beta": args.jsd_beta, "eval": args.eval_size, "prompts": args.prompts_per_step,
-           "warmstart_steps": args.warmstart_steps, "warmstart_task": args.warmstart_task,
-           "out": str(args.out / "ablation"), "timeout": args.timeout}
+    cfg = cfg_of(args)
     rows = []
     for seed in args.seeds:
         for arm in args.arms:
             print(f"  ablation: seed {seed}, {arm} ...", file=sys.stderr, flush=True)
             rows.append(run_arm(arm, seed, cfg, env))
     return rows
+
+
+def cfg_of(args: argparse.Namespace) -> dict[str, Any]:
+    return {"steps": args.ablation_steps, "alpha": args.alpha, "jsd_beta": args.jsd_beta, "eval": args.eval_size,
+            "prompts": args.prompts_per_step, "warmstart_steps": args.warmstart_steps,
+            "warmstart_task": args.warmstart_task, "out": str(args.out / "ablation"), "timeout": args.timeout}
+
+
+def warm_start_probe(cfg: dict[str, Any], seed: int) -> dict[str, Any]:
+    """`hint_probe.probe` on the arms' warm start (built into the model cache by the runs, or here)."""
+    from hint_probe import probe
+
+    from composer_mesh.models.config import ModelConfig
+    from composer_mesh.models.loading import load_pretrained
+
+    model, tokenizer = load_pretrained(ModelConfig(**arm_topology("grpo", seed, cfg, Path(cfg["out"]))["model"]))
+    return probe(model, tokenizer, seed)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -89,6 +89,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import agentic_ablation  # noqa: E402
+import hint_probe  # noqa: E402
 from machine import (  # noqa: E402
     child_env,
     cli_settings,
@@ -894,7 +895,11 @@ def report_ablation(args: argparse.Namespace, rows: list[dict[str, Any]]) -> dic
     print("\n".join(agentic_ablation.table(rows)))
     means = {arm: agentic_ablation.mean_change(rows, arm) for arm in agentic_ablation.ARMS}
     print("\nmean change: " + ", ".join(f"{arm} {m:+.3f}" if m is not None else f"{arm} -" for arm, m in means.items()))
-    payload = {**info, "settings": cli_settings(args, "trl_child"), "ablation": rows, "mean_change": means}
+    probe = agentic_ablation.warm_start_probe(agentic_ablation.cfg_of(args), args.seeds[0])
+    print("\nis the hinted warm start a better teacher than itself? (benchmarks/hint_probe.py)")
+    print("\n".join(hint_probe.table(probe)))
+    payload = {**info, "settings": cli_settings(args, "trl_child"), "ablation": rows, "mean_change": means,
+               "probe": probe}
     write_results(args.out, payload, args.json)
     return payload
 

@@ -279,3 +279,7 @@ def test_bench_agentic_ablation_quick_compares_grpo_with_and_without_targeted_fe
     assert rows["grpo"]["held_out_before"] == rows["grpo+hints"]["held_out_before"]  # same seed, same warm start
     assert rows["grpo"]["hinted_fraction"] == 0 and rows["grpo+hints"]["hinted_fraction"] > 0
     assert rows["grpo+hints"]["hint_tokens"] > 0
+    # the probe of the warm start: the student's and the hinted teacher's probabilities at the first wrong digit
+    probe = result["probe"]
+    assert "is the hinted warm start a better teacher" in stdout and probe["wrong_answers"] > 0, probe
+    assert all(0 <= probe[k] <= 1 for k in ("student_right", "teacher_right", "student_wrong", "teacher_wrong"))

@@ -96,11 +96,6 @@ class HintsConfig(BaseModel):
         "environment's feedback.")
     role: Literal["user", "system"] = Field(
         "user", description="The chat role of the inserted hint message.")
-    keep: Literal["all", "lowered"] = Field(
-        "all", description="Which hinted episodes channel 2 distils. all: every one. lowered: only those where the "
-        "hint made the mistaken turn less likely (the hinted policy's mean log-prob of the student's own tokens of "
-        "that turn below the sampler's): a hint that makes the mistake more likely would teach it, as a policy that "
-        "copies the hint's text does (hints/mistake_shift measures it either way).")
 
     @model_validator(mode="after")
     def _rule_given(self) -> HintsConfig:

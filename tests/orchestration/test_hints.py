@@ -252,7 +252,7 @@ def rows_giving(m: Hinted, logprob: float, vocab: int = 300) -> torch.Tensor:
     return logits
 
 
-def test_keep_lowered_leaves_out_a_hint_that_makes_the_mistake_more_likely(gen, episode) -> None:
+def test_the_mistake_shift_is_the_hinted_log_probs_of_the_students_turn_minus_the_samplers(gen, episode) -> None:
     prompt, ep = episode
     m = hinted(prompt, ep, Hint(1, "Hint: error: calculator: bad"), "user")
     sampled = sum(m.sampled) / len(m.sampled)
@@ -264,8 +264,6 @@ def test_keep_lowered_leaves_out_a_hint_that_makes_the_mistake_more_likely(gen, 
     ids = torch.tensor([[(tok + 1) % 259, (tok + 2) % 259] for tok in m.continuation])
     topk = TokenDistribution("self", topk_ids=ids, topk_logprobs=torch.tensor([[-0.5, -3.0]] * len(ids)))
     assert mistake_shift(topk, m) == pytest.approx(-3.0 - sampled, abs=1e-4)
-    lowered = SelfTeacher(HintsConfig(source="environment", keep="lowered"), OneGenerator(gen), top_k=0)
-    assert not lowered._keep(likelier, m) and lowered._keep(unlikelier, m)
-    assert lowered.counters()["hints/raised"] == 1.0
-    everything = SelfTeacher(HintsConfig(source="environment"), OneGenerator(gen), top_k=0)
-    assert everything._keep(likelier, m) and "hints/raised" not in everything.counters()
+    inside = TokenDistribution("self", topk_ids=torch.tensor([[tok, (tok + 1) % 259] for tok in m.continuation]),
+                               topk_logprobs=torch.tensor([[-0.25, -3.0]] * len(ids)))
+    assert mistake_shift(inside, m) == pytest.approx(-0.25 - sampled, abs=1e-4)

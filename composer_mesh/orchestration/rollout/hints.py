@@ -118,10 +118,12 @@ def hinted(prompt: Prompt, episode: Episode, hint: Hint, role: str) -> Hinted:
 
 def mistake_shift(d: TokenDistribution, h: Hinted) -> float | None:
     """How much the hint moved the mistaken turn: the hinted policy's mean log-prob of the student's own tokens of
-    that turn minus the sampler's (nats per token). Below 0: the hint makes the mistake less likely, the teacher
-    knows better; above 0: the hint endorses it (a policy that copies the hint's text). Top-k rows bound a token
-    outside the k by the row's lowest listed log-prob. None: the turn has no tokens. Both at temperature 1 only
-    when the run samples at 1 (the sampler's log-probs are at the run's temperature)."""
+    that turn minus the sampler's (nats per token). Above 0: the hint endorses the mistake, and channel 2 would
+    teach it. Below 0 says only that the hinted policy is less sure of those tokens, not that it knows the right
+    ones: a teacher that spreads its mass is below 0 too (the calculator ablation's warm start was at -0.28 while
+    its hinted policy gave the student's wrong digit more than the student did: docs/benchmarks.md). Top-k rows
+    bound a token outside the k by the row's lowest listed log-prob. None: the turn has no tokens. The sampler's
+    log-probs are at the run's temperature, so the two compare at temperature 1 only."""
     if not h.mistake:
         return None
     tokens = torch.tensor([h.continuation[t] for t in h.mistake])
@@ -197,7 +199,7 @@ class SelfTeacher:
             self.writer = HintWriter(config, teachers)
         assert self.rule is not None or self.writer is not None, "SelfTeacher needs a hint source"
         self._next = 0
-        self.episodes = self.hinted = self.tokens = self.too_long = self.raised = 0
+        self.episodes = self.hinted = self.tokens = self.too_long = 0
         self.shift_sum, self.shifts = 0.0, 0
 
     async def hint(self, prompt: Prompt, episode: Episode) -> Hint | None:
@@ -240,36 +242,25 @@ class SelfTeacher:
             if d is None:  # the hint made the episode longer than the model's context
                 self.too_long += 1
                 continue
-            if not self._keep(d, m):
-                continue
+            self._measure(d, m)
             out[i] = replace(d, teacher="self", offset=m.offset)
             self.hinted += 1
             self.tokens += m.policy_tokens
         return out
 
-    def _keep(self, d: TokenDistribution, m: Hinted) -> bool:
-        """Measure what the hint did to the mistaken turn; with `keep: lowered`, leave out an episode whose hint
-        made it more likely (counted in `hints/raised`)."""
+    def _measure(self, d: TokenDistribution, m: Hinted) -> None:
         shift = mistake_shift(d, m)
-        if shift is None:
-            return True
-        self.shift_sum, self.shifts = self.shift_sum + shift, self.shifts + 1
-        if self.config.keep == "lowered" and shift >= 0:
-            self.raised += 1
-            return False
-        return True
+        if shift is not None:
+            self.shift_sum, self.shifts = self.shift_sum + shift, self.shifts + 1
 
     def counters(self) -> dict[str, float]:
         """Run-wide: episodes looked at, episodes given a hint, the policy tokens distilled toward the hinted
         policy, hints left out because the hinted episode did not fit the model's context, the mean
-        `mistake_shift` over the hints scored (`hints/*` in each step's record); with `keep: lowered`, the hints
-        left out because they made the mistake more likely; with a hint-writing teacher, the hints it did not
-        write."""
+        `mistake_shift` over the hints scored (`hints/*` in each step's record); with a hint-writing teacher, the
+        hints it did not write."""
         out = {"hints/episodes": float(self.episodes), "hints/hinted": float(self.hinted),
                "hints/tokens": float(self.tokens), "hints/too_long": float(self.too_long),
                "hints/mistake_shift": self.shift_sum / self.shifts if self.shifts else 0.0}
-        if self.config.keep == "lowered":
-            out["hints/raised"] = float(self.raised)
         return out | ({} if self.writer is None else {"hints/unwritten": float(self.writer.unwritten)})
 
 
