@@ -40,6 +40,35 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.add_marker(skip)
 
 
+IN_CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
+
+
+def _skip_in_ci(report: pytest.TestReport | pytest.CollectReport, gpu_only: bool) -> None:
+    """In CI (CI=true) a skip hides a regression: it fails instead, naming its reason, unless the test is GPU-only
+    (`@pytest.mark.gpu`). Locally skips stay skips (a missing optional service or extra)."""
+    if not IN_CI or not report.skipped or gpu_only or hasattr(report, "wasxfail"):
+        return
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    report.outcome = "failed"
+    report.longrepr = (f"a skip fired in CI: {reason}. Only GPU-only tests (@pytest.mark.gpu) may skip there; "
+                       "install what the test needs in .ci/run (tests/conftest.py)")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[pytest.TestReport]:
+    report = yield
+    _skip_in_ci(report, item.get_closest_marker("gpu") is not None)
+    return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[pytest.CollectReport]:
+    """A module that skips itself at import (`pytest.importorskip` at its top) is a skip too."""
+    report = yield
+    _skip_in_ci(report, gpu_only=False)
+    return report
+
+
 @pytest.fixture(scope="session", autouse=True)
 def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """Every test builds (and warm-starts) tiny models into one session cache, never into ~/.cache.

@@ -64,7 +64,7 @@ def test_scores_are_the_models_logit_of_prompt_plus_completion_in_padded_batches
     assert (rewarder.calls, rewarder.failures) == (3, 0)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.gpu
 def test_on_a_gpu_the_scores_are_the_cpus(model_dir: Path):
     cpu = resolve_binding("rewarder", "reward_model").build({"path": str(model_dir)})
     gpu = resolve_binding("rewarder", "reward_model").build({"path": str(model_dir), "device": "cuda"})
