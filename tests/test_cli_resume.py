@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -124,3 +125,30 @@ def _procs_of_mesh(root: int, mesh: str) -> list[int]:
             except OSError:
                 pass
     return found
+
+
+@pytest.mark.slow  # ~25 s: one CLI run that launches meshes and trains until the loss is NaN
+def test_a_nan_loss_stops_the_run_with_one_line_and_a_checkpoint_from_before_it(tmp_path: Path) -> None:
+    """lr 1e12 makes the tiny model's loss NaN within a few steps (a real input, no test hook): the run stops
+    with exit 3 and one line naming the trainer step, no traceback, and points at the newest committed checkpoint,
+    which is from before that step and verifies file by file (issue 29)."""
+    from composer_mesh.actors.backends.trainer.trainer_state import check_trainer_state
+    from composer_mesh.orchestration.checkpoint import verify_checkpoint
+
+    topology = tmp_path / "run.yaml"
+    text = TOPOLOGY.read_text().replace("settings: {lr: 0.003}", "settings: {lr: 1.0e12}")
+    topology.write_text(text.replace("max_policy_lag: 1", "max_policy_lag: 0") + "  checkpoint_every: 1\n")
+    run_dir = tmp_path / "run"
+    cmd, env = _command("run", str(topology), "--run-dir", str(run_dir), "--steps", "20")
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == cli.EXIT_RUN_FAILED, done.stderr
+    assert "Traceback" not in done.stderr and "is a bug" not in done.stderr
+    failed = re.search(r"^composer-mesh: run failed: trainer step (\d+): non-finite (loss|gradient) .*"
+                       r"run\.on_nonfinite: skip skips such steps instead$", done.stderr, re.M)
+    assert failed, done.stderr
+    last = re.search(r"^the last full checkpoint is (\S+)$", done.stderr, re.M)
+    assert last and f"resume with: composer-mesh run {topology} --run-dir {run_dir} --resume" in done.stderr
+    step = int(Path(last[1]).name.removeprefix("step-"))
+    assert 1 <= step < int(failed[1])  # from before the step that went non-finite
+    verify_checkpoint(last[1])  # every file as its marker lists it
+    check_trainer_state(f"{last[1]}/trainer/r0")
