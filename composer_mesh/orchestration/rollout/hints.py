@@ -87,8 +87,7 @@ class Hinted:
     continuation: list[int]
     offset: int
     policy_tokens: int  # of the continuation: what channel 2 distils
-    mistake: list[int]  # the hinted (mistaken) turn's tokens, positions in the continuation
-    sampled: list[float]  # the sampler's log-probs of those tokens
+    sampled: list[float]  # the sampler's log-probs of the hinted (mistaken) turn: the continuation's first tokens
 
 
 def hinted(prompt: Prompt, episode: Episode, hint: Hint, role: str) -> Hinted:
@@ -113,7 +112,7 @@ def hinted(prompt: Prompt, episode: Episode, hint: Hint, role: str) -> Hinted:
         conditioned = Prompt(prompt.prompt_id, "", token_ids=[*r.prompt_ids, *r.completion_ids[:bridge.start]],
                              bridge_messages=[*step.before, message], extra=prompt.extra)
     return Hinted(conditioned, r.completion_ids[turn.start:], turn.start, sum(r.loss_mask()[turn.start:]),
-                  list(range(turn.end - turn.start)), list(r.logprobs[turn.start:turn.end]))
+                  list(r.logprobs[turn.start:turn.end]))
 
 
 def mistake_shift(d: TokenDistribution, h: Hinted) -> float | None:
@@ -124,15 +123,15 @@ def mistake_shift(d: TokenDistribution, h: Hinted) -> float | None:
     its hinted policy gave the student's wrong digit more than the student did: docs/benchmarks.md). Top-k rows
     bound a token outside the k by the row's lowest listed log-prob. None: the turn has no tokens. The sampler's
     log-probs are at the run's temperature, so the two compare at temperature 1 only."""
-    if not h.mistake:
+    n = len(h.sampled)
+    if n == 0:
         return None
-    tokens = torch.tensor([h.continuation[t] for t in h.mistake])
-    rows = torch.tensor(h.mistake)
+    tokens = torch.tensor(h.continuation[:n])
     if d.logits is not None:
-        teacher = torch.log_softmax(d.logits[rows].float(), dim=-1).gather(1, tokens[:, None])[:, 0]
+        teacher = torch.log_softmax(d.logits[:n].float(), dim=-1).gather(1, tokens[:, None])[:, 0]
     else:
         assert d.topk_ids is not None and d.topk_logprobs is not None
-        ids, lps = d.topk_ids[rows], d.topk_logprobs[rows].float()
+        ids, lps = d.topk_ids[:n], d.topk_logprobs[:n].float()
         found = ids == tokens[:, None]
         teacher = torch.where(found.any(1), (lps * found).sum(1), lps.min(1).values)
     return float((teacher - torch.tensor(h.sampled)).mean())
