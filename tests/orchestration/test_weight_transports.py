@@ -15,14 +15,13 @@ import itertools
 import json
 import logging
 import re
-import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from generator_procs import generators_config, one_proc
 
-from composer_mesh.mesh import runtime  # first: sets Monarch env defaults before monarch is imported
 from composer_mesh.orchestration import weight_transports
 
 FAULTS: list[Any] = []
@@ -31,42 +30,14 @@ _names = (f"gen_transport{i}" for i in itertools.count())
 
 def _generator_config(weights: str) -> Any:
     """The generators' role config of a small topology with `weights: {weights}`, as the launcher hands it over."""
-    from composer_mesh.topology import parse_topology
-
-    text = textwrap.dedent(
-        f"""
-        name: weight-transport-test
-        model: {{source: tiny, task: addition, seed: 4}}
-        meshes:
-          trainer: {{backend: local}}
-          generators: {{backend: local}}
-          rewarder: {{backend: local}}
-        roles:
-          trainer: {{mesh: trainer, binding: hf}}
-          generators: {{mesh: generators, binding: hf, settings: {{torch_threads: 1}}}}
-          rewarder:
-            mesh: rewarder
-            binding: python
-            settings: {{functions: [{{path: "composer_mesh.tasks.arithmetic:exact_match"}}]}}
-        loss: {{alpha_sdpo: 0.0, beta_replay: 0.0}}
-        weights: {weights}
-        """
-    )
-    return parse_topology(text, source="<test>").role_configs()["generators"]
+    return generators_config("weight-transport-test", "{mesh: generators, binding: hf, settings: {torch_threads: 1}}",
+                             weights)
 
 
 @pytest.fixture(scope="module")
 def procs() -> Iterator[Any]:
-    import monarch.actor
-    from monarch.actor import this_host
-
-    previous_hook = monarch.actor.unhandled_fault_hook
-    monarch.actor.unhandled_fault_hook = FAULTS.append  # a fault fails the test instead of exiting pytest
-    FAULTS.clear()
-    pm = this_host().spawn_procs(per_host={"procs": 1}, name="gen_transport", bootstrap=runtime.proc_setup)
-    yield pm
-    pm.stop().get()
-    monarch.actor.unhandled_fault_hook = previous_hook
+    with one_proc("gen_transport", FAULTS) as pm:
+        yield pm
     assert FAULTS == []
 
 

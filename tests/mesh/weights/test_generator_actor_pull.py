@@ -16,15 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import textwrap
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
-
-from composer_mesh.mesh import runtime  # first: sets Monarch env defaults before monarch is imported
+from generator_procs import generators_config, one_proc
 
 FAULTS: list[Any] = []
 _names = (f"gen_pull{i}" for i in itertools.count())
@@ -32,51 +30,16 @@ _names = (f"gen_pull{i}" for i in itertools.count())
 
 def _generator_config(in_flight: bool) -> Any:
     """The generators' role config of a small topology, as the launcher would hand it to the actor."""
-    from composer_mesh.topology import parse_topology
-
-    text = textwrap.dedent(
-        f"""
-        name: generator-pull-test
-        model: {{source: tiny, task: addition, seed: 4}}
-        meshes:
-          trainer: {{backend: local}}
-          generators: {{backend: local}}
-          rewarder: {{backend: local}}
-        roles:
-          trainer: {{mesh: trainer, binding: hf}}
-          generators:
-            mesh: generators
-            binding: hf
-            settings:
-              max_batch: 256
-              stop_at_task_eos: false
-              torch_threads: 1
-              in_flight_weight_updates: {str(in_flight).lower()}
-          rewarder:
-            mesh: rewarder
-            binding: python
-            settings: {{functions: [{{path: "composer_mesh.tasks.arithmetic:exact_match"}}]}}
-        loss: {{alpha_sdpo: 0.0, beta_replay: 0.0}}
-        weights: {{transport: auto}}
-        """
-    )
-    config = parse_topology(text, source="<test>").role_configs()["generators"]
+    settings = f"max_batch: 256, stop_at_task_eos: false, torch_threads: 1, in_flight_weight_updates: {str(in_flight).lower()}"
+    config = generators_config("generator-pull-test", f"{{mesh: generators, binding: hf, settings: {{{settings}}}}}")
     assert config.binding.settings.in_flight_weight_updates is in_flight
     return config
 
 
 @pytest.fixture(scope="module")
 def procs() -> Iterator[Any]:
-    import monarch.actor
-    from monarch.actor import this_host
-
-    previous_hook = monarch.actor.unhandled_fault_hook
-    monarch.actor.unhandled_fault_hook = FAULTS.append  # a fault fails the test instead of exiting pytest
-    FAULTS.clear()
-    pm = this_host().spawn_procs(per_host={"procs": 1}, name="gen_pull", bootstrap=runtime.proc_setup)
-    yield pm
-    pm.stop().get()
-    monarch.actor.unhandled_fault_hook = previous_hook
+    with one_proc("gen_pull", FAULTS) as pm:
+        yield pm
 
 
 def _request(n_prompts: int, samples: int, max_new_tokens: int, seed: int, temperature: float = 1.0) -> Any:

@@ -24,8 +24,7 @@ from typing import Any
 
 import pytest
 import torch
-
-from composer_mesh.mesh import runtime  # first: sets Monarch env defaults before monarch is imported
+from generator_procs import one_proc
 
 pytest.importorskip("peft")
 
@@ -93,16 +92,8 @@ def trainers() -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def procs() -> Iterator[Any]:
-    import monarch.actor
-    from monarch.actor import this_host
-
-    previous_hook = monarch.actor.unhandled_fault_hook
-    monarch.actor.unhandled_fault_hook = FAULTS.append  # a fault fails the test instead of exiting pytest
-    FAULTS.clear()
-    pm = this_host().spawn_procs(per_host={"procs": 1}, name="lora_pull", bootstrap=runtime.proc_setup)
-    yield pm
-    pm.stop().get()
-    monarch.actor.unhandled_fault_hook = previous_hook
+    with one_proc("lora_pull", FAULTS) as pm:
+        yield pm
 
 
 def _requests() -> list[Any]:
