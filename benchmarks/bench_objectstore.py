@@ -58,34 +58,25 @@ MIB = 1024 * 1024
 
 
 # ------------------------------------------------------------------------------------------ stores
-class MotoServer:
-    """`moto_server` in its own process, so its CPU does not share this process's GIL."""
+class ServerProcess:
+    """A local server in its own process (its CPU does not share this process's GIL) on a free port: started by
+    `command(port)`, ready once `probe(endpoint)` stops raising OSError (30 s at most), stopped by `stop`."""
 
-    def __init__(self) -> None:
+    def __init__(self, what: str, command: Callable[[int], list[str]], probe: Callable[[str], None]) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
-        exe = os.path.join(os.path.dirname(sys.executable), "moto_server")
-        self.proc = subprocess.Popen(
-            [exe, "-H", "127.0.0.1", "-p", str(self.port)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        self.proc = subprocess.Popen(command(self.port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.endpoint = f"http://127.0.0.1:{self.port}"
         end = time.monotonic() + 30
         while True:
             try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
-                    break
+                probe(self.endpoint)
+                break
             except OSError:
                 if time.monotonic() > end or self.proc.poll() is not None:
-                    raise RuntimeError("moto_server did not start") from None
+                    raise RuntimeError(f"{what} did not start") from None
                 time.sleep(0.1)
-        os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
-        os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
-        import boto3
-
-        boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1").create_bucket(Bucket="bench")
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -96,37 +87,43 @@ class MotoServer:
             self.proc.wait()
 
 
-class GcsEmulator:
-    """`gcp-storage-emulator --in-memory` in its own process, with one bucket `bench`."""
+def _connects(endpoint: str) -> None:
+    host, port = endpoint.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=0.5):
+        pass
+
+
+def _lists_buckets(endpoint: str) -> None:
+    with urllib.request.urlopen(f"{endpoint}/storage/v1/b?project=bench", timeout=1):
+        pass
+
+
+class MotoServer(ServerProcess):
+    """`moto_server`, with one bucket `bench`."""
+
+    def __init__(self) -> None:
+        exe = os.path.join(os.path.dirname(sys.executable), "moto_server")
+        super().__init__("moto_server", lambda port: [exe, "-H", "127.0.0.1", "-p", str(port)], _connects)
+        os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
+        os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
+        import boto3
+
+        boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1").create_bucket(Bucket="bench")
+
+
+class GcsEmulator(ServerProcess):
+    """`gcp-storage-emulator --in-memory`, with one bucket `bench`."""
 
     def __init__(self) -> None:
         # gcsfs 2026.x would ask each bucket's type over gRPC first (the emulator has no gRPC): 60 s per bucket.
         os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
         os.environ.setdefault("BENCH_GCS_TOKEN", "anon")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gcp_storage_emulator", "start", "--host=127.0.0.1", f"--port={self.port}",
-             "--in-memory"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        self.endpoint = f"http://127.0.0.1:{self.port}"
-        end = time.monotonic() + 30
-        while True:
-            try:
-                with urllib.request.urlopen(f"{self.endpoint}/storage/v1/b?project=bench", timeout=1):
-                    break
-            except OSError:
-                if time.monotonic() > end or self.proc.poll() is not None:
-                    raise RuntimeError("gcp-storage-emulator did not start") from None
-                time.sleep(0.1)
+        super().__init__("gcp-storage-emulator", lambda port: [
+            sys.executable, "-m", "gcp_storage_emulator", "start", "--host=127.0.0.1", f"--port={port}", "--in-memory"],
+            _lists_buckets)
         req = urllib.request.Request(f"{self.endpoint}/storage/v1/b?project=bench", data=b'{"name": "bench"}',
                                      headers={"Content-Type": "application/json"}, method="POST")
         urllib.request.urlopen(req, timeout=10).close()
-
-    stop = MotoServer.stop
 
 
 def store_fields(kind: str, tmp: str, servers: dict[str, Any]) -> dict[str, Any]:
