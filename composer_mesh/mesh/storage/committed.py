@@ -202,9 +202,12 @@ class CommittedDir:
         from safetensors import SafetensorError
         from safetensors.torch import load
 
-        if not self.blobs.exists(self.key(self.marker_name)):
-            raise StorageError(missing)
-        marker = self.read_marker()
+        try:
+            marker = self.read_marker()
+        except NotCommitted as e:
+            if e.missing:
+                raise StorageError(missing) from None
+            raise
         try:
             doc = json.loads(self.read(json_name, marker))
             return doc, load(bytes(self.read(tensors_name, marker)))

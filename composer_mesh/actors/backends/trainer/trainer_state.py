@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from composer_mesh.mesh.storage import CommittedDir, FsspecBlobs, StorageError
+from composer_mesh.mesh.storage import CommittedDir, FsspecBlobs, NotCommitted, StorageError
 
 FORMAT = 1
 _MARKER = "COMPLETE"
@@ -189,10 +189,13 @@ def check_trainer_state(url: str) -> None:
         return
     state = _state_dir(url)
     try:
-        if not state.blobs.exists(_MARKER):
-            raise TrainerStateError(f"{url}: no {_MARKER} marker: not a trainer state, or one that was never finished")
         meta = state.read_json("state.json", state.verify())
         _check_safetensors(FsspecBlobs(url), "state.safetensors")
+    except NotCommitted as e:
+        if e.missing:
+            raise TrainerStateError(f"{url}: no {_MARKER} marker: not a trainer state, or one that was never "
+                                    "finished") from e
+        raise TrainerStateError(str(e)) from e
     except StorageError as e:
         raise TrainerStateError(str(e)) from e
     except (OSError, ValueError, KeyError, TypeError, IndexError) as e:

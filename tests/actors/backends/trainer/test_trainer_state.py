@@ -9,7 +9,11 @@ import pytest
 import torch
 
 from composer_mesh.actors.backends.trainer.hf_trainer import HFTrainer, HFTrainerSettings
-from composer_mesh.actors.backends.trainer.trainer_state import TrainerStateError, write_trainer_state
+from composer_mesh.actors.backends.trainer.trainer_state import (
+    TrainerStateError,
+    check_trainer_state,
+    write_trainer_state,
+)
 from composer_mesh.loss.config import LossConfig
 from composer_mesh.models.config import ModelConfig
 from tests.actors.backends.trainer.test_hf_trainer import make_batch
@@ -61,6 +65,8 @@ def test_half_written_foreign_or_mismatched_states_are_refused(tmp_path):
     (tmp_path / "s" / "COMPLETE").unlink()
     with pytest.raises(TrainerStateError, match="no COMPLETE marker"):
         a.load_state(str(tmp_path / "s"))
+    with pytest.raises(TrainerStateError, match="no COMPLETE marker: not a trainer state"):  # --resume's check
+        check_trainer_state(str(tmp_path / "s"))
     a.save_state(str(tmp_path / "s"))
     meta = json.loads((tmp_path / "s" / "state.json").read_text())
     (tmp_path / "s" / "state.json").write_text(json.dumps({**meta, "format": 99}))
