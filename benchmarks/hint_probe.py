@@ -19,15 +19,16 @@ from typing import Any
 
 import torch
 
-from composer_mesh.envs.calculator import CALCULATOR, held_out, solved
+from composer_mesh.envs.calculator import CALCULATOR, held_out, solved, wrong_answer
+from composer_mesh.orchestration.config import HintsConfig
 
 WRONG_ANSWERS = 60  # wrong answers probed (of at most 2000 sampled)
 
 
 def environment_hint(answer: str) -> str:
-    """The hint `run.rollout.hints: {source: environment}` inserts after a wrong answer (default template,
-    `CalculatorSession.answer_feedback`)."""
-    return f"Hint: {answer!r} is wrong"
+    """The hint `run.rollout.hints: {source: environment}` inserts after a wrong answer: the default template
+    around the calculator's feedback."""
+    return HintsConfig().template.format(feedback=wrong_answer(answer))
 
 
 def first_wrong_digit(answer: str, right: str) -> int | None:

@@ -160,9 +160,14 @@ class CalculatorSession(ToolSession):
         return 1.0 if answer.strip() == str(self.answer) else 0.0
 
     def answer_feedback(self, answer: str, reward: float) -> str | None:
-        """A wrong product, named as wrong (not corrected: the hint's teacher must still work it out). Short: with
-        a byte-level tokenizer every character of a hint is a token of the hinted episode."""
-        return None if reward > 0 else f"{answer.strip()[:12]!r} is wrong"
+        return None if reward > 0 else wrong_answer(answer)
+
+
+def wrong_answer(answer: str) -> str:
+    """The calculator's feedback on a wrong final answer: the answer named as wrong (not corrected: the hint's
+    teacher must still work it out). Short: with a byte-level tokenizer every character of a hint is a token of
+    the hinted episode."""
+    return f"{answer.strip()[:12]!r} is wrong"
 
 
 def operands(prompt: EpisodePrompt) -> tuple[int, int]:
@@ -324,5 +329,5 @@ class HintedCalculatorTask(CalculatorTask):
         if rng.random() < 0.5:
             right = messages[-1]["content"]
             wrong = str(int(right) + rng.choice([-1, 1]) * 10 ** rng.randrange(len(right)))
-            messages.insert(len(messages) - 1, {"role": "user", "content": f"Hint: {wrong!r} is wrong"})
+            messages.insert(len(messages) - 1, {"role": "user", "content": f"Hint: {wrong_answer(wrong)}"})
         return messages, tools
