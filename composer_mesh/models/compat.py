@@ -44,6 +44,23 @@ def context_length(config: ModelConfig) -> int | None:
     return int(value) if value else None
 
 
+def parameter_tensors(config: ModelConfig, vocab_size: int) -> int:
+    """How many parameter tensors the model has (what streaming DiLoCo splits into fragments), counted on a
+    skeleton built on the meta device: no weights are read or allocated."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if config.is_tiny:
+        from composer_mesh.models.tiny import tiny_hf_config
+
+        hf_config = tiny_hf_config(config, vocab_size, eos_ids=[0], pad_id=0)  # ids change no tensor
+    else:
+        hf_config = _hf_config(config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    return sum(1 for _ in model.parameters())
+
+
 def model_problems(config: ModelConfig, tokenizer: PreTrainedTokenizerBase, max_new_tokens: int,
                    who: str) -> list[str]:
     """What keeps `config` from generating `max_new_tokens` after a prompt: a tokenizer with ids beyond the

@@ -7,7 +7,7 @@ builds it once (warm-started if asked) into a cached save_pretrained directory t
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -25,11 +25,11 @@ if TYPE_CHECKING:
     from composer_mesh.models.config import ModelConfig
 
 
-def build_tiny_model(config: ModelConfig, vocab_size: int, eos_ids: list[int], pad_id: int) -> PreTrainedModel:
-    """A randomly initialised tiny Qwen2, bitwise identical for the same config in every process."""
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+def tiny_hf_config(config: ModelConfig, vocab_size: int, eos_ids: list[int], pad_id: int) -> Any:
+    """The transformers `Qwen2Config` of the tiny model (also what the preflight counts its tensors from)."""
+    from transformers import Qwen2Config
 
-    hf_cfg = Qwen2Config(
+    return Qwen2Config(
         vocab_size=vocab_size,
         hidden_size=config.hidden_size,
         intermediate_size=config.intermediate_size,
@@ -42,6 +42,13 @@ def build_tiny_model(config: ModelConfig, vocab_size: int, eos_ids: list[int], p
         pad_token_id=pad_id,
         bos_token_id=None,
     )
+
+
+def build_tiny_model(config: ModelConfig, vocab_size: int, eos_ids: list[int], pad_id: int) -> PreTrainedModel:
+    """A randomly initialised tiny Qwen2, bitwise identical for the same config in every process."""
+    from transformers import GenerationConfig, Qwen2ForCausalLM
+
+    hf_cfg = tiny_hf_config(config, vocab_size, eos_ids, pad_id)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed)
         model = Qwen2ForCausalLM(hf_cfg)

@@ -57,7 +57,8 @@ CROSS_CHECKS: tuple[str, ...] = (
     "`procs_per_replica > 1` needs a trainer binding with capability `sharded` (`hf`: FSDP2)",
     "`run.on_nonfinite: skip` has no `diloco` (a replica that skips a step would leave its rounds' cadence)",
     "a trainer with `settings.lora` has no `diloco`; `lora.sync: adapter` needs a generator binding with "
-    "capability `adapters` (one that applies the same LoRA config and loads adapter tensors)",
+    "capability `adapters` (one that applies the same LoRA config and loads adapter tensors) and serves its rank "
+    "`r` (`vllm`: 512 at most)",
     "Slurm meshes that may share a node (`exclusive: false`, same partition) use different `monarch_port`s",
     "`local` meshes never share a GPU: those without `gpu_offset` / `gpu_devices` take the lowest free GPUs "
     "in mesh order, and pinned ones must not overlap (roles that should share GPUs share one mesh)",
@@ -359,7 +360,7 @@ def check_sharded_trainer(parts: Parts) -> Iterator[Problem]:
 
 
 def check_lora(parts: Parts) -> Iterator[Problem]:
-    """LoRA trains without DiLoCo, and adapter-only sync needs generators that apply adapters."""
+    """LoRA trains without DiLoCo, and adapter-only sync needs generators that apply adapters of its rank."""
     trainer = parts.roles.get("trainer")
     lora = getattr(trainer.settings, "lora", None) if isinstance(trainer, TrainerSpec) else None
     if lora is None:
@@ -372,14 +373,28 @@ def check_lora(parts: Parts) -> Iterator[Problem]:
         )
     generators = parts.roles.get("generators")
     if getattr(lora, "sync", None) == "adapter" and isinstance(generators, GeneratorsSpec):
-        caps = generators.resolved.capabilities
-        if ADAPTERS_CAPABILITY not in caps:
-            yield (
-                ("roles", "trainer", "settings", "lora", "sync"),
-                f"lora.sync: adapter publishes only the adapter tensors, but generator binding "
-                f"{generators.binding!r} cannot apply adapters (its capabilities are {sorted(caps) or 'none'}, it "
-                f"needs {ADAPTERS_CAPABILITY!r}); use lora.sync: merged",
-            )
+        yield from _adapter_generators(lora, generators)
+
+
+def _adapter_generators(lora: Any, generators: GeneratorsSpec) -> Iterator[Problem]:
+    """`lora.sync: adapter`: the generator binding applies adapters (capability `adapters`) of rank `lora.r`
+    (a binding's settings model may declare `max_adapter_rank`: vLLM serves 512 at most)."""
+    caps = generators.resolved.capabilities
+    if ADAPTERS_CAPABILITY not in caps:
+        yield (
+            ("roles", "trainer", "settings", "lora", "sync"),
+            f"lora.sync: adapter publishes only the adapter tensors, but generator binding "
+            f"{generators.binding!r} cannot apply adapters (its capabilities are {sorted(caps) or 'none'}, it "
+            f"needs {ADAPTERS_CAPABILITY!r}); use lora.sync: merged",
+        )
+        return
+    limit = getattr(generators.resolved.settings_model, "max_adapter_rank", None)
+    if limit is not None and lora.r > limit:
+        yield (
+            ("roles", "trainer", "settings", "lora", "r"),
+            f"lora.r = {lora.r} with lora.sync: adapter, but generator binding {generators.binding!r} serves "
+            f"adapters of rank {limit} at most; use r <= {limit}, or lora.sync: merged",
+        )
 
 
 def check_on_nonfinite(parts: Parts) -> Iterator[Problem]:

@@ -6,6 +6,7 @@ runs it after the schema, `composer-mesh run` before the first mesh starts.
 - `models.py`: the models' tokenizers, heads and context, read from their files (no weights);
 - `prompts.py`: the prompt source (`run.task`, every row of `run.data`, the `run.environment` dataset) and the
   policy's tokenizer reading a sample of the prompts;
+- `sandbox.py`: the coding environment's sandbox runs here (bubblewrap, its paths, its interpreter);
 - `rewards.py`: each reward function called once on a sample prompt (in a worker, with its timeout);
 - `resume.py`: the checkpoint to resume from, every trainer replica's state included.
 
@@ -21,6 +22,7 @@ from composer_mesh.app.preflight.models import ModelPreflightError, check_models
 from composer_mesh.app.preflight.prompts import check_prompts
 from composer_mesh.app.preflight.resume import check_resume
 from composer_mesh.app.preflight.rewards import RewardPreflightError, check_rewards
+from composer_mesh.app.preflight.sandbox import check_sandbox
 from composer_mesh.app.preflight.setup import setup_problems
 from composer_mesh.orchestration.resume import ResumePoint
 from composer_mesh.topology.schema import Topology
@@ -48,6 +50,8 @@ def preflight(topology: Topology, resume: ResumePoint | None = None) -> list[str
     passed.append("models: tokenizers, heads and context fit together")
     checked, sample = check_prompts(topology)
     passed.append(checked)
+    if (sandbox := check_sandbox(topology)) is not None:
+        passed.append(sandbox)
     check_rewards(topology, sample)
     passed.append("reward functions: each called once on a sample prompt" if topology.rewarder is not None
                   else "reward functions: none (no rewarder: run.environment scores the episodes)")

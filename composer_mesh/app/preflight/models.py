@@ -23,6 +23,7 @@ def check_models(topology: Topology) -> None:
     max_new = topology.run.max_new_tokens
     policy = load_tokenizer(topology.model)
     problems = model_problems(topology.model, policy, max_new, "model (the policy)")
+    problems += fragment_problems(topology, len(policy))
     for member in topology.teachers.members if topology.teachers is not None else []:
         model = getattr(member.settings, "model", None)
         if not isinstance(model, ModelConfig):  # a remote teacher (OpenRouter): nothing local to read
@@ -35,6 +36,23 @@ def check_models(topology: Topology) -> None:
             problems.append(f"{who} feeds channel 2 (distill) but its tokenizer is not the policy's ({mismatch}; "
                             f"teacher {model.source!r}, policy {topology.model.source!r}): give it channels: "
                             "[replay] only, or a model with the policy's tokenizer")
+    if len(problems) == 1:
+        raise ModelPreflightError(f"the topology's models cannot work together: {problems[0]}")
     if problems:
         raise ModelPreflightError("the topology's models cannot work together:\n  " + "\n  ".join(problems))
 
+
+
+def fragment_problems(topology: Topology, vocab_size: int) -> list[str]:
+    """Streaming DiLoCo splits the policy's parameter tensors into `diloco.fragments` groups: it needs at least
+    as many tensors as fragments (else every trainer replica would refuse it after launch)."""
+    from composer_mesh.models.compat import parameter_tensors
+
+    fragments = topology.diloco.fragments if topology.diloco is not None else 1
+    if fragments == 1:
+        return []
+    tensors = parameter_tensors(topology.model, vocab_size)
+    if tensors >= fragments:
+        return []
+    return [f"diloco.fragments={fragments} but the policy has only {tensors} parameter tensors to split (model.source "
+            f"{topology.model.source!r}); use at most {tensors} fragments"]

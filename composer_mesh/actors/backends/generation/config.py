@@ -4,7 +4,7 @@ vllm nor the bindings (`roles.ROLE_TABLE` names each binding by import path and 
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -15,6 +15,8 @@ from composer_mesh.actors.backends.config import LocalModelSettings, TorchSettin
 # (`distributions`: the policy as its own teacher for targeted feedback, run.rollout.hints).
 HF_GENERATOR_CAPABILITIES: frozenset[str] = frozenset({"adapters", "self_teacher"})
 VLLM_GENERATOR_CAPABILITIES: frozenset[str] = frozenset({"adapters", "self_teacher"})
+# vLLM's allowed `max_lora_rank` values (its MaxLoRARanks): an adapter of a larger rank cannot be served.
+VLLM_LORA_RANKS: tuple[int, ...] = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 class HFGeneratorSettings(LocalModelSettings, TorchSettings):
@@ -115,6 +117,8 @@ class VLLMGeneratorSettings(LocalModelSettings, VLLMEngineSettings):
     """Settings of the `vllm` generator binding (engine settings plus the hf generator's sampling knobs)."""
 
     name: str = Field("vllm", description="Label written into Rollout.generator (e.g. to tell generators apart).")
+    # The largest LoRA rank the binding serves with `lora.sync: adapter` (read by validation, `check_lora`).
+    max_adapter_rank: ClassVar[int] = VLLM_LORA_RANKS[-1]
 
 
 class FixedLatencyGeneratorSettings(HFGeneratorSettings):

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from composer_mesh.actors.backends.generation.config import VLLMEngineSettings
+from composer_mesh.actors.backends.generation.config import VLLM_LORA_RANKS, VLLMEngineSettings
 from composer_mesh.models.loading import TORCH_DTYPES
 
 if TYPE_CHECKING:
@@ -49,15 +49,14 @@ R = TypeVar("R")
 
 CPU_DEFAULT_KV_CACHE_BYTES = 256 * 2**20
 WORKER_EXTENSION = "composer_mesh.actors.backends.generation.vllm_engine.ComposerWorkerExtension"  # dotted, as vLLM wants
-LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's allowed max_lora_rank values (MaxLoRARanks)
 
 
 def lora_rank_for(r: int) -> int:
     """The smallest `max_lora_rank` vLLM accepts that fits adapters of rank `r`."""
-    for rank in LORA_RANKS:
+    for rank in VLLM_LORA_RANKS:
         if rank >= r:
             return rank
-    raise ValueError(f"vLLM engine: LoRA rank {r} is above vLLM's largest max_lora_rank ({LORA_RANKS[-1]})")
+    raise ValueError(f"vLLM engine: LoRA rank {r} is above vLLM's largest max_lora_rank ({VLLM_LORA_RANKS[-1]})")
 
 
 def prepare_environment(settings: VLLMEngineSettings) -> None:
