@@ -54,6 +54,7 @@ def failure_of(exc: BaseException) -> tuple[int, str] | None:
     import asyncio
 
     from composer_mesh.actors.teacher_errors import TeacherFailed
+    from composer_mesh.errors import user_error_of
     from composer_mesh.mesh.launch import LaunchError, MeshFailureError
     from composer_mesh.orchestration.checkpoint import RunCheckpointError
     from composer_mesh.orchestration.reward_health import RewardsFailing
@@ -84,30 +85,6 @@ def failure_of(exc: BaseException) -> tuple[int, str] | None:
         return EXIT_INTERRUPTED, "composer-mesh: interrupted"
     if isinstance(exc, asyncio.CancelledError):
         return EXIT_TERMINATED, "composer-mesh: stopped (the run was cancelled, e.g. by SIGTERM)"
-    return None
-
-
-def user_error_of(exc: BaseException) -> tuple[BaseException, bool] | None:
-    """The `UserInputError` that `exc` is or carries (through Monarch's `ActorError.exception`, explicit causes
-    and exception groups), and whether it was raised inside an actor (after launch); None if there is none.
-    Implicit contexts are not followed: a bug raised while handling a user error is still a bug."""
-    from composer_mesh.errors import UserInputError
-
-    seen: set[int] = set()
-    todo: list[tuple[BaseException, bool]] = [(exc, False)]
-    while todo:
-        error, remote = todo.pop(0)
-        if id(error) in seen:
-            continue
-        seen.add(id(error))
-        if isinstance(error, UserInputError):
-            return error, remote
-        inner = getattr(error, "exception", None)  # monarch.actor.ActorError: the endpoint's own exception
-        if isinstance(inner, BaseException):
-            todo.append((inner, True))
-        if error.__cause__ is not None:
-            todo.append((error.__cause__, remote))
-        todo += [(e, remote) for e in getattr(error, "exceptions", ()) if isinstance(e, BaseException)]
     return None
 
 

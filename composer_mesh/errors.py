@@ -50,3 +50,25 @@ class FieldError(ValueError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return FieldError, (self.loc, str(self))
+
+
+def user_error_of(exc: BaseException) -> tuple[BaseException, bool] | None:
+    """The `UserInputError` that `exc` is or carries (through Monarch's `ActorError.exception`, explicit causes
+    and exception groups), and whether it was raised inside an actor (after launch); None if there is none.
+    Implicit contexts are not followed: a bug raised while handling a user error is still a bug."""
+    seen: set[int] = set()
+    todo: list[tuple[BaseException, bool]] = [(exc, False)]
+    while todo:
+        error, remote = todo.pop(0)
+        if id(error) in seen:
+            continue
+        seen.add(id(error))
+        if isinstance(error, UserInputError):
+            return error, remote
+        inner = getattr(error, "exception", None)  # monarch.actor.ActorError: the endpoint's own exception
+        if isinstance(inner, BaseException):
+            todo.append((inner, True))
+        if error.__cause__ is not None:
+            todo.append((error.__cause__, remote))
+        todo += [(e, remote) for e in getattr(error, "exceptions", ()) if isinstance(e, BaseException)]
+    return None

@@ -130,8 +130,9 @@ def _procs_of_mesh(root: int, mesh: str) -> list[int]:
 @pytest.mark.slow  # ~25 s: one CLI run that launches meshes and trains until the loss is NaN
 def test_a_nan_loss_stops_the_run_with_one_line_and_a_checkpoint_from_before_it(tmp_path: Path) -> None:
     """lr 1e12 makes the tiny model's loss NaN within a few steps (a real input, no test hook): the run stops
-    with exit 3 and one line naming the trainer step, no traceback, and points at the newest committed checkpoint,
-    which is from before that step and verifies file by file (issue 29)."""
+    with exit 3 and one line naming the trainer step, no traceback, and points at the checkpoint of the step right
+    before it, which verifies file by file (issue 29). That checkpoint is still being written when the step is
+    refused: the pipeline salvages it (it used to be abandoned, and the run pointed one step further back)."""
     from composer_mesh.actors.backends.trainer.trainer_state import check_trainer_state
     from composer_mesh.orchestration.checkpoint import verify_checkpoint
 
@@ -149,6 +150,6 @@ def test_a_nan_loss_stops_the_run_with_one_line_and_a_checkpoint_from_before_it(
     last = re.search(r"^the last full checkpoint is (\S+)$", done.stderr, re.M)
     assert last and f"resume with: composer-mesh run {topology} --run-dir {run_dir} --resume" in done.stderr
     step = int(Path(last[1]).name.removeprefix("step-"))
-    assert 1 <= step < int(failed[1])  # from before the step that went non-finite
+    assert step == int(failed[1]) - 1  # the step right before: its checkpoint, still being written, committed
     verify_checkpoint(last[1])  # every file as its marker lists it
     check_trainer_state(f"{last[1]}/trainer/r0")

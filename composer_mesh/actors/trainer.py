@@ -92,9 +92,10 @@ class TrainerService:
     def train_step(self, batch: TrainBatch) -> tuple[TrainMetrics, WeightManifest | None]:
         """One optimizer step, then publish: the plane's version is the one weight-version counter."""
         t0 = time.perf_counter()
-        written = self._collect_writes(wait=False)
         metrics = self.backend.train_step(batch)
-        metrics.states_written = written
+        # collected after the step: a step the backend refuses (e.g. a non-finite loss) leaves the finished writes
+        # to `flush_states`, so the checkpoints written before it can still commit
+        metrics.states_written = self._collect_writes(wait=False)
         manifest = self.publish()
         metrics.weight_version = self.version
         metrics.metrics["publish_s"] = self.last_publish_s

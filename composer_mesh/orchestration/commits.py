@@ -88,6 +88,17 @@ class CheckpointCommits:
         self.recorded(step)
         self.last = url
 
+    async def salvage(self, before: int) -> None:
+        """Step `before` was refused by a live trainer: commit the checkpoints of the steps before it (each
+        replica copied their state before that step ran; `flush_states` waits for their writes). Later
+        checkpoints stay uncommitted: they would claim a step that was not trained."""
+        earlier = [p.task for step, p in sorted(self.pending.items()) if step < before and p.task is not None]
+        if not earlier:
+            return
+        for written in await self.trainers.each("flush_states"):
+            self.wrote(written)
+        await asyncio.gather(*earlier)
+
     async def finish(self) -> None:
         """Wait for the trainers' background writes and every commit (a failure fails the run)."""
         if not self.pending:

@@ -197,7 +197,7 @@ class RLLoop:
         health = RewardHealth(RewardHealthConfig.of(self.cfg))  # raises RewardsFailing: the run stops
         return PipelineHooks(
             record=lambda done: health.observe(recorder.write(done)), wrote=self.commits.wrote,
-            finish=self.commits.finish,
+            finish=self.commits.finish, salvage=self.commits.salvage,
             checkpoint=lambda step: self.commits.take(self.state.capture(step, schedule, writer.tracker_ids), writer),
             synced=lambda step: self.evaluator.synced(step, writer),
         )

@@ -6,23 +6,44 @@ s-1 trains (no round trip between steps), and step s's weight sync runs while st
 is double-buffered: step s publishes into the slot that step s-2's sync read, so step s is sent only once that
 sync is done. At lag 0 the schedule itself holds step s back until step s-1's weights reach the generators.
 A checkpoint of step s is taken right behind step s, before step s+1 (the trainer's mailbox keeps that order).
+
+A step a live trainer refuses (a `UserInputError` from its train_step, e.g. a non-finite loss under
+`run.on_nonfinite: stop`) fails the run as `StepRefused`, but first the steps before it are recorded and their
+checkpoints still being written are committed (`PipelineHooks.salvage`): the run then points at the newest
+step it trained, not at an older one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from composer_mesh.actors.messages import TrainBatch, TrainMetrics
+from composer_mesh.errors import user_error_of
 from composer_mesh.orchestration.background import Background, StopRequest
 from composer_mesh.orchestration.checkpoint import CheckpointPolicy
 from composer_mesh.orchestration.config import RunConfig
 from composer_mesh.orchestration.metrics import MetricsWriter
 from composer_mesh.orchestration.ports import Generators, RestartsExhausted, Trainers
 from composer_mesh.orchestration.schedule import GroupResult, StepPlan, StepScheduler
+
+SALVAGE_TIMEOUT_S = 300.0  # how long a refused step's run waits for the earlier checkpoints' writes
+
+log = logging.getLogger(__name__)
+
+
+class StepRefused(Exception):
+    """Trainer step `step` was refused by a live trainer (`error`: its `UserInputError`, e.g. a non-finite loss):
+    the steps before it are whole, and their checkpoints can still commit. `calls` are the step's calls to every
+    replica (the others' answers report state writes too). The message is the refusal's."""
+
+    def __init__(self, step: int, error: BaseException, calls: list[asyncio.Future[Any]]) -> None:
+        super().__init__(str(error))
+        self.step, self.calls = step, calls
 
 
 class Versions:
@@ -110,13 +131,15 @@ class PipelineConfig:
 class PipelineHooks:
     """What the pipeline tells the rest of the run: `record(done)` a step's answer (in step order),
     `checkpoint(step)` take a checkpoint right behind `step`, `wrote(urls)` the trainers reported state writes
-    finished, `synced(step)` its weights reached the generators, `finish()` wait for every checkpoint."""
+    finished, `synced(step)` its weights reached the generators, `finish()` wait for every checkpoint,
+    `salvage(step)` commit the checkpoints of the steps before `step`, which a live trainer refused."""
 
     record: Callable[[StepDone], None]
     checkpoint: Callable[[int], None]
     wrote: Callable[[list[str]], None]
     synced: Callable[[int], None]
     finish: Callable[[], Awaitable[None]]
+    salvage: Callable[[int], Awaitable[None]]
 
 
 class TrainPipeline:
@@ -139,8 +162,18 @@ class TrainPipeline:
 
     async def train(self, first: int, schedule: StepScheduler, writer: MetricsWriter, hooks: PipelineHooks) -> int:
         """Train steps `first`.. in order, pipelined; returns the last step trained (earlier than `steps` after a
-        stop request). Records are written in step order."""
-        until, steps = self.background.until, {}
+        stop request). Records are written in step order. A refused step raises `StepRefused` once the steps
+        before it are recorded and checkpointed (`_salvage`)."""
+        steps: dict[int, asyncio.Task[StepDone]] = {}
+        try:
+            return await self._train(first, schedule, writer, hooks, steps)
+        except StepRefused as refused:
+            await self._salvage(refused, steps, hooks)
+            raise
+
+    async def _train(self, first: int, schedule: StepScheduler, writer: MetricsWriter, hooks: PipelineHooks,
+                     steps: dict[int, asyncio.Task[StepDone]]) -> int:
+        until = self.background.until
         last, checkpointed = first - 1, 0
         for step in range(first, self.cfg.steps + 1):
             if self.stop.is_set() and self._can_stop_after(last, first):
@@ -165,6 +198,28 @@ class TrainPipeline:
         await hooks.finish()
         return last
 
+    async def _salvage(self, refused: StepRefused, steps: dict[int, asyncio.Task[StepDone]],
+                       hooks: PipelineHooks) -> None:
+        """A step was refused: complete what came before it, within SALVAGE_TIMEOUT_S. Anything failing here is
+        logged (a checkpoint is lost) and the refusal stays the run's error."""
+        try:
+            await asyncio.wait_for(self._complete_before(refused, steps, hooks), SALVAGE_TIMEOUT_S)
+        except Exception as e:
+            log.warning("step %d was refused; the checkpoints before it could not be completed: %s: %s", refused.step,
+                        type(e).__name__, e)
+
+    @staticmethod
+    async def _complete_before(refused: StepRefused, steps: dict[int, asyncio.Task[StepDone]],
+                               hooks: PipelineHooks) -> None:
+        """Record the steps sent before the refused one (awaited directly: the run's failure is already set),
+        take the state writes its other replicas report, and commit the checkpoints before it."""
+        for step in sorted(s for s in steps if s < refused.step):
+            hooks.record(await steps.pop(step))
+        for output in await asyncio.gather(*refused.calls, return_exceptions=True):
+            if not isinstance(output, BaseException):
+                hooks.wrote(output[0].states_written)
+        await hooks.salvage(refused.step)
+
     def _send(self, step: int, results: list[GroupResult], plan: StepPlan, writer: MetricsWriter,
               t_wait: float) -> tuple[StepDone, list[Any]]:
         """Split the step's groups over the replicas, check their lag and send them to the trainers now."""
@@ -179,7 +234,13 @@ class TrainPipeline:
                               hooks: PipelineHooks) -> StepDone:
         """Await one step's training (already sent), then every generator pulls its weights and the schedule
         admits what the new weights allow."""
-        outputs = await asyncio.gather(*calls)
+        calls = [asyncio.ensure_future(c) for c in calls]
+        try:
+            outputs = await asyncio.gather(*calls)
+        except Exception as e:
+            if user_error_of(e) is not None:
+                raise StepRefused(done.step, e, calls) from e
+            raise
         done.metrics, manifest = outputs[0]
         hooks.wrote([url for m, _ in outputs for url in m.states_written])
         if manifest.version != self.versions.after(done.step):

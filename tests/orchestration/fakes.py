@@ -25,6 +25,7 @@ from composer_mesh.actors.messages import (
     TrainBatch,
     TrainMetrics,
 )
+from composer_mesh.errors import UserInputError
 from composer_mesh.orchestration.schedule import StepTimes
 
 
@@ -95,13 +96,16 @@ class FakeTeachers:
 
 class FakeTrainers:
     """`ports.Trainers` of `replicas` replicas. Step s publishes version `first + s`; a step's answer waits for
-    `release(step)` when `hold` is set. `save_state` answers at once; `flush_states` reports every URL saved."""
+    `release(step)` when `hold` is set; replica 0 refuses step `refuse` (a `UserInputError`, as a trainer refuses
+    a non-finite loss). `save_state` answers at once; `flush_states` reports every URL saved."""
 
-    def __init__(self, replicas: int = 1, first: int = 1, hold: bool = False, wrong_version: bool = False) -> None:
+    def __init__(self, replicas: int = 1, first: int = 1, hold: bool = False, wrong_version: bool = False,
+                 refuse: int | None = None) -> None:
         self.replicas = replicas
         self.first = first
         self.hold = hold
         self.wrong_version = wrong_version
+        self.refuse = refuse
         self.log: list[tuple[str, int]] = []  # ("train" | "save", step) in the order sent
         self.batches: dict[int, list[TrainBatch]] = {}
         self.released: dict[int, asyncio.Event] = {}
@@ -122,6 +126,8 @@ class FakeTrainers:
     async def _answer(self, step: int, replica: int) -> tuple[TrainMetrics, Any]:
         if self.hold:
             await self.released.setdefault(step, asyncio.Event()).wait()
+        if step == self.refuse and replica == 0:
+            raise UserInputError(f"trainer step {step}: non-finite loss (nan)")
         version = self.first + step + (1 if self.wrong_version else 0)
         return (TrainMetrics(step, version, loss=0.0, metrics={"reward_mean": float(replica)}),
                 SimpleNamespace(version=version))

@@ -77,3 +77,21 @@ async def test_a_resumed_run_reports_its_checkpoint_until_it_commits_one(tmp_pat
     commits = CheckpointCommits(CheckpointStore(str(tmp_path)), keep=2, trainers=FakeTrainers(), background=Background())
     commits.resumed(4, "file:///ckpt/step-00000004")
     assert commits.last == "file:///ckpt/step-00000004" and commits.recorded_through == 4
+
+
+async def test_salvage_commits_the_checkpoints_before_a_refused_step_and_not_its_own(tmp_path: Path) -> None:
+    """Step 3 was refused by a live trainer while the checkpoints of steps 2 and 3 were being written: `salvage`
+    commits step 2 (its state was copied before step 3 ran) and leaves step 3's uncommitted (it would claim a step
+    that was not trained). Without it both were abandoned and the run pointed at an older checkpoint."""
+    trainers, background, writer = FakeTrainers(replicas=1), Background(), FakeWriter()
+    background.open()
+    commits = CheckpointCommits(CheckpointStore(str(tmp_path)), keep=5, trainers=trainers, background=background)
+    commits.take(state(2), writer)  # type: ignore[arg-type]
+    commits.take(state(3), writer)  # type: ignore[arg-type]
+    commits.recorded(2)  # the pipeline records the steps before the refused one
+    await asyncio.wait_for(commits.salvage(3), 5)  # flush_states reports both parts; only step 2 commits
+    await _settle()
+    assert committed(tmp_path) == ["step-00000002"]
+    assert commits.last is not None and commits.last.endswith("step-00000002") and list(commits.pending) == [3]
+    await background.close()
+    assert committed(tmp_path) == ["step-00000002"]

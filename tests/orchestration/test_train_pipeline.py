@@ -11,12 +11,14 @@ import pytest
 from orchestration.fakes import FakeGenerators, FakeTrainers, FakeWriter, prompts
 
 from composer_mesh.actors.messages import GenerationRequest, RewardResult, ScoredGroup
+from composer_mesh.errors import UserInputError, user_error_of
 from composer_mesh.orchestration.background import Background, StopRequest
 from composer_mesh.orchestration.checkpoint import CheckpointPolicy
 from composer_mesh.orchestration.pipeline import (
     LagGate,
     PipelineConfig,
     PipelineHooks,
+    StepRefused,
     TrainPipeline,
     Versions,
 )
@@ -48,6 +50,7 @@ class Run:
         self.lags: list[int] = []
         self.checkpoints: list[tuple[int, int]] = []  # (step, train calls sent by then)
         self.synced: list[int] = []
+        self.salvaged: list[tuple[int, list[int]]] = []  # (refused step, steps recorded by then)
 
     async def _feed(self) -> None:
         while True:
@@ -74,9 +77,12 @@ class Run:
         async def finish() -> None:
             pass
 
+        async def salvage(step: int) -> None:
+            self.salvaged.append((step, list(self.recorded)))
+
         hooks = PipelineHooks(record=self._record, wrote=lambda urls: None, finish=finish,
                               checkpoint=lambda s: self.checkpoints.append((s, len(self.trainers.log))),
-                              synced=self._synced)
+                              synced=self._synced, salvage=salvage)
         self.background.open()
         self.background.spawn(self._feed())
         try:
@@ -149,3 +155,16 @@ async def test_a_stop_ends_the_run_after_a_checkpointed_step() -> None:
     last = await asyncio.wait_for(run.train(), 10)
     assert 2 <= last < 8 and run.checkpoints[-1][0] == last and run.recorded[-1] == last
     assert run.stop.reason == "test stop"
+
+
+@pytest.mark.parametrize(("replicas", "lag"), [(1, 0), (2, 1)])
+async def test_a_refused_step_records_the_steps_before_it_then_salvages_their_checkpoints(replicas: int,
+                                                                                        lag: int) -> None:
+    """A live trainer refuses step 4 (a `UserInputError`, like a non-finite loss): the run fails with that
+    error (found by the CLI as the user's, not a bug), but first steps 1-3 are recorded and the checkpoints
+    before step 4 are salvaged, in that order (a commit waits for its step's record)."""
+    run = Run(steps=8, lag=lag, trainers=FakeTrainers(replicas=replicas, refuse=4), every=1)
+    with pytest.raises(StepRefused, match="trainer step 4: non-finite loss") as info:
+        await asyncio.wait_for(run.train(), 10)
+    assert info.value.step == 4 and isinstance(user_error_of(info.value)[0], UserInputError)  # type: ignore[index]
+    assert run.recorded == [1, 2, 3] and run.salvaged == [(4, [1, 2, 3])]
