@@ -181,7 +181,8 @@ class NonFiniteRank(Actor):
 
         rank = current_rank().rank
         trainer = HFTrainer(HFTrainerSettings(**settings))
-        # A short process-group timeout: ranks that decided differently fail the test in a minute, not hang it.
+        # A short process-group timeout (where this call creates the proc's group; a proc joins one only once):
+        # ranks that decided differently fail the test in a minute, not hang it.
         trainer.start(model, LossConfig(**loss), shard=ShardGroup(rank, world, address, timeout_s=60.0),
                       on_nonfinite=on_nonfinite)  # type: ignore[arg-type]
         steps: list[dict[str, Any]] = []
