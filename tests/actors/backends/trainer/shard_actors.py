@@ -122,3 +122,85 @@ class DiLoCoShardedRank(Actor):
         if rank != 0:
             out["weights"] = {}
         return out
+
+
+def local_state(trainer: HFTrainer) -> dict[str, torch.Tensor]:
+    """This rank's own part of the trainer's state, copied: its weight shards (and plain buffers) and every AdamW
+    state tensor of its shards (moments and step). Local tensors only: comparing them needs no collective."""
+    from torch.distributed.tensor import DTensor
+
+    def mine(t: Any) -> torch.Tensor:
+        t = torch.as_tensor(t)
+        return (t.to_local() if isinstance(t, DTensor) else t).detach().clone()
+
+    assert trainer.model is not None
+    out = {f"w/{k}": mine(v) for k, v in trainer.model.state_dict().items()}
+    for i, entry in trainer.optimizer.state_dict()["state"].items():
+        out.update({f"o/{i}/{k}": mine(v) for k, v in entry.items()})
+    return out
+
+
+def own_grads_finite(trainer: HFTrainer) -> bool:
+    """Whether every gradient shard this rank holds (None: dropped) is finite: no collective."""
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in trainer.model.parameters() if p.grad is not None]  # type: ignore[union-attr]
+    return all(bool(torch.isfinite(g.to_local() if isinstance(g, DTensor) else g).all()) for g in grads)
+
+
+def poison_one_gradient_shard(trainer: HFTrainer) -> Any:
+    """Make this rank's shard of one gradient non-finite, after FSDP2's reduce-scatter: the state in which a
+    gradient element overflowed on some rank's backward and the sum landed in the shard of the rank that owns the
+    element (an inf in an element the OTHER rank owns would be in that rank's shard only). FSDP2 calls a sharded
+    parameter's post-accumulate-grad hooks right after it sets or adds the reduced shard (the hook optimizers in
+    backward use), so the hook sees exactly the gradient the optimizer would; the loss stays finite. The handle;
+    `remove()` it after the step."""
+    from torch.distributed.tensor import DTensor
+
+    param = next(p for p in trainer.model.parameters()  # type: ignore[union-attr]
+                 if isinstance(p, DTensor) and p.requires_grad and p.to_local().numel() > 0)
+
+    def poison(p: torch.Tensor) -> None:
+        with torch.no_grad():
+            p.grad.to_local().view(-1)[-1] = float("inf")  # type: ignore[union-attr]
+
+    return param.register_post_accumulate_grad_hook(poison)
+
+
+class NonFiniteRank(Actor):
+    """Rank `current_rank()` of a replica whose rank `poisoned_rank` gets a non-finite gradient shard at some steps."""
+
+    @endpoint
+    async def train(self, address: str, world: int, settings: dict[str, Any], loss: dict[str, Any],
+                    model: ModelConfig, batches: list[TrainBatch], poisoned_steps: list[int], poisoned_rank: int,
+                    on_nonfinite: str) -> dict[str, Any]:
+        """Train `batches` in order (step i+1 is `batches[i]`; the steps in `poisoned_steps` poisoned on
+        `poisoned_rank`) until one raises NonFiniteError; per step this rank's state before and after it, and its
+        metrics or the error's text, and whether its own gradient shards are finite after it; then (rank 0, when no step raised) the final full weights."""
+        from composer_mesh.actors.backends.trainer.base import NonFiniteError
+
+        rank = current_rank().rank
+        trainer = HFTrainer(HFTrainerSettings(**settings))
+        # A short process-group timeout (where this call creates the proc's group; a proc joins one only once):
+        # ranks that decided differently fail the test in a minute, not hang it.
+        trainer.start(model, LossConfig(**loss), shard=ShardGroup(rank, world, address, timeout_s=60.0),
+                      on_nonfinite=on_nonfinite)  # type: ignore[arg-type]
+        steps: list[dict[str, Any]] = []
+        for step, batch in enumerate(batches, start=1):
+            hook = poison_one_gradient_shard(trainer) if step in poisoned_steps and rank == poisoned_rank else None
+            out: dict[str, Any] = {"before": local_state(trainer)}
+            try:
+                m = trainer.train_step(batch)
+                out.update(step=m.step, loss=m.loss, metrics=m.metrics)
+            except NonFiniteError as e:
+                out["raised"] = str(e)
+            finally:
+                if hook is not None:
+                    hook.remove()
+            out["after"] = local_state(trainer)
+            out["own_grads_finite"] = own_grads_finite(trainer)
+            steps.append(out)
+            if "raised" in out:
+                return {"rank": rank, "steps": steps, "weights": {}}
+        weights = dict(trainer.named_weights())  # a collective: every rank reads every tensor
+        return {"rank": rank, "steps": steps, "weights": weights if rank == 0 else {}}
