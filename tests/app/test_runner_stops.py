@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 from rich.console import Console
+from waiting import eventually
 
 from composer_mesh.app.runner import StopRequests
 from composer_mesh.mesh.jobs import JobNotice
@@ -95,7 +96,7 @@ async def test_an_ended_job_of_another_mesh_gets_a_new_job_and_the_run_goes_on()
     stops.loop = loop  # type: ignore[assignment]
     mesh = _watching([JobNotice("gen", "7", "ended", "stopped running (state NODE_FAIL)")])
     watcher = asyncio.create_task(stops.watch_jobs(mesh))  # type: ignore[arg-type]
-    await asyncio.sleep(0.2)
+    await eventually(lambda: loop.replaced, "the ended job's mesh replaced")
     assert loop.replaced == ["gen"] and loop.reasons == [] and stops.cause is None and not watcher.done()
     watcher.cancel()
 

@@ -212,11 +212,11 @@ def test_a_server_that_is_down_is_named_after_the_retries() -> None:
 
 
 def test_errors_of_the_environment_are_not_retried(server: EnvServer) -> None:
-    client = EpisodeClient(server.url, ClientSettings(max_retries=5))
+    client = EpisodeClient(server.url, ClientSettings(max_retries=5, backoff_s=10.0, backoff_max_s=10.0))
     started = time.monotonic()
     with pytest.raises(OpenEnvServerError, match=f"OpenEnv server {server.url}: reset failed.*splits"):
         client.resets([{"seed": 0, "split": "test"}])  # the environment raises: repeating would not help
-    assert time.monotonic() - started < 2
+    assert time.monotonic() - started < 5  # one retry would have slept at least 5 s (10 s, jittered x0.5-1)
     with pytest.raises(ValueError, match=r"observation's 'question' is missing.*\['answer', 'prompt'\]"):
         OpenEnvEnvironment(config(server.url, prompt_field="question"), seed=0)
 
@@ -317,12 +317,12 @@ async def test_a_few_steps_on_cpu_with_every_loss_channel(tmp_path: Path, monkey
 
 
 def test_a_timed_out_episode_is_retried_then_named(server: EnvServer) -> None:
-    """Last in the module: the sleeping steps hold their sessions for a second after the client gave up."""
+    """Last in the module: the sleeping steps hold their sessions for seconds after the client gave up."""
     client = EpisodeClient(server.url, ClientSettings(message_timeout_s=0.3, max_retries=1, backoff_s=0.01))
     started = time.monotonic()
     with pytest.raises(OpenEnvTimeout) as e:
-        client.episode({"seed": 0}, {"message": "sleep 1.5"})
-    assert time.monotonic() - started < 1.5  # both attempts were cut at the message timeout
+        client.episode({"seed": 0}, {"message": "sleep 3"})
+    assert time.monotonic() - started < 3  # both attempts were cut at the message timeout (one step takes 3 s)
     assert f"OpenEnv server {server.url}: episode timed out (after 2 attempts" in str(e.value)
     assert "message timeout 0.3s" in str(e.value)
 

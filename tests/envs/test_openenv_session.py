@@ -249,7 +249,7 @@ async def test_a_step_timeout_or_an_environment_error_raises_from_step(servers: 
     t0 = time.monotonic()
     with pytest.raises(OpenEnvStepTimeout, match=r"step 1 of the episode got no answer within 0.5s") as caught:
         await s.step("sleep 3")
-    assert isinstance(caught.value, TimeoutError) and time.monotonic() - t0 < 2.5
+    assert isinstance(caught.value, TimeoutError) and time.monotonic() - t0 < 3  # cut, not the step's 3 s
     with pytest.raises(OpenEnvError, match="step of a session that is failed"):
         await s.step("1")
     await s.close()

@@ -196,25 +196,43 @@ def test_timeouts_of_async_and_sync_tools_are_observations() -> None:
 
 
 def test_calls_run_concurrently_and_sync_tools_off_the_event_loop() -> None:
+    """Each call waits until all eight are in flight: calls run one after another would each answer "alone"
+    (no timing: a loaded machine only makes them meet later)."""
     threads: set[int] = set()
+    lock, arrived, everyone = threading.Lock(), [0], threading.Event()
+
+    def arrive() -> None:
+        with lock:
+            arrived[0] += 1
+            if arrived[0] == 8:
+                everyone.set()
 
     def wait(seconds: float) -> str:
-        """Sleep in a thread.
+        """Wait in a thread until every call is in flight.
 
         Args:
-            seconds: how long.
+            seconds: at most how long.
         """
         threads.add(threading.get_ident())
-        time.sleep(seconds)
-        return "done"
+        arrive()
+        return "done" if everyone.wait(seconds) else "alone"
 
-    box = Toolbox([wait, slow])
-    calls = [ToolCall("wait", {"seconds": 0.5})] * 4 + [ToolCall("slow", {"seconds": 0.5})] * 4
-    start = time.monotonic()
+    async def meet(seconds: float) -> str:
+        """Wait on the event loop until every call is in flight.
+
+        Args:
+            seconds: at most how long.
+        """
+        arrive()
+        deadline = time.monotonic() + seconds
+        while not everyone.is_set() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        return "awake" if everyone.is_set() else "alone"
+
+    box = Toolbox([wait, meet])
+    calls = [ToolCall("wait", {"seconds": 10.0})] * 4 + [ToolCall("meet", {"seconds": 10.0})] * 4
     answers = asyncio.run(box.call_all(calls))
-    elapsed = time.monotonic() - start
-    assert [a["content"] for a in answers] == ["done"] * 4 + ["awake"] * 4
-    assert elapsed < 1.5, f"8 calls of 0.5 s took {elapsed:.2f} s: not concurrent"
+    assert [a["content"] for a in answers] == ["done"] * 4 + ["awake"] * 4, "the calls did not run concurrently"
     assert threading.main_thread().ident not in threads and len(threads) == 4
 
 

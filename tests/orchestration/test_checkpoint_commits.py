@@ -7,6 +7,7 @@ import asyncio
 from pathlib import Path
 
 from orchestration.fakes import FakeTrainers, FakeWriter
+from waiting import eventually
 
 from composer_mesh.orchestration.background import Background
 from composer_mesh.orchestration.checkpoint import (
@@ -30,6 +31,7 @@ def committed(root: Path) -> list[str]:
 
 
 async def _settle() -> None:
+    """Time for a commit that must not happen to show (a commit that must happen is waited for instead)."""
     for _ in range(20):  # the commit task writes in threads: give it a few turns
         await asyncio.sleep(0.02)
 
@@ -47,7 +49,7 @@ async def test_a_checkpoint_commits_only_after_the_trainers_parts_and_the_record
     await _settle()
     assert committed(tmp_path) == []  # replica 1's part is not reported yet
     commits.wrote([trainers.saved[1]])
-    await _settle()
+    await eventually(lambda: commits.last is not None, "step 1 committed")
     assert committed(tmp_path) == ["step-00000001"]
     assert commits.last is not None and commits.last.endswith("step-00000001")
     assert trainers.reported_urls == trainers.saved
@@ -67,7 +69,7 @@ async def test_commits_happen_in_step_order(tmp_path: Path) -> None:
     commits.wrote([url3])  # step 3 is complete first ...
     await _settle()
     assert committed(tmp_path) == []  # ... but waits for step 2
-    await asyncio.wait_for(commits.finish(), 5)  # flush_states reports step 2's part: both commit, in order
+    await asyncio.wait_for(commits.finish(), 60)  # flush_states reports step 2's part: both commit, in order
     assert committed(tmp_path) == ["step-00000002", "step-00000003"]
     assert [e[1]["step"] for e in writer.events] == [2, 3] and commits.pending == {}
     await background.close()

@@ -225,15 +225,19 @@ class EchoTeachers:
 
 
 async def request_sizes(linger_s: float) -> list[int]:
-    """Four teacher episodes of two turns whose tools answer after 0, 20, 40 and 60 ms: the sizes of the requests."""
+    """Four teacher episodes of two turns whose tools answer after 0, 20, 40 and 60 ms: the sizes of the requests.
+    Without a linger, episode i's tool answers only once episode i-1 is over (20 ms apart is no order on a
+    loaded machine, where two turns can come in the same loop turn and share a request)."""
     teachers = EchoTeachers()
     turns = TeacherTurns(teachers, 2, asyncio.ensure_future, linger_s=linger_s)  # type: ignore[arg-type]
+    over = [asyncio.Event() for _ in range(4)]
 
     async def episode(i: int) -> None:
         async with turns.playing():
             assert "a" in await turns.sample("a", Prompt(f"p{i}", "q"), seed=i)
-            await asyncio.sleep(0.02 * i)
+            await (over[i - 1].wait() if i and not linger_s else asyncio.sleep(0.02 * i))
             assert "a" in await turns.sample("a", Prompt(f"p{i}", "q"), seed=100 + i)
+        over[i].set()
 
     await asyncio.gather(*(episode(i) for i in range(4)))
     return teachers.sizes

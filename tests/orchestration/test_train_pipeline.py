@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 from orchestration.fakes import FakeGenerators, FakeTrainers, FakeWriter, prompts
+from waiting import eventually
 
 from composer_mesh.actors.messages import GenerationRequest, RewardResult, ScoredGroup
 from composer_mesh.errors import UserInputError, user_error_of
@@ -105,11 +106,9 @@ async def test_steps_are_sent_synced_and_recorded_in_order() -> None:
 
 
 async def _sent_after(run: Run, n: int) -> list[int]:
-    """Steps sent once `n` train calls went out and the pipeline had time to send more."""
-    for _ in range(200):
-        if len(run.trainers.log) >= n:
-            break
-        await asyncio.sleep(0.01)
+    """Steps sent once `n` train calls went out and the pipeline had time to send more (the 0.1 s only lets a
+    wrong extra send show: a loaded machine can hide one, never invent one)."""
+    await eventually(lambda: len(run.trainers.log) >= n, f"{n} train calls sent")
     await asyncio.sleep(0.1)
     return [s for _, s in run.trainers.log]
 

@@ -28,11 +28,11 @@ async def _serve_once(queue: TurnQueue, limit: int = 64) -> list[str]:
 
 
 async def test_a_lingering_taker_gets_the_turns_of_every_playing_episode():
-    queue = TurnQueue(linger_s=5.0)
+    queue = TurnQueue(linger_s=60.0)
     episodes = [asyncio.create_task(_episode(queue, f"e{i}", 0.01 * i)) for i in range(4)]
     t0 = time.perf_counter()
     assert sorted(await _serve_once(queue)) == ["e0", "e1", "e2", "e3"]
-    assert time.perf_counter() - t0 < 2.0  # all four came: no need to wait out the linger
+    assert time.perf_counter() - t0 < 30.0  # all four came: no need to wait out the linger
     await asyncio.gather(*episodes)
 
 

@@ -41,7 +41,7 @@ def descendants(root: int | None = None) -> set[int]:
     return out
 
 
-def wait_gone(pids: set[int], timeout: float = 10.0) -> set[int]:
+def wait_gone(pids: set[int], timeout: float = 30.0) -> set[int]:
     """Wait (bounded) for `pids` to exit; return those still alive."""
     deadline = time.monotonic() + timeout
     left = {p for p in pids if alive(p)}
@@ -51,6 +51,6 @@ def wait_gone(pids: set[int], timeout: float = 10.0) -> set[int]:
     return left
 
 
-def new_descendants_after_exit(before: set[int], timeout: float = 10.0) -> set[int]:
+def new_descendants_after_exit(before: set[int], timeout: float = 30.0) -> set[int]:
     """Descendants that appeared since `before` and are still alive after a bounded wait."""
     return wait_gone(descendants() - before, timeout)

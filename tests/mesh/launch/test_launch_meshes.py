@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from monarch.actor import ActorError
 from services import require
+from waiting import eventually
 
 from composer_mesh.app.launch import launch
 from composer_mesh.mesh.launch import MeshFailureError
@@ -135,10 +136,7 @@ async def test_dead_proc_inside_block_surfaces_as_mesh_failure() -> None:
                 await mesh.generators.slice(hosts=1).crash.call()
             assert type(call_err.value).__name__ == "SupervisionError"
             # check() reports it, naming the role and mesh (the fault hook may trail the call's error).
-            for _ in range(50):
-                if mesh.failures:
-                    break
-                await asyncio.sleep(0.1)
+            await eventually(lambda: mesh.failures, "the dead proc's fault reported")
             with pytest.raises(MeshFailureError, match="'generators' on mesh 'rollout'"):
                 mesh.check()
             # The controller survived; the other meshes still answer.

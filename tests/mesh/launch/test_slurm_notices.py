@@ -13,12 +13,14 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 from pydantic import ValidationError
+from waiting import wait_until
 
 from composer_mesh.actors.configs import RoleConfig
 from composer_mesh.mesh.jobs import slurm_compat as slurm
@@ -169,14 +171,21 @@ async def test_completing_for_too_long_is_an_end(monkeypatch: pytest.MonkeyPatch
 async def test_watch_is_cancelled_at_once_while_squeue_runs(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    monkeypatch.setattr(slurm, "query_job", lambda job_id: time.sleep(0.5))  # a slow slurmctld
+    asked, answer = threading.Event(), threading.Event()
+
+    def squeue(job_id: str) -> None:  # a slurmctld that answers only once the test is over
+        asked.set()
+        answer.wait(120)
+
+    monkeypatch.setattr(slurm, "query_job", squeue)
     task = asyncio.create_task(JobWatch({"a": "1"}, str(tmp_path), {}, set()).next_notice(poll_s=0.01))
-    await asyncio.sleep(0.1)
-    start = time.monotonic()
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    assert time.monotonic() - start < 0.1
+    try:
+        assert await asyncio.to_thread(asked.wait, 60), "the watch never ran squeue"
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):  # a watch that waited for squeue would time out here
+            await asyncio.wait_for(task, 30)
+    finally:
+        answer.set()
 
 
 def test_submit_removes_a_stale_warning_of_the_same_job_id(tmp_path: Path) -> None:
@@ -224,14 +233,12 @@ def test_wrapper_records_the_warning_and_its_tree_survives_it(tmp_path: Path) ->
         assert ignores_usr1(int(worker)) and ignores_usr1(int(grandchild)) and not ignores_usr1(proc.pid)
         os.killpg(proc.pid, signal.SIGUSR1)  # slurmstepd signals every process of the step
         path = Path(notice_path(str(tmp_path), "77"))
-        deadline = time.monotonic() + 10
-        while not path.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(path.exists, "the SIGUSR1 notice file")
         record = json.loads(path.read_text())
         assert (record["signal"], record["node_id"]) == ("SIGUSR1", "0")
         assert proc.poll() is None and alive(int(worker)) and alive(int(grandchild))
         os.killpg(proc.pid, signal.SIGTERM)  # scancel
-        assert proc.wait(10) == 128 + signal.SIGTERM
+        assert proc.wait(60) == 128 + signal.SIGTERM
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -255,5 +262,5 @@ async def test_watch_jobs_without_slurm_meshes_waits_until_cancelled() -> None:
         assert not watch.done()
         watch.cancel()
         with pytest.raises(asyncio.CancelledError):
-            await asyncio.wait_for(watch, 1.0)
+            await asyncio.wait_for(watch, 30)
         assert (await launched.actors["probe"].where.call_one())["mesh"] == "cpu"

@@ -54,7 +54,7 @@ def alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def wait_gone(pids: list[int], timeout: float = 10.0) -> list[int]:
+def wait_gone(pids: list[int], timeout: float = 30.0) -> list[int]:
     """The pids of `pids` still running after `timeout` seconds."""
     deadline = time.monotonic() + timeout
     while any(alive(p) for p in pids) and time.monotonic() < deadline:
