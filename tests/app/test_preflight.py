@@ -20,6 +20,9 @@ from composer_mesh.cli import EXIT_INVALID, EXIT_OK, main
 from composer_mesh.topology import load_topology
 
 ROOT = Path(__file__).resolve().parent.parent.parent
+# A bound on a check, not a speed claim: each takes ~1-3 s idle; what proves "before launch" is that Monarch was never
+# imported. Generous for a loaded CI machine (timings live in benchmarks/).
+CHECK_BOUND_S = 120
 
 DATA_RUN = """\
 name: datarun
@@ -121,7 +124,7 @@ def test_data_mistakes_are_one_line_before_launch(case: str, tmp_path: Path, cap
     code, err, seconds = validate(path, capsys)
     line = one_line(err)
     assert code == EXIT_INVALID and all(e in line for e in expected), line
-    assert seconds < 20
+    assert seconds < CHECK_BOUND_S
 
 
 def test_prompts_the_tokenizer_cannot_read_name_the_row_and_the_setting(
@@ -341,5 +344,5 @@ def test_run_stops_before_launch(tmp_path: Path) -> None:
                 "names the environment variable COMPOSER_MESH_TEST_KEY",
                 "cannot resume: trainer replica 0's state"]
     for (code, err, seconds), want in zip(results, expected):
-        assert code == EXIT_INVALID and want in one_line(err) and seconds < 20, err
+        assert code == EXIT_INVALID and want in one_line(err) and seconds < CHECK_BOUND_S, err
     assert monarch_imported is False
