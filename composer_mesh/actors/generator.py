@@ -50,6 +50,7 @@ class GeneratorService:
         self._pull_lock: asyncio.Lock | None = None  # created on the actor's event loop
         self.last_sync_s = 0.0
         self.requests = 0
+        self.forwards = 0  # forward passes of in-flight-update requests (each asks `refresh` first)
 
     def start(self, model: Any, adapter: Any = None) -> None:
         """Start the backend on `model`; with `adapter` (a LoraConfig: the trainer publishes adapters only) the
@@ -82,13 +83,18 @@ class GeneratorService:
             version = self._swap_if_pending()
             self.requests += 1
             if self.in_flight_updates:
-                groups = self.backend.generate(request, version, refresh=self._swap_if_pending)
+                groups = self.backend.generate(request, version, refresh=self._refresh)
             else:
                 groups = self.backend.generate(request, version)
         for g in groups:
             for r in g.rollouts:
                 r.generator = self.name
         return groups
+
+    def _refresh(self) -> int:
+        """Before each forward of an in-flight request: apply a pulled version; the active one."""
+        self.forwards += 1
+        return self._swap_if_pending()
 
     def distributions(self, request: SelfTeacherRequest) -> tuple[int, list[TokenDistribution | None]]:
         """The policy as its own teacher: the active weights' distributions over each continuation (pulled weights
@@ -190,5 +196,6 @@ class GeneratorActor(RoleActor[GeneratorService]):
     async def stats(self) -> dict[str, float]:
         svc = self.service
         backend = getattr(svc.backend, "stats", None)  # a binding's own counters (the hf prefix cache)
-        return {"version": float(svc.version), "requests": float(svc.requests), "last_sync_s": svc.last_sync_s,
+        return {"version": float(svc.version), "requests": float(svc.requests), "forwards": float(svc.forwards),
+                "last_sync_s": svc.last_sync_s,
                 **{k: float(v) for k, v in (backend() if callable(backend) else {}).items()}}

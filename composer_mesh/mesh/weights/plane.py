@@ -456,6 +456,7 @@ class WeightSubscriber:
         self.staged_version: int | None = None  # version sitting in staging
         self.version: int | None = None  # version last applied with apply_to
         self.last: PulledWeights | None = None
+        self.torn_reads = 0  # reads that overlapped a publish, over this subscriber's life (seen while pulling)
 
     @property
     def transport(self) -> str | None:
@@ -598,6 +599,7 @@ class WeightSubscriber:
             if after[slot] == 2 * version:  # seqlock check: untouched since `version` was completed
                 return version, attempt
             # Torn or stale: find the newest stable version and try that one.
+            self.torn_reads += 1
             if not self.config.allow_newer:
                 raise StaleVersionError(
                     f"v{m.version} (slot {m.slot}) was overwritten while reading (header now {after[slot]}); "

@@ -191,6 +191,8 @@ class PlaneGenerator(Actor):
         self.config = WeightPlaneConfig(**config)
         self.model = {n: torch.zeros(s, dtype=getattr(torch, d), device=device) for n, (s, d) in spec.items()}
         self.sub = WeightSubscriber(self.config, expected=self.model, device=device)
+        self.pulling: WeightSubscriber | None = None  # `start_pull`'s subscriber while it pulls
+        self.pull_task: asyncio.Task[dict[str, Any]] | None = None
 
     @endpoint
     async def sync(self, manifest: Any, latest: bool = False) -> dict[str, Any]:
@@ -212,7 +214,11 @@ class PlaneGenerator(Actor):
     @endpoint
     async def pull_with(self, manifest: Any, overrides: dict[str, Any]) -> dict[str, Any]:
         """Pull with a fresh subscriber using config overrides (e.g. allow_newer=False)."""
+        return await self._pull_report(manifest, overrides)
+
+    async def _pull_report(self, manifest: Any, overrides: dict[str, Any]) -> dict[str, Any]:
         sub = WeightSubscriber(self.config.model_copy(update=overrides), expected=self.model, device=self.device)
+        self.pulling = sub
         try:
             pulled = await sub.pull(manifest)
             return {
@@ -226,6 +232,22 @@ class PlaneGenerator(Actor):
             }
         finally:
             sub.close()
+
+    @endpoint
+    async def start_pull(self, manifest: Any) -> None:
+        """`pull_with(manifest, {})` started in the actor's background and answered at once: an actor serves one
+        call at a time, so only then can `torn_reads` be asked while the pull runs; `pulled` awaits its report."""
+        self.pulling = None
+        self.pull_task = asyncio.create_task(self._pull_report(manifest, {}))
+
+    @endpoint
+    async def torn_reads(self) -> int:
+        """Reads of the running `start_pull` that overlapped a publish so far (0 before it reads)."""
+        return self.pulling.torn_reads if self.pulling is not None else 0
+
+    @endpoint
+    async def pulled(self) -> dict[str, Any]:
+        return await self.pull_task
 
     @endpoint
     async def expect_other_spec(self, manifest: Any, spec: Spec) -> str:

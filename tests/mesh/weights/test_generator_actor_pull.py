@@ -91,10 +91,12 @@ async def test_generate_is_not_blocked_by_a_pull_on_the_real_actor(procs: Any, i
         while (await actor.stats.call_one())["requests"] < 1:  # the request has started (version 0 swapped in)
             assert not generating.done() and time.monotonic() < deadline
             await asyncio.sleep(0.005)
-        # `requests` counts a request as it starts, just before its prefill: give the prefill (~0.1 s of the
-        # request's 1-2 s) time to run on version 0 first, or a loaded machine lets the pull overtake it (CI saw
-        # an in-flight request whose every token was version 1)
-        await asyncio.sleep(0.3)
+        # `requests` counts a request as it starts, just before its prefill: with in-flight updates, wait until
+        # its first decode step asks for weights, so the prefill ran on version 0 (a fixed pause let a loaded
+        # machine's pull overtake it: CI saw an in-flight request whose every token was version 1)
+        while in_flight and (await actor.stats.call_one())["forwards"] < 2:
+            assert not generating.done() and time.monotonic() < deadline
+            await asyncio.sleep(0.005)
         manifest = publisher.publish(new)
         synced = await timed("pull", actor.update_weights.call_one(manifest))
         assert synced.version == manifest.version == 1 and synced.num_params == len(new)

@@ -179,11 +179,13 @@ async def test_single_buffer_read_waits_for_the_writer(meshes: tuple[Any, Any], 
     trainer, gens = spawn(meshes, transport=transport, double_buffer=False, max_retries=8)
     m1 = await trainer.publish.call_one()
     assert await trainer.begin_slow_publish.call_one() == 2  # the only slot is half written
-    pull = asyncio.ensure_future(one(gens).pull_with.call_one(m1, {}))
-    await asyncio.sleep(0.3)
-    assert not pull.done()  # a consistent version does not exist yet
-    await trainer.finish_slow_publish.call_one()
-    r = await pull
+    await one(gens).start_pull.call_one(m1)
+    deadline = time.monotonic() + 60  # bounds a hang: the first read is torn within milliseconds when idle
+    while await one(gens).torn_reads.call_one() < 1:  # the pull met the half-written slot (not a fixed sleep)
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.01)
+    await trainer.finish_slow_publish.call_one()  # while the pull retries (its backoff allows ~5 s)
+    r = await one(gens).pulled.call_one()
     assert r["version"] == 2 and r["retries"] >= 1 and r["bad_staged"] == []
 
 
