@@ -270,16 +270,17 @@ async def test_non_retryable_status_is_not_retried(fake: FakeOpenRouter) -> None
 
 async def test_timeout_then_success_and_timeout_exhausted(fake: FakeOpenRouter) -> None:
     sleep = RecordingSleep()
-    c = client(fake, sleep, request_timeout=0.25, max_retries=1)
-    fake.push(Reply(success=True, delay=1.0))
+    # 1 s: a localhost answer on a loaded machine must still beat it (it was 0.25 s); the slow replies take 3 s
+    c = client(fake, sleep, request_timeout=1.0, max_retries=1)
+    fake.push(Reply(success=True, delay=3.0))
     r = await c.complete("q", max_tokens=8)  # first attempt times out, the retry succeeds
     assert r.attempts == 2 and len(sleep.delays) == 1
 
-    fake.push(Reply(success=True, delay=1.0), Reply(success=True, delay=1.0))
+    fake.push(Reply(success=True, delay=3.0), Reply(success=True, delay=3.0))
     with pytest.raises(OpenRouterTimeout) as info:
         await c.complete("q", max_tokens=8)
     msg = str(info.value)
-    assert "timed out after 0.25s" in msg and "gave up after 2 attempts" in msg
+    assert "timed out after 1.0s" in msg and "gave up after 2 attempts" in msg
     assert info.value.__context__ is None  # no httpx exception (holding the request) chained on
     assert_no_key(info.value)
     assert c.usage()["failed_requests"] == 1
@@ -707,7 +708,7 @@ async def test_in_a_teacher_pool(fake: FakeOpenRouter) -> None:
         (lambda: [Reply(500, error_body(500, "internal error")) for _ in range(2)], OpenRouterHTTPError, "HTTP 500"),
         (lambda: [Reply(429, error_body(429, f"key {KEY} is rate limited")) for _ in range(2)], OpenRouterHTTPError,
          "HTTP 429"),
-        (lambda: [Reply(success=True, delay=1.0) for _ in range(2)], OpenRouterTimeout, "timed out after 0.25s"),
+        (lambda: [Reply(success=True, delay=3.0) for _ in range(2)], OpenRouterTimeout, "timed out after 1.0s"),
         (lambda: [Reply(200, raw=b"<html>upstream proxy") for _ in range(2)], OpenRouterResponseError,
          "malformed response body"),
     ],
@@ -718,7 +719,7 @@ async def test_failures_after_retries_are_teacher_unavailable(
 ) -> None:
     """What the client gives up on (after `max_retries`) reaches the pool as `TeacherUnavailable`, from the
     client's error, redacted (the 429 body echoes the key)."""
-    t = teacher(fake, max_retries=1, request_timeout=0.25)
+    t = teacher(fake, max_retries=1, request_timeout=1.0)
     fake.push(*replies())
     with pytest.raises(TeacherUnavailable) as info:
         await t.traces(prompts(1), max_new_tokens=8)
