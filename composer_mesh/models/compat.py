@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import torch
     from transformers import PreTrainedTokenizerBase
 
     from composer_mesh.models.config import ModelConfig
@@ -44,9 +45,9 @@ def context_length(config: ModelConfig) -> int | None:
     return int(value) if value else None
 
 
-def parameter_tensors(config: ModelConfig, vocab_size: int) -> int:
-    """How many parameter tensors the model has (what streaming DiLoCo splits into fragments), counted on a
-    skeleton built on the meta device: no weights are read or allocated."""
+def skeleton(config: ModelConfig, vocab_size: int) -> torch.nn.Module:
+    """The model's modules and parameter shapes, built on the meta device from its config: no weights are read
+    or allocated (what the checks before launch inspect: its tensors, its module names)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -57,8 +58,12 @@ def parameter_tensors(config: ModelConfig, vocab_size: int) -> int:
     else:
         hf_config = _hf_config(config)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config)
-    return sum(1 for _ in model.parameters())
+        return AutoModelForCausalLM.from_config(hf_config)  # type: ignore[no-any-return]
+
+
+def parameter_tensors(config: ModelConfig, vocab_size: int) -> int:
+    """How many parameter tensors the model has (what streaming DiLoCo splits into fragments)."""
+    return sum(1 for _ in skeleton(config, vocab_size).parameters())
 
 
 def model_problems(config: ModelConfig, tokenizer: PreTrainedTokenizerBase, max_new_tokens: int,

@@ -200,7 +200,7 @@ class LoraConfig(BaseModel):
         "all-linear",
         description="Modules that get adapters: 'all-linear' (every linear layer but the LM head) or a list of module "
         "names, each matching a module's full name or its last parts (e.g. q_proj, v_proj). A name matching no "
-        "module of the model, the LM head or the input embeddings is refused when the trainer starts.",
+        "module of the model, the LM head or the input embeddings is refused by validate (before launch).",
     )
     sync: LoraSync = Field(
         "merged",

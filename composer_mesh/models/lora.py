@@ -52,9 +52,10 @@ def peft_config(cfg: LoraConfig) -> Any:
     )
 
 
-def _check_targets(model: torch.nn.Module, cfg: LoraConfig) -> None:
+def check_targets(model: torch.nn.Module, cfg: LoraConfig) -> None:
     """Refuse target names that match no module, or that match the LM head or the input embeddings (peft's
-    matching: a module's full name, or its name ending in `.<target>`)."""
+    matching: a module's full name, or its name ending in `.<target>`). Also run before launch on a meta-device
+    skeleton of the model (`app.preflight.models`)."""
     if cfg.target_modules == "all-linear":  # peft leaves the output head out by itself
         return
     names = [n for n, _ in model.named_modules() if n]
@@ -83,7 +84,7 @@ def apply_lora(model: PreTrainedModel, cfg: LoraConfig, seed: int = 0) -> PreTra
     peft = _peft()
     if lora_layers(model):
         raise ValueError(f"{type(model).__name__} already has LoRA adapters")
-    _check_targets(model, cfg)
+    check_targets(model, cfg)
     cuda = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
     with torch.random.fork_rng(devices=cuda):
         torch.manual_seed(seed)

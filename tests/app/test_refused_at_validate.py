@@ -1,6 +1,7 @@
 """Values that can only fail after launch are refused by `composer-mesh validate` (and by `run` before any mesh
 starts), one line each naming the field: more streaming-DiLoCo fragments than the policy has tensors, a LoRA
-rank above what the generator binding serves, a sandbox interpreter that cannot run here. The largest value that
+rank above what the generator binding serves, LoRA target modules the policy does not have, a sandbox
+interpreter that cannot run here. The largest value that
 works still passes, so each bound is the real one."""
 
 from __future__ import annotations
@@ -79,6 +80,26 @@ def test_a_lora_rank_above_what_vllm_serves_is_refused_on_its_line() -> None:
     assert "generator binding 'vllm' serves adapters of rank 512 at most" in issue.message
     merged = LORA.replace("RANK", "513").replace("sync: adapter", "sync: merged")
     parse_topology(merged, "lora.yaml")  # merged weights: any rank
+
+
+@pytest.mark.parametrize(("targets", "expected"), [
+    ("[q_proj, qproj]", "roles.trainer.settings.lora.target_modules: 'qproj' names no module of Qwen2ForCausalLM"),
+    ("[lm_head]", "'lm_head' matches 'lm_head', the model's LM head"),
+])
+def test_lora_targets_the_policy_does_not_have_are_refused(targets: str, expected: str, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """Matched against a meta-device skeleton of the policy before launch (it was refused only when the trainer
+    built the model); names that exist validate."""
+    text = (ROOT / "topologies" / "local.yaml").read_text()
+    trainer = "settings: {lr: 0.003, lr_decay_steps: 240}"
+    assert trainer in text
+    path = tmp_path / "lora.yaml"
+    path.write_text(text.replace(trainer, f"settings: {{lr: 0.003, lora: {{target_modules: {targets}}}}}"))
+    code, err = validate(path, capsys)
+    assert code == EXIT_INVALID and expected in one_line(err)
+    path.write_text(text.replace(trainer, "settings: {lr: 0.003, lora: {target_modules: [q_proj]}}"))
+    code, err = validate(path, capsys)
+    assert code == EXIT_OK, err
 
 
 def coding_run(tmp_path: Path, sandbox: str) -> Path:

@@ -23,7 +23,7 @@ def check_models(topology: Topology) -> None:
     max_new = topology.run.max_new_tokens
     policy = load_tokenizer(topology.model)
     problems = model_problems(topology.model, policy, max_new, "model (the policy)")
-    problems += fragment_problems(topology, len(policy))
+    problems += fragment_problems(topology, len(policy)) + lora_problems(topology, len(policy))
     for member in topology.teachers.members if topology.teachers is not None else []:
         model = getattr(member.settings, "model", None)
         if not isinstance(model, ModelConfig):  # a remote teacher (OpenRouter): nothing local to read
@@ -56,3 +56,19 @@ def fragment_problems(topology: Topology, vocab_size: int) -> list[str]:
         return []
     return [f"diloco.fragments={fragments} but the policy has only {tensors} parameter tensors to split (model.source "
             f"{topology.model.source!r}); use at most {tensors} fragments"]
+
+
+def lora_problems(topology: Topology, vocab_size: int) -> list[str]:
+    """The trainer's `lora.target_modules` against the policy's modules (a meta-device skeleton): a name that
+    matches no module, or the head or embeddings, is refused here rather than when the trainer starts."""
+    lora = getattr(topology.roles.trainer.settings, "lora", None)
+    if lora is None or lora.target_modules == "all-linear":
+        return []
+    from composer_mesh.models.compat import skeleton
+    from composer_mesh.models.lora import check_targets
+
+    try:
+        check_targets(skeleton(topology.model, vocab_size), lora)
+    except ValueError as e:
+        return [f"roles.trainer.settings.{e}"]
+    return []
