@@ -32,13 +32,19 @@ def one_line(err: str) -> str:
     return lines[0]
 
 
+def edited(tmp_path: Path, name: str, old: str, new: str) -> Path:
+    """A copy of topologies/`name` in `tmp_path` with `old` (which must be there) replaced by `new`."""
+    text = (ROOT / "topologies" / name).read_text()
+    assert old in text, f"{name} no longer has {old!r}"
+    path = tmp_path / name
+    path.write_text(text.replace(old, new))
+    return path
+
+
 def diloco_run(tmp_path: Path, fragments: int) -> Path:
     """topologies/local_diloco.yaml with `fragments` fragments (sync_every a multiple of them)."""
-    text = (ROOT / "topologies" / "local_diloco.yaml").read_text()
-    text = text.replace("  sync_every: 20\n", f"  sync_every: {2 * fragments}\n  fragments: {fragments}\n")
-    path = tmp_path / "diloco.yaml"
-    path.write_text(text)
-    return path
+    return edited(tmp_path, "local_diloco.yaml", "  sync_every: 20\n",
+                  f"  sync_every: {2 * fragments}\n  fragments: {fragments}\n")
 
 
 def test_more_fragments_than_the_policy_has_tensors_is_refused(tmp_path: Path,
@@ -90,24 +96,18 @@ def test_lora_targets_the_policy_does_not_have_are_refused(targets: str, expecte
                                                            capsys: pytest.CaptureFixture[str]) -> None:
     """Matched against a meta-device skeleton of the policy before launch (it was refused only when the trainer
     built the model); names that exist validate."""
-    text = (ROOT / "topologies" / "local.yaml").read_text()
     trainer = "settings: {lr: 0.003, lr_decay_steps: 240}"
-    assert trainer in text
-    path = tmp_path / "lora.yaml"
-    path.write_text(text.replace(trainer, f"settings: {{lr: 0.003, lora: {{target_modules: {targets}}}}}"))
+    path = edited(tmp_path, "local.yaml", trainer, f"settings: {{lr: 0.003, lora: {{target_modules: {targets}}}}}")
     code, err = validate(path, capsys)
     assert code == EXIT_INVALID and expected in one_line(err)
-    path.write_text(text.replace(trainer, "settings: {lr: 0.003, lora: {target_modules: [q_proj]}}"))
+    path = edited(tmp_path, "local.yaml", trainer, "settings: {lr: 0.003, lora: {target_modules: [q_proj]}}")
     code, err = validate(path, capsys)
     assert code == EXIT_OK, err
 
 
 def coding_run(tmp_path: Path, sandbox: str) -> Path:
-    text = (ROOT / "topologies" / "coding.yaml").read_text()
-    text = text.replace("    sandbox: {mode: bwrap, wall_s: 10, cpu_s: 5, concurrency: 2}\n", f"    sandbox: {sandbox}\n")
-    path = tmp_path / "coding.yaml"
-    path.write_text(text)
-    return path
+    return edited(tmp_path, "coding.yaml", "sandbox: {mode: bwrap, wall_s: 10, cpu_s: 5, concurrency: 2}",
+                  f"sandbox: {sandbox}")
 
 
 @pytest.mark.parametrize(("sandbox", "expected"), [
