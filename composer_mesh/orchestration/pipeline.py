@@ -32,6 +32,7 @@ from composer_mesh.orchestration.ports import Generators, RestartsExhausted, Tra
 from composer_mesh.orchestration.schedule import GroupResult, StepPlan, StepScheduler
 
 SALVAGE_TIMEOUT_S = 300.0  # how long a refused step's run waits for the earlier checkpoints' writes
+OTHER_REPLICAS_S = 60.0  # ... and for the other replicas' answers to that step (a DiLoCo round may wait on it)
 
 log = logging.getLogger(__name__)
 
@@ -215,9 +216,13 @@ class TrainPipeline:
         take the state writes its other replicas report, and commit the checkpoints before it."""
         for step in sorted(s for s in steps if s < refused.step):
             hooks.record(await steps.pop(step))
-        for output in await asyncio.gather(*refused.calls, return_exceptions=True):
-            if not isinstance(output, BaseException):
-                hooks.wrote(output[0].states_written)
+        answered, training = await asyncio.wait(refused.calls, timeout=OTHER_REPLICAS_S)
+        if training:  # a replica still in the step (e.g. a DiLoCo round waiting for the refusing one)
+            raise TimeoutError(f"{len(training)} trainer replica(s) still in step {refused.step} after "
+                               f"{OTHER_REPLICAS_S:g} s: their state writes are unknown")
+        for call in answered:
+            if call.exception() is None:
+                hooks.wrote(call.result()[0].states_written)
         await hooks.salvage(refused.step)
 
     def _send(self, step: int, results: list[GroupResult], plan: StepPlan, writer: MetricsWriter,

@@ -129,8 +129,9 @@ class FakeTrainers:
         if step == self.refuse and replica == 0:
             raise UserInputError(f"trainer step {step}: non-finite loss (nan)")
         version = self.first + step + (1 if self.wrong_version else 0)
-        return (TrainMetrics(step, version, loss=0.0, metrics={"reward_mean": float(replica)}),
-                SimpleNamespace(version=version))
+        metrics = TrainMetrics(step, version, loss=0.0, metrics={"reward_mean": float(replica)})
+        metrics.states_written = [f"r{replica}/before-step-{step}"]  # what a trainer reports with its answer
+        return metrics, SimpleNamespace(version=version)
 
     def save_state(self, step: int, urls: list[str]) -> list[Any]:
         self.log.append(("save", step))

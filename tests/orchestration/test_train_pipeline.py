@@ -52,6 +52,7 @@ class Run:
         self.checkpoints: list[tuple[int, int]] = []  # (step, train calls sent by then)
         self.synced: list[int] = []
         self.salvaged: list[tuple[int, list[int]]] = []  # (refused step, steps recorded by then)
+        self.wrote: list[str] = []  # state writes the trainers' answers reported
 
     async def _feed(self) -> None:
         while True:
@@ -81,7 +82,7 @@ class Run:
         async def salvage(step: int) -> None:
             self.salvaged.append((step, list(self.recorded)))
 
-        hooks = PipelineHooks(record=self._record, wrote=lambda urls: None, finish=finish,
+        hooks = PipelineHooks(record=self._record, wrote=self.wrote.extend, finish=finish,
                               checkpoint=lambda s: self.checkpoints.append((s, len(self.trainers.log))),
                               synced=self._synced, salvage=salvage)
         self.background.open()
@@ -167,3 +168,5 @@ async def test_a_refused_step_records_the_steps_before_it_then_salvages_their_ch
         await asyncio.wait_for(run.train(), 10)
     assert info.value.step == 4 and isinstance(user_error_of(info.value)[0], UserInputError)  # type: ignore[index]
     assert run.recorded == [1, 2, 3] and run.salvaged == [(4, [1, 2, 3])]
+    # the other replica answered step 4: the writes it reported reach the commits too
+    assert ("r1/before-step-4" in run.wrote) == (replicas == 2) and "r0/before-step-4" not in run.wrote

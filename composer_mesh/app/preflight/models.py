@@ -42,7 +42,6 @@ def check_models(topology: Topology) -> None:
         raise ModelPreflightError("the topology's models cannot work together:\n  " + "\n  ".join(problems))
 
 
-
 def fragment_problems(topology: Topology, vocab_size: int) -> list[str]:
     """Streaming DiLoCo splits the policy's parameter tensors into `diloco.fragments` groups: it needs at least
     as many tensors as fragments (else every trainer replica would refuse it after launch)."""
