@@ -29,8 +29,13 @@ def one_proc(name: str, faults: list[Any]) -> Iterator[Any]:
 
 
 def generators_config(name: str, generators: str, weights: str = "{transport: auto}") -> Any:
-    """The generators' role config of a topology on the tiny addition model with `generators` (a YAML flow
-    mapping: mesh, binding, settings) and `weights`; the other roles are the cheapest real ones."""
+    """The generators' role config of `small_topology(name, generators, weights)`."""
+    return small_topology(name, generators, weights).role_configs()["generators"]
+
+
+def small_topology(name: str, generators: str, weights: str = "{transport: auto}") -> Any:
+    """A topology on the tiny addition model with `generators` (a YAML flow mapping: mesh, binding, settings) and
+    `weights`; the other roles are the cheapest real ones."""
     from composer_mesh.topology import parse_topology
 
     text = textwrap.dedent(
@@ -52,4 +57,4 @@ def generators_config(name: str, generators: str, weights: str = "{transport: au
         weights: {weights}
         """
     )
-    return parse_topology(text, source="<test>").role_configs()["generators"]
+    return parse_topology(text, source="<test>")

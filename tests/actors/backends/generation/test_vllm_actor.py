@@ -7,11 +7,11 @@ the new weights. One engine (in the actor's proc) for the module.
 
 from __future__ import annotations
 
-import textwrap
 from typing import Any
 
 import pytest
 import torch
+from generator_procs import small_topology
 from services import require_module
 
 from composer_mesh.mesh import runtime  # noqa: F401  (Monarch env defaults before monarch is imported)
@@ -23,31 +23,8 @@ FAULTS: list[Any] = []
 
 
 def _topology(cache: str) -> Any:
-    from composer_mesh.topology import parse_topology
-
-    text = textwrap.dedent(
-        f"""
-        name: vllm-actor-test
-        model: {{source: tiny, task: addition, seed: 4}}
-        meshes:
-          trainer: {{backend: local}}
-          generators: {{backend: local}}
-          rewarder: {{backend: local}}
-        roles:
-          trainer: {{mesh: trainer, binding: hf}}
-          generators:
-            mesh: generators
-            binding: vllm
-            settings: {{max_model_len: 64, cache_dir: "{cache}"}}
-          rewarder:
-            mesh: rewarder
-            binding: python
-            settings: {{functions: [{{path: "composer_mesh.tasks.arithmetic:exact_match"}}]}}
-        loss: {{alpha_sdpo: 0.0, beta_replay: 0.0}}
-        weights: {{transport: rdma, read_timeout_s: 120}}
-        """
-    )
-    return parse_topology(text, source="<test>")
+    generators = f'{{mesh: generators, binding: vllm, settings: {{max_model_len: 64, cache_dir: "{cache}"}}}}'
+    return small_topology("vllm-actor-test", generators, weights="{transport: rdma, read_timeout_s: 120}")
 
 
 @pytest.fixture(scope="module")
